@@ -1,0 +1,100 @@
+"""Encoding and validating wstream messages.
+
+Decoding happens in two passes over the (small) header frame: first a loose *envelope*
+(``v``, ``op``, ``id``) so that every error can name the op and echo the request id, then the
+op's own strict schema. Data frames are never decoded here: they are raw tensor bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from .errors import ProtocolError, UnknownOpError, VersionMismatchError
+from .messages import (
+    MAX_HEADER_BYTES,
+    PROTOCOL_VERSION,
+    REPLY_TYPES,
+    REQUEST_TYPES,
+    Message,
+)
+
+M = TypeVar("M", bound=Message)
+
+
+class Envelope(msgspec.Struct, frozen=True):
+    """The fields every header has; other fields are ignored at this stage."""
+
+    op: str
+    v: int = -1
+    id: int = 0
+
+
+_encoder = msgspec.msgpack.Encoder()
+_envelope = msgspec.msgpack.Decoder(Envelope)
+_decoders: dict[str, msgspec.msgpack.Decoder[Any]] = {
+    op: msgspec.msgpack.Decoder(cls) for op, cls in {**REQUEST_TYPES, **REPLY_TYPES}.items()
+}
+
+
+def encode(message: Message) -> bytes:
+    """The header frame of ``message``."""
+    return _encoder.encode(message)
+
+
+def peek_id(header: bytes) -> int:
+    """The request id of a header, or 0 where it cannot be read (used for error replies)."""
+    try:
+        return max(0, int(_envelope.decode(header).id))
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError):
+        return 0
+
+
+def _decode(header: bytes | memoryview, table: dict[str, type[Message]], side: str) -> Message:
+    if len(header) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"header frame of {len(header)} bytes exceeds the limit of {MAX_HEADER_BYTES}")
+    try:
+        env = _envelope.decode(header)
+    except msgspec.DecodeError as exc:
+        raise ProtocolError(f"header is not a msgpack map with 'op', 'v' and 'id': {exc}") from None
+    if env.op not in table:
+        known = ", ".join(sorted(table))
+        raise UnknownOpError(f"unknown {side} op {env.op!r}; known ops: {known}")
+    if env.v != PROTOCOL_VERSION:
+        raise VersionMismatchError(
+            f"protocol version {env.v} is not supported: this end speaks version {PROTOCOL_VERSION}; "
+            "upgrade the older side"
+        )
+    try:
+        msg = _decoders[env.op].decode(header)
+    except (msgspec.DecodeError, ValueError) as exc:
+        raise ProtocolError(f"bad {env.op!r} message: {exc}") from None
+    assert isinstance(msg, Message)
+    return msg
+
+
+def decode_request(header: bytes | memoryview) -> Message:
+    """Decode and validate a client->server header; raises a :class:`ProtocolError` subclass."""
+    return _decode(header, REQUEST_TYPES, "request")
+
+
+def decode_reply(header: bytes | memoryview) -> Message:
+    """Decode and validate a server->client header; raises a :class:`ProtocolError` subclass."""
+    return _decode(header, REPLY_TYPES, "reply")
+
+
+def check_frames(message: Message, frames: Sequence[object]) -> None:
+    """Raise unless the number of data frames is what ``message``'s op allows."""
+    low, high = message.frames
+    if not low <= len(frames) <= high:
+        want = str(low) if low == high else f"{low} to {high}"
+        raise ProtocolError(f"{type(message).__name__} takes {want} data frame(s), got {len(frames)}")
+
+
+def expect(message: Message, cls: type[M]) -> M:
+    """Narrow a decoded reply to ``cls`` or raise a ProtocolError naming both."""
+    if not isinstance(message, cls):
+        raise ProtocolError(f"expected a {cls.__name__} reply, got {type(message).__name__}")
+    return message

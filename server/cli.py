@@ -1,0 +1,71 @@
+"""``wstream-server``: run a parameter server in the foreground, logging to stderr."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from wstream.protocol import format_bytes, parse_size
+
+from .config import ServerConfig, default_memory_limit
+from .service import Server
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="wstream-server",
+        description="Hold training jobs' weights and optimizer state in host memory and stream them to workers.",
+    )
+    p.add_argument(
+        "--bind",
+        action="append",
+        metavar="ADDR",
+        help="ZeroMQ endpoint to listen on, e.g. tcp://127.0.0.1:5555 or ipc:///tmp/wstream.sock "
+        "(repeat for several; default tcp://127.0.0.1:5555)",
+    )
+    p.add_argument(
+        "--memory-limit",
+        type=parse_size,
+        default=None,
+        metavar="SIZE",
+        help=f"bytes all jobs may hold, e.g. 64GiB (default 80%% of RAM: {format_bytes(default_memory_limit())})",
+    )
+    p.add_argument("--store", metavar="DIR", help="directory for snapshots and exports")
+    p.add_argument("--lease", type=float, default=30.0, metavar="SECONDS", help="detach workers silent this long")
+    p.add_argument("--optimizer-workers", type=int, default=1, metavar="N", help="threads running stage updates")
+    p.add_argument("--torch-threads", type=int, default=None, metavar="N", help="torch intra-op threads")
+    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    kwargs: dict[str, object] = {
+        "lease_s": args.lease,
+        "optimizer_workers": args.optimizer_workers,
+        "torch_threads": args.torch_threads,
+        "store": args.store,
+    }
+    if args.bind:
+        kwargs["bind"] = args.bind
+    if args.memory_limit is not None:
+        kwargs["memory_limit"] = args.memory_limit
+    return ServerConfig(**kwargs)  # type: ignore[arg-type]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    try:
+        server = Server(config_from_args(args))
+    except (ValueError, OSError) as exc:
+        print(f"wstream-server: {exc}", file=sys.stderr)
+        return 2
+    server.run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Server configuration: one dataclass, validated on construction; the CLI maps onto it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import psutil
+
+
+def default_memory_limit() -> int:
+    """80% of physical memory: room for the OS and the workers on the same host."""
+    return int(psutil.virtual_memory().total * 0.8)
+
+
+@dataclass(kw_only=True, slots=True)
+class ServerConfig:
+    bind: list[str] = field(default_factory=lambda: ["tcp://127.0.0.1:5555"])
+    """ZeroMQ endpoints to listen on (``tcp://host:port``, ``ipc:///path``); at least one."""
+
+    memory_limit: int = field(default_factory=default_memory_limit)
+    """Bytes all jobs together may hold (weights, optimizer state, gradient rings)."""
+
+    store: str | None = None
+    """Directory for snapshots and exports; created if missing. None: nothing is written to disk."""
+
+    lease_s: float = 30.0
+    """A worker silent for longer than this is detached and its unfinished step discarded."""
+
+    optimizer_workers: int = 1
+    """Threads that run stage updates. Each update already uses all torch intra-op threads, and the
+    update is memory-bound, so one is right unless many jobs update at once."""
+
+    torch_threads: int | None = None
+    """torch intra-op threads for updates; None keeps torch's default (the number of cores)."""
+
+    max_sessions_per_job: int = 1024
+    """Non-worker sessions beyond this are evicted oldest first (bounds memory per job)."""
+
+    def __post_init__(self) -> None:
+        if not self.bind:
+            raise ValueError("ServerConfig.bind: give at least one endpoint to listen on")
+        for addr in self.bind:
+            if "://" not in addr:
+                raise ValueError(f"ServerConfig.bind: {addr!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555")
+        if self.memory_limit <= 0:
+            raise ValueError(f"ServerConfig.memory_limit must be > 0 bytes, got {self.memory_limit}")
+        if not self.lease_s > 0:
+            raise ValueError(f"ServerConfig.lease_s must be > 0 seconds, got {self.lease_s}")
+        if self.optimizer_workers < 1:
+            raise ValueError(f"ServerConfig.optimizer_workers must be >= 1, got {self.optimizer_workers}")
+        if self.torch_threads is not None and self.torch_threads < 1:
+            raise ValueError(f"ServerConfig.torch_threads must be >= 1, got {self.torch_threads}")
+        if self.store is not None:
+            os.makedirs(self.store, exist_ok=True)

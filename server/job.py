@@ -1,0 +1,481 @@
+"""One job's state on the server: stages, versions, workers, pending gradients.
+
+Nothing here touches a socket. Each handler returns the replies to send (:class:`Outgoing`) and
+queues stage updates through the ``submit`` callback; :mod:`wstream.server.service` does the I/O.
+
+# NOTE [Versions and who may read what]
+# 1. ``stage.version`` counts the updates applied to a stage: version t holds the weights that
+#    step t reads. A step's update of stage i runs once every *expected* worker (live, with
+#    ``first_step <= t``) has pushed its gradient for (i, t).
+# 2. A worker pushes (i, t) only after its last use of w_i(t) (it copies weights into its own
+#    buffer at fetch time), so once the update of (i, t) starts nobody still reads w_i(t).
+#    That is why, with fp32 compute, the master can be updated in place in the published slot.
+# 3. ``fetch(i, t+1)`` arriving before the update of (i, t) completes is deferred, and answered
+#    when the version flips. ``pull(i)`` is deferred while stage i updates (no torn reads).
+# 4. Gradient slot s of a worker is busy from its push until the reply ``pushed`` (sent after the
+#    update consumed it); a push into a busy slot is an error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import zmq
+
+from wstream.protocol import (
+    AuthError,
+    GradientError,
+    LayoutError,
+    NotReadyError,
+    StaleStepError,
+    StateError,
+)
+from wstream.protocol import messages as m
+from wstream.protocol.layout import validate_stage
+from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
+
+from .memory import MemoryAccount
+from .optimizer import StageOptimizer, state_bytes_per_element
+
+log = logging.getLogger(__name__)
+
+SLOT_ALIGN_BYTES = 64
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _align(n: int) -> int:
+    return (n + SLOT_ALIGN_BYTES - 1) // SLOT_ALIGN_BYTES * SLOT_ALIGN_BYTES
+
+
+def token_digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+@dataclass(slots=True)
+class Outgoing:
+    """A reply to send: ``identity`` is the ROUTER routing id of the requesting socket."""
+
+    identity: bytes
+    message: m.Message
+    frames: list[object] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Deferred:
+    identity: bytes
+    request_id: int
+    step: int = 0
+    shm: bool = True
+
+
+@dataclass(slots=True)
+class PendingPush:
+    slot: int
+    identity: bytes
+    request_id: int
+
+
+@dataclass(slots=True)
+class Worker:
+    id: int
+    session: bytes
+    shm: bool
+    first_step: int
+    grad_path: str
+    grad_buffer: torch.Tensor  # uint8 mapping of the whole ring
+    slots: list[torch.Tensor]  # fp32 views, one per slot, max_stage_numel each
+    slot_bytes: int
+    reserved: int
+    busy: set[int] = field(default_factory=set)
+    last_seen: float = field(default_factory=time.monotonic)
+
+
+@dataclass(slots=True)
+class StageState:
+    index: int
+    spec: m.StageSpec
+    master: torch.Tensor
+    slots: tuple[torch.Tensor, torch.Tensor]  # published copies; both are ``master`` when single
+    slot_offsets: tuple[int, int]
+    optimizer: StageOptimizer
+    version: int = 0
+    updating: bool = False
+    pending: dict[int, PendingPush] = field(default_factory=dict)
+    waiting_fetch: list[Deferred] = field(default_factory=list)
+    waiting_pull: list[Deferred] = field(default_factory=list)
+
+    @property
+    def single_slot(self) -> bool:
+        return self.slots[0] is self.slots[1]
+
+    def slot_for(self, version: int) -> int:
+        return version % 2
+
+
+@dataclass(slots=True)
+class UpdateTask:
+    """Work for the optimizer pool; ``run`` executes off the loop thread."""
+
+    job: Job
+    stage: StageState
+    grads: list[torch.Tensor]
+    seconds: float = 0.0
+
+    def run(self) -> UpdateTask:
+        t0 = time.perf_counter()
+        st = self.stage
+        st.optimizer.step(self.grads)
+        target = st.slots[st.slot_for(st.version + 1)]
+        if target is not st.master:
+            target.copy_(st.master)
+        self.seconds = time.perf_counter() - t0
+        return self
+
+
+def stage_bytes(numel: int, optimizer: m.OptimizerSpec, dtype: str, double_buffer: bool) -> tuple[int, int]:
+    """(published bytes in shared memory, private bytes) one stage holds (see DESIGN.md)."""
+    private = numel * state_bytes_per_element(optimizer)
+    if double_buffer:
+        return 2 * _align(numel * m.DTYPE_ITEMSIZE[dtype]), private + numel * 4
+    return _align(numel * 4), private
+
+
+ARENA_STEP = 64 * 2**20
+"""The published segment grows by max(a quarter of its size, 64 MiB): few remaps, little slack."""
+
+
+class Job:
+    """A job: its stages in shared memory, its optimizer, its workers and sessions."""
+
+    def __init__(self, msg: m.CreateJob, memory: MemoryAccount) -> None:
+        self.name = msg.name
+        self._token = token_digest(msg.token)
+        self.optimizer_spec = msg.optimizer
+        self.dtype = msg.dtype
+        self.double_buffer = msg.double_buffer or msg.dtype != "float32"
+        self.published_dtype = msg.dtype if self.double_buffer else "float32"
+        self.memory = memory
+        if msg.total_numel is not None:
+            pub, priv = stage_bytes(msg.total_numel, msg.optimizer, msg.dtype, self.double_buffer)
+            memory.check(pub + priv, f"job {msg.name!r}")
+        self.reserved = 0
+        self.stages: list[StageState] = []
+        self.workers: dict[int, Worker] = {}
+        self._next_worker = 0
+        self.updates = 0
+        self.optimizer_seconds = 0.0
+        self.sealed = False
+        self.max_stage_numel = 0
+        self.published_path = create_segment(ARENA_STEP)
+        self.published_bytes = 0  # bytes in use
+        self._capacity = ARENA_STEP
+        self._mapping = map_segment(self.published_path, self._capacity)
+
+    # ---- creation --------------------------------------------------------------------------------
+    def add_stage(self, msg: m.AddStage, frame: zmq.Frame) -> None:
+        if self.sealed:
+            raise StateError(f"job {self.name!r} is sealed: stages cannot be added any more")
+        if msg.index != len(self.stages):
+            raise LayoutError(f"job {self.name!r} expects stage {len(self.stages)} next, got stage {msg.index}")
+        validate_stage(msg.index, msg.spec)
+        numel = msg.spec.numel
+        expected = numel * 4
+        if len(frame.buffer) != expected:
+            raise LayoutError(
+                f"stage {msg.index}: got {len(frame.buffer)} bytes of weights, the layout needs "
+                f"{expected} ({numel} float32 elements)"
+            )
+        pub, priv = stage_bytes(numel, self.optimizer_spec, self.dtype, self.double_buffer)
+        self.memory.check(pub + priv, f"job {self.name!r} stage {msg.index}")
+        offset = self.published_bytes
+        if offset + pub > self._capacity:
+            capacity = max(offset + pub, self._capacity + max(self._capacity // 4, ARENA_STEP))
+            grow_segment(self.published_path, capacity)
+            self._capacity = capacity
+            self._mapping = map_segment(self.published_path, capacity)  # older views keep older maps
+        self.memory.reserve(pub + priv, f"job {self.name!r} stage {msg.index}")
+        self.reserved += pub + priv
+        self.published_bytes = offset + pub
+        pub_dtype = DTYPES[self.published_dtype]
+        slot_nbytes = pub // 2 if self.double_buffer else pub
+        views = [
+            self._mapping[o : o + numel * pub_dtype.itemsize].view(pub_dtype)
+            for o in ((offset, offset + slot_nbytes) if self.double_buffer else (offset,))
+        ]
+        weights = _tensor_from_frame(frame, torch.float32)
+        if self.double_buffer:
+            master = weights.clone()
+            slots, offsets = (views[0], views[1]), (offset, offset + slot_nbytes)
+            views[0].copy_(master)
+        else:
+            master = views[0]
+            master.copy_(weights)
+            slots, offsets = (master, master), (offset, offset)
+        st = StageState(msg.index, msg.spec, master, slots, offsets, StageOptimizer(self.optimizer_spec, master))
+        self.stages.append(st)
+        self.max_stage_numel = max(self.max_stage_numel, numel)
+
+    def seal(self) -> None:
+        if self.sealed:
+            raise StateError(f"job {self.name!r} is already sealed")
+        if not self.stages:
+            raise LayoutError(f"job {self.name!r} has no stages: add at least one before sealing")
+        truncate_segment(self.published_path, self.published_bytes)
+        self.sealed = True
+
+    def close(self) -> None:
+        """Free everything: unlink segments and release the memory reserved."""
+        for w in list(self.workers.values()):
+            self._free_worker(w)
+        self.workers.clear()
+        unlink_segment(self.published_path)
+        self.memory.release(self.reserved)
+        self.reserved = 0
+
+    # ---- queries -----------------------------------------------------------------------------------
+    def check_token(self, token: str) -> None:
+        if not hmac.compare_digest(self._token, token_digest(token)):
+            raise AuthError(f"wrong token for job {self.name!r}")
+
+    @property
+    def ready(self) -> bool:
+        return self.sealed
+
+    @property
+    def step(self) -> int:
+        """Steps completed by every stage."""
+        return min((s.version for s in self.stages), default=0)
+
+    def stage(self, index: int) -> StageState:
+        if index >= len(self.stages):
+            raise LayoutError(f"job {self.name!r} has {len(self.stages)} stages; there is no stage {index}")
+        return self.stages[index]
+
+    def worker_of(self, session: bytes) -> Worker:
+        for w in self.workers.values():
+            if w.session == session:
+                return w
+        raise StateError("this session has not joined the job as a worker: send 'join' first")
+
+    def attached_reply(self, session: bytes, lease_s: float, request_id: int) -> m.Attached:
+        return m.Attached(
+            id=request_id,
+            session=session,
+            job=self.name,
+            stages=[s.spec for s in self.stages],
+            optimizer=self.optimizer_spec,
+            dtype=self.dtype,
+            step=max((s.version for s in self.stages), default=0),
+            ready=self.ready,
+            published_path=self.published_path,
+            published_bytes=self.published_bytes,
+            slot_offsets=[s.slot_offsets for s in self.stages],
+            published_dtype=self.published_dtype,
+            lease_s=lease_s,
+        )
+
+    def info(self) -> m.JobInfo:
+        now = time.monotonic()
+        return m.JobInfo(
+            name=self.name,
+            stages=len(self.stages),
+            params=sum(sum(int(torch.Size(p.shape).numel()) for p in s.spec.params) for s in self.stages),
+            step=self.step,
+            ready=self.ready,
+            optimizer=type(self.optimizer_spec).__name__,
+            dtype=self.dtype,
+            bytes=self.reserved + sum(w.reserved for w in self.workers.values()),
+            workers=[
+                m.WorkerInfo(id=w.id, shm=w.shm, first_step=w.first_step, idle_s=now - w.last_seen)
+                for w in self.workers.values()
+            ],
+            updates=self.updates,
+            optimizer_s=self.optimizer_seconds,
+        )
+
+    # ---- workers -----------------------------------------------------------------------------------
+    def join(self, session: bytes, msg: m.Join) -> Worker:
+        if not self.ready:
+            raise NotReadyError(f"job {self.name!r} is still uploading its weights")
+        if any(w.session == session for w in self.workers.values()):
+            raise StateError("this session already joined the job as a worker")
+        slot_bytes = _align(self.max_stage_numel * 4)
+        nbytes = slot_bytes * msg.grad_slots
+        self.memory.reserve(nbytes, f"gradient ring of a worker of job {self.name!r}")
+        try:
+            path = create_segment(nbytes)
+        except BaseException:
+            self.memory.release(nbytes)
+            raise
+        buf = map_segment(path, nbytes)
+        slots = [
+            buf[k * slot_bytes : k * slot_bytes + self.max_stage_numel * 4].view(torch.float32)
+            for k in range(msg.grad_slots)
+        ]
+        wid = self._next_worker
+        self._next_worker += 1
+        w = Worker(
+            id=wid,
+            session=session,
+            shm=msg.shm,
+            first_step=max(s.version for s in self.stages),
+            grad_path=path,
+            grad_buffer=buf,
+            slots=slots,
+            slot_bytes=slot_bytes,
+            reserved=nbytes,
+        )
+        self.workers[wid] = w
+        log.info("job %r: worker %d joined at step %d (shm=%s)", self.name, wid, w.first_step, w.shm)
+        return w
+
+    def _free_worker(self, w: Worker) -> None:
+        unlink_segment(w.grad_path)
+        self.memory.release(w.reserved)
+        w.reserved = 0
+
+    def remove_worker(self, worker_id: int, submit: Callable[[UpdateTask], None], reason: str) -> None:
+        """Detach a worker: drop its unfinished pushes and start updates it was holding back."""
+        w = self.workers.pop(worker_id, None)
+        if w is None:
+            return []
+        log.info("job %r: worker %d detached (%s)", self.name, worker_id, reason)
+        for st in self.stages:
+            if not st.updating:
+                st.pending.pop(worker_id, None)  # its gradient of an unfinished step is discarded
+            self._maybe_update(st, submit)
+        self._free_worker(w)
+
+    def _expected(self, step: int) -> set[int]:
+        return {w.id for w in self.workers.values() if w.first_step <= step}
+
+    # ---- fetch / push / pull -------------------------------------------------------------------
+    def fetch(self, msg: m.Fetch, identity: bytes, worker: Worker) -> Outgoing | None:
+        if not self.ready:
+            raise NotReadyError(f"job {self.name!r} is still uploading its weights")
+        st = self.stage(msg.stage)
+        t = msg.step
+        if t == st.version and not st.updating:
+            return self._weights_reply(st, identity, msg.id, worker.shm)
+        if t == st.version + 1 or (t == st.version and st.updating and not st.single_slot):
+            st.waiting_fetch.append(Deferred(identity, msg.id, t, worker.shm))
+            return None
+        if t > st.version + 1:
+            raise StaleStepError(
+                f"stage {msg.stage} is at step {st.version}; step {t} is more than one step ahead"
+            )
+        raise StaleStepError(
+            f"stage {msg.stage} weights of step {t} were replaced (the stage is at step "
+            f"{st.version}{', updating' if st.updating else ''})"
+        )
+
+    def _weights_reply(self, st: StageState, identity: bytes, request_id: int, shm: bool) -> Outgoing:
+        k = st.slot_for(st.version)
+        reply = m.Weights(id=request_id, stage=st.index, step=st.version, offset=st.slot_offsets[k])
+        frames: list[object] = [] if shm else [st.slots[k].numpy()]
+        return Outgoing(identity, reply, frames)
+
+    def push(
+        self, msg: m.Push, frames: list[zmq.Frame], identity: bytes, worker: Worker, submit: Callable[[UpdateTask], None]
+    ) -> None:
+        st = self.stage(msg.stage)
+        where = f"gradient of stage {msg.stage} step {msg.step}"
+        if msg.step < worker.first_step:
+            raise StaleStepError(f"{where}: this worker joined at step {worker.first_step}")
+        if msg.step != st.version or st.updating:
+            raise StaleStepError(
+                f"{where}: the stage is at step {st.version}{' and updating' if st.updating else ''}; "
+                f"only gradients for step {st.version} are accepted"
+            )
+        if worker.id in st.pending:
+            raise GradientError(f"{where}: this worker already pushed it")
+        if msg.slot >= len(worker.slots):
+            raise GradientError(f"{where}: slot {msg.slot} does not exist (the ring has {len(worker.slots)})")
+        if msg.slot in worker.busy:
+            raise GradientError(f"{where}: slot {msg.slot} is still in use by an earlier push")
+        if msg.numel != st.spec.numel:
+            raise GradientError(f"{where}: {msg.numel} elements, the stage has {st.spec.numel}")
+        if msg.dtype != "float32":
+            raise GradientError(f"{where}: dtype {msg.dtype}; this server takes float32 gradients")
+        if worker.shm and frames:
+            raise GradientError(f"{where}: a shared-memory worker sends no data frame (the slot holds it)")
+        if not worker.shm:
+            if len(frames) != 1 or len(frames[0].buffer) != st.spec.numel * 4:
+                got = len(frames[0].buffer) if frames else 0
+                raise GradientError(f"{where}: data frame of {got} bytes, expected {st.spec.numel * 4}")
+            worker.slots[msg.slot][: st.spec.numel].copy_(_tensor_from_frame(frames[0], torch.float32))
+        worker.busy.add(msg.slot)
+        st.pending[worker.id] = PendingPush(msg.slot, identity, msg.id)
+        self._maybe_update(st, submit)
+
+    def _maybe_update(self, st: StageState, submit: Callable[[UpdateTask], None]) -> None:
+        if st.updating or not st.pending:
+            return
+        expected = self._expected(st.version)
+        if not expected.issubset(st.pending):
+            return
+        grads = [self.workers[wid].slots[p.slot][: st.spec.numel] for wid, p in sorted(st.pending.items())]
+        st.updating = True
+        submit(UpdateTask(self, st, grads))
+
+    def finish_update(self, task: UpdateTask, error: BaseException | None) -> list[Outgoing]:
+        """Called on the loop thread when an update completes: flip, free slots, answer waiters."""
+        st = task.stage
+        st.updating = False
+        out: list[Outgoing] = []
+        pending = st.pending
+        st.pending = {}
+        for wid, p in pending.items():
+            w = self.workers.get(wid)
+            if w is not None:
+                w.busy.discard(p.slot)
+            if error is None:
+                out.append(Outgoing(p.identity, m.Pushed(id=p.request_id, stage=st.index, step=st.version, slot=p.slot)))
+            else:
+                out.append(
+                    Outgoing(p.identity, m.Error(id=p.request_id, code="internal", message=f"update failed: {error}"))
+                )
+        if error is None:
+            st.version += 1
+            self.updates += 1
+            self.optimizer_seconds += task.seconds
+        waiting = st.waiting_fetch
+        st.waiting_fetch = []
+        for d in waiting:
+            if d.step == st.version:
+                out.append(self._weights_reply(st, d.identity, d.request_id, d.shm))
+            else:
+                st.waiting_fetch.append(d)
+        pulls = st.waiting_pull
+        st.waiting_pull = []
+        out.extend(self.pull_reply(st, d.identity, d.request_id) for d in pulls)
+        return out
+
+    def pull(self, msg: m.Pull, identity: bytes) -> Outgoing | None:
+        if not self.ready:
+            raise NotReadyError(f"job {self.name!r} is still uploading its weights")
+        st = self.stage(msg.stage)
+        if st.updating:
+            st.waiting_pull.append(Deferred(identity, msg.id))
+            return None
+        return self.pull_reply(st, identity, msg.id)
+
+    def pull_reply(self, st: StageState, identity: bytes, request_id: int) -> Outgoing:
+        return Outgoing(
+            identity, m.Master(id=request_id, stage=st.index, version=st.version), [st.master.numpy().tobytes()]
+        )
+
+
+def _tensor_from_frame(frame: zmq.Frame, dtype: torch.dtype) -> torch.Tensor:
+    """A read-only view of a received frame; only ever used as a copy source."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(frame.buffer, dtype=dtype)

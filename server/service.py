@@ -1,0 +1,379 @@
+"""The server process: one ROUTER socket loop, a pool for stage updates, and clean shutdown.
+
+The loop thread owns the socket and all job state; optimizer threads only run
+:meth:`UpdateTask.run` and hand the finished task back through a queue plus a wake-up pipe that the
+loop polls next to the socket. A message that fails to decode or validate is answered with an
+``error`` reply and never leaves the loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import zmq
+
+from wstream.protocol import (
+    PROTOCOL_VERSION,
+    AuthError,
+    InternalError,
+    JobExistsError,
+    MemoryLimitError,
+    ProtocolError,
+    UnknownJobError,
+    WstreamError,
+    check_frames,
+    decode_request,
+    encode,
+    peek_id,
+)
+from wstream.protocol import messages as m
+from wstream.protocol.shm import SegmentSpaceError, reap_stale_segments
+
+from .config import ServerConfig
+from .job import Job, Outgoing, UpdateTask
+from .memory import MemoryAccount
+
+log = logging.getLogger(__name__)
+
+_MAX_MESSAGES_PER_TURN = 256
+
+
+class Session:
+    __slots__ = ("id", "job", "worker", "created")
+
+    def __init__(self, sid: bytes, job: Job) -> None:
+        self.id = sid
+        self.job = job
+        self.worker: int | None = None
+        self.created = time.monotonic()
+
+
+class Server:
+    """A wstream parameter server. ``run()`` blocks until :meth:`stop` or SIGTERM/SIGINT."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.memory = MemoryAccount(config.memory_limit)
+        self.jobs: dict[str, Job] = {}
+        self.sessions: dict[bytes, Session] = {}
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._done: queue.SimpleQueue[tuple[UpdateTask, BaseException | None]] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        if config.torch_threads is not None:
+            torch.set_num_threads(config.torch_threads)
+        self._pool = ThreadPoolExecutor(max_workers=config.optimizer_workers, thread_name_prefix="wstream-opt")
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.endpoints: list[str] = []
+        try:
+            for addr in config.bind:
+                self._sock.bind(addr)
+                self.endpoints.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
+        except zmq.ZMQError as exc:
+            self._close_sockets()
+            raise OSError(f"cannot listen on {addr}: {exc}") from None
+        self._handlers: dict[type[m.Message], Callable[[bytes, m.Message, list[zmq.Frame]], Outgoing | None]] = {
+            m.CreateJob: self._on_create_job,
+            m.Attach: self._on_attach,
+            m.AddStage: self._on_add_stage,
+            m.Seal: self._on_seal,
+            m.Join: self._on_join,
+            m.Fetch: self._on_fetch,
+            m.Push: self._on_push,
+            m.Pull: self._on_pull,
+            m.Heartbeat: self._on_heartbeat,
+            m.Leave: self._on_leave,
+            m.DropJob: self._on_drop_job,
+            m.Status: self._on_status,
+        }
+        self._last_seen: dict[bytes, float] = {}
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+    def run(self) -> None:
+        """Serve until stopped; then free every job and shared-memory segment."""
+        reap_stale_segments()
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, lambda *_: self.stop())
+        log.info(
+            "wstream-server (protocol %d, pid %d) listening on %s, memory limit %d bytes",
+            PROTOCOL_VERSION,
+            os.getpid(),
+            ", ".join(self.endpoints),
+            self.memory.limit,
+        )
+        try:
+            self._loop()
+        finally:
+            self._shutdown()
+
+    def stop(self) -> None:
+        """Ask the loop to exit (safe from any thread or a signal handler)."""
+        self._stop.set()
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _shutdown(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        for job in list(self.jobs.values()):
+            job.close()
+        self.jobs.clear()
+        self.sessions.clear()
+        self._close_sockets()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+        log.info("wstream-server stopped; all shared-memory segments removed")
+
+    def _close_sockets(self) -> None:
+        self._sock.close(linger=0)
+        self._ctx.term()
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        next_lease_check = time.monotonic() + 1.0
+        while not self._stop.is_set():
+            events = dict(poller.poll(timeout=500))
+            if self._wake_r in events:
+                try:
+                    os.read(self._wake_r, 4096)
+                except BlockingIOError:
+                    pass
+            self._drain_completions()
+            if self._sock in events:
+                for _ in range(_MAX_MESSAGES_PER_TURN):
+                    try:
+                        frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+            now = time.monotonic()
+            if now >= next_lease_check:
+                self._expire_leases(now)
+                next_lease_check = now + min(1.0, self.config.lease_s / 4)
+
+    def _send(self, out: Outgoing) -> None:
+        try:
+            self._sock.send_multipart([out.identity, encode(out.message), *out.frames], copy=False)
+        except zmq.ZMQError as exc:  # peer gone or queue full: never fatal for the loop
+            log.warning("could not send %s: %s", type(out.message).__name__, exc)
+
+    def _error(self, identity: bytes, request_id: int, exc: WstreamError) -> None:
+        self._send(Outgoing(identity, m.Error(id=request_id, code=exc.code.value, message=exc.message)))
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        identity = frames[0].bytes
+        if len(frames) < 2:
+            self._error(identity, 0, ProtocolError("empty message: expected a header frame"))
+            return
+        header = frames[1].buffer
+        data = frames[2:]
+        request_id = 0
+        try:
+            request_id = peek_id(header)
+            msg = decode_request(header)
+            check_frames(msg, data)
+            session = getattr(msg, "session", None)
+            if session is not None:
+                self._last_seen[session] = time.monotonic()
+            out = self._handlers[type(msg)](identity, msg, data)
+        except WstreamError as exc:
+            log.debug("request %d rejected: %s", request_id, exc)
+            self._error(identity, request_id, exc)
+            return
+        except Exception as exc:  # a bug: answer, log with traceback, keep serving
+            log.exception("internal error while handling request %d", request_id)
+            self._error(identity, request_id, InternalError(f"internal server error: {exc!r} (a bug in wstream)"))
+            return
+        if out is not None:
+            self._send(out)
+
+    # ---- updates -------------------------------------------------------------------------------
+    def _submit(self, task: UpdateTask) -> None:
+        fut = self._pool.submit(task.run)
+        fut.add_done_callback(lambda f, t=task: self._post_completion(t, f))
+
+    def _post_completion(self, task: UpdateTask, fut: Future[UpdateTask]) -> None:
+        error = None if fut.cancelled() else fut.exception()
+        self._done.put((task, error))
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is already full of wake-ups (or closed at shutdown)
+
+    def _drain_completions(self) -> None:
+        while True:
+            try:
+                task, error = self._done.get_nowait()
+            except queue.Empty:
+                return
+            if error is not None:
+                log.error("update of job %r stage %d failed: %r", task.job.name, task.stage.index, error)
+            if self.jobs.get(task.job.name) is not task.job:
+                continue  # the job was dropped meanwhile
+            for out in task.job.finish_update(task, error):
+                self._send(out)
+
+    # ---- sessions ------------------------------------------------------------------------------
+    def _new_session(self, job: Job) -> bytes:
+        sid = secrets.token_bytes(16)
+        self.sessions[sid] = Session(sid, job)
+        self._last_seen[sid] = time.monotonic()
+        plain = [s for s in self.sessions.values() if s.job is job and s.worker is None]
+        if len(plain) > self.config.max_sessions_per_job:
+            oldest = min(plain, key=lambda s: s.created)
+            self._end_session(oldest.id, "evicted: too many sessions")
+        return sid
+
+    def _session(self, sid: bytes) -> Session:
+        s = self.sessions.get(sid)
+        if s is None:
+            raise AuthError("unknown or expired session: attach to the job again")
+        return s
+
+    def _end_session(self, sid: bytes, reason: str) -> None:
+        s = self.sessions.pop(sid, None)
+        self._last_seen.pop(sid, None)
+        if s is not None and s.worker is not None:
+            s.job.remove_worker(s.worker, self._submit, reason)
+
+    def _expire_leases(self, now: float) -> None:
+        lease = self.config.lease_s
+        for sid, s in list(self.sessions.items()):
+            if s.worker is not None and now - self._last_seen.get(sid, now) > lease:
+                self._end_session(sid, f"silent for more than its {lease:g} s lease")
+
+    # ---- handlers --------------------------------------------------------------------------------
+    def _on_create_job(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        assert isinstance(msg, m.CreateJob)
+        if msg.name in self.jobs:
+            raise JobExistsError(f"a job named {msg.name!r} already exists on this server")
+        try:
+            job = Job(msg, self.memory)
+        except SegmentSpaceError as exc:
+            raise MemoryLimitError(str(exc)) from None
+        self.jobs[msg.name] = job
+        log.info("job %r created; waiting for its stages", msg.name)
+        sid = self._new_session(job)
+        return Outgoing(identity, job.attached_reply(sid, self.config.lease_s, msg.id))
+
+    def _on_attach(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        assert isinstance(msg, m.Attach)
+        job = self.jobs.get(msg.name)
+        if job is None:
+            raise UnknownJobError(f"no job named {msg.name!r} on this server")
+        job.check_token(msg.token)
+        sid = self._new_session(job)
+        return Outgoing(identity, job.attached_reply(sid, self.config.lease_s, msg.id))
+
+    def _on_add_stage(self, identity: bytes, msg: m.Message, data: list[zmq.Frame]) -> Outgoing:
+        assert isinstance(msg, m.AddStage)
+        job = self._session(msg.session).job
+        try:
+            job.add_stage(msg, data[0])
+        except SegmentSpaceError as exc:
+            raise MemoryLimitError(str(exc)) from None
+        return Outgoing(identity, m.Ok(id=msg.id))
+
+    def _on_seal(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        assert isinstance(msg, m.Seal)
+        job = self._session(msg.session).job
+        job.seal()
+        log.info(
+            "job %r sealed: %d stages, %d bytes reserved (%d bytes free)",
+            job.name,
+            len(job.stages),
+            job.reserved,
+            self.memory.free,
+        )
+        return Outgoing(identity, job.attached_reply(msg.session, self.config.lease_s, msg.id))
+
+    def _on_join(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        assert isinstance(msg, m.Join)
+        s = self._session(msg.session)
+        try:
+            w = s.job.join(s.id, msg)
+        except SegmentSpaceError as exc:
+            raise MemoryLimitError(str(exc)) from None
+        s.worker = w.id
+        reply = m.Joined(
+            id=msg.id,
+            worker=w.id,
+            step=w.first_step,
+            grad_path=w.grad_path,
+            grad_slot_bytes=w.slot_bytes,
+            grad_slots=len(w.slots),
+        )
+        return Outgoing(identity, reply)
+
+    def _worker_session(self, sid: bytes) -> tuple[Session, Job]:
+        s = self._session(sid)
+        return s, s.job
+
+    def _on_fetch(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing | None:
+        assert isinstance(msg, m.Fetch)
+        s, job = self._worker_session(msg.session)
+        worker = job.worker_of(s.id)
+        return job.fetch(msg, identity, worker)
+
+    def _on_push(self, identity: bytes, msg: m.Message, data: list[zmq.Frame]) -> None:
+        assert isinstance(msg, m.Push)
+        s, job = self._worker_session(msg.session)
+        job.push(msg, data, identity, job.worker_of(s.id), self._submit)
+        return None
+
+    def _on_pull(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing | None:
+        assert isinstance(msg, m.Pull)
+        return self._session(msg.session).job.pull(msg, identity)
+
+    def _on_heartbeat(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        assert isinstance(msg, m.Heartbeat)
+        self._session(msg.session)
+        return Outgoing(identity, m.Ok(id=msg.id))
+
+    def _on_leave(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        assert isinstance(msg, m.Leave)
+        self._session(msg.session)
+        self._end_session(msg.session, "left")
+        return Outgoing(identity, m.Ok(id=msg.id))
+
+    def _on_drop_job(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        assert isinstance(msg, m.DropJob)
+        job = self._session(msg.session).job
+        for sid in [sid for sid, s in self.sessions.items() if s.job is job]:
+            self.sessions.pop(sid, None)
+            self._last_seen.pop(sid, None)
+        del self.jobs[job.name]
+        job.close()
+        log.info("job %r dropped; %d bytes free", job.name, self.memory.free)
+        return Outgoing(identity, m.Ok(id=msg.id))
+
+    def _on_status(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        reply = m.StatusReply(
+            id=msg.id,
+            protocol=PROTOCOL_VERSION,
+            pid=os.getpid(),
+            uptime_s=time.monotonic() - self.started,
+            memory_limit=self.memory.limit,
+            memory_used=self.memory.used,
+            jobs=[j.info() for j in self.jobs.values()],
+        )
+        return Outgoing(identity, reply)
