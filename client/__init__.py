@@ -1,0 +1,50 @@
+"""The wstream client: create or attach jobs and train them as streaming workers.
+
+```python
+from wstream.client import Client, AdamW
+client = Client("tcp://127.0.0.1:5555")
+job = client.create_job("demo", stages=modules, optimizer=AdamW(lr=1e-3), token="secret")
+trainer = job.trainer(device="cpu")
+loss = trainer.step(inputs, targets, loss_fn)
+weights = job.state_dict()
+```
+"""
+
+from wstream.protocol import (
+    SGD,
+    AdamW,
+    AuthError,
+    GradientError,
+    JobExistsError,
+    LayoutError,
+    MemoryLimitError,
+    ProtocolError,
+    ServerUnavailable,
+    StaleStepError,
+    StateError,
+    UnknownJobError,
+    WstreamError,
+)
+
+from .client import Client, Job
+from .trainer import Trainer, TrainerStats
+
+__all__ = [
+    "SGD",
+    "AdamW",
+    "AuthError",
+    "Client",
+    "GradientError",
+    "Job",
+    "JobExistsError",
+    "LayoutError",
+    "MemoryLimitError",
+    "ProtocolError",
+    "ServerUnavailable",
+    "StaleStepError",
+    "StateError",
+    "Trainer",
+    "TrainerStats",
+    "UnknownJobError",
+    "WstreamError",
+]

@@ -1,0 +1,204 @@
+"""The public client: connect to a server, create or attach jobs, make trainers, read weights."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import zmq
+from torch import nn
+
+from wstream.protocol import LayoutError, StageSpec, StateError, WstreamError
+from wstream.protocol import messages as m
+from wstream.protocol.layout import describe_mismatch, numel_of
+
+from .channel import Channel
+from .stages import StageRunner, flatten, skeleton_of, spec_of
+from .streaming import tensor_from_frame
+from .trainer import Trainer
+
+log = logging.getLogger(__name__)
+
+
+class Client:
+    """A connection to a ``wstream-server``.
+
+    ``timeout`` bounds ordinary requests; ``wait_timeout`` bounds waits that depend on other workers
+    (weights of the next step, acknowledgement of an update), which can legitimately take longer.
+    """
+
+    def __init__(self, address: str, *, timeout: float = 60.0, wait_timeout: float = 600.0) -> None:
+        if "://" not in address:
+            raise ValueError(f"{address!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555 or ipc:///path")
+        self.address = address
+        self.timeout_s = timeout
+        self.wait_timeout_s = wait_timeout
+        self.ctx: zmq.Context[Any] = zmq.Context()
+        self._chan = Channel(self.ctx, address, timeout_s=timeout)
+        self._closed = False
+
+    def create_job(
+        self,
+        name: str,
+        stages: Iterable[nn.Module],
+        *,
+        token: str,
+        optimizer: m.OptimizerSpec | None = None,
+        dtype: m.Dtype = "float32",
+        double_buffer: bool = False,
+        progress: bool = False,
+    ) -> Job:
+        """Create job ``name`` from ``stages``, consumed one module at a time.
+
+        Each module's parameters are uploaded and the module is then moved to the meta device in
+        place (its memory is freed; it stays usable as the job's skeleton), so a model larger than
+        this process's memory can be created stage by stage from a generator.
+        """
+        total = None
+        if isinstance(stages, Sequence):  # known up front: let the server refuse before uploading
+            total = sum(p.numel() for s in stages for p in s.parameters())
+        created, _ = self._chan.request(
+            m.CreateJob(
+                name=name,
+                token=token,
+                optimizer=optimizer if optimizer is not None else m.AdamW(),
+                dtype=dtype,
+                double_buffer=double_buffer,
+                total_numel=total,
+            ),
+            m.Attached,
+        )
+        session = created.session
+        skeletons: list[nn.Module] = []
+        bar = _progress(progress, total, f"uploading {name}")
+        try:
+            for i, module in enumerate(stages):
+                spec = spec_of(i, module)
+                flat = flatten(module, spec)
+                self._chan.request(
+                    m.AddStage(session=session, index=i, spec=spec), m.Ok, [flat.numpy()]
+                )
+                del flat
+                skeletons.append(skeleton_of(module))
+                if bar is not None:
+                    bar.update(sum(numel_of(p.shape) for p in spec.params))
+            sealed, _ = self._chan.request(m.Seal(session=session), m.Attached)
+        except BaseException:
+            try:  # leave nothing half-made on the server
+                self._chan.request(m.DropJob(session=session), m.Ok, timeout_s=5.0)
+            except WstreamError:
+                pass
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return Job(self, sealed, token, skeletons)
+
+    def attach_job(self, name: str, *, token: str, stages: Iterable[nn.Module] | None = None) -> Job:
+        """Attach to an existing job. ``stages`` (modules, best built on the meta device) are needed
+        to train; they must have the job's layout exactly."""
+        attached, _ = self._chan.request(m.Attach(name=name, token=token), m.Attached)
+        skeletons = None
+        if stages is not None:
+            mods = list(stages)
+            specs = [spec_of(i, mod) for i, mod in enumerate(mods)]
+            mismatch = describe_mismatch(attached.stages, specs)
+            if mismatch is not None:
+                raise LayoutError(f"the given stages do not match job {name!r}: {mismatch}")
+            skeletons = [skeleton_of(mod) for mod in mods]
+        return Job(self, attached, token, skeletons)
+
+    def status(self) -> m.StatusReply:
+        reply, _ = self._chan.request(m.Status(), m.StatusReply)
+        return reply
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._chan.close()
+        self.ctx.term()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Job:
+    """A handle on one job: make trainers, read its weights, drop it."""
+
+    def __init__(self, client: Client, attached: m.Attached, token: str, skeletons: list[nn.Module] | None) -> None:
+        self.client = client
+        self.name = attached.job
+        self.session = attached.session
+        self.specs: list[StageSpec] = list(attached.stages)
+        self.optimizer = attached.optimizer
+        self.dtype = attached.dtype
+        self._token = token
+        self._skeletons = skeletons
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.specs)
+
+    @property
+    def num_params(self) -> int:
+        return sum(numel_of(p.shape) for s in self.specs for p in s.params)
+
+    def trainer(
+        self,
+        device: str | torch.device = "cpu",
+        *,
+        prefetch: int = 2,
+        shm: bool | None = None,
+        grad_slots: int = 2,
+        preserve_rng: bool = True,
+    ) -> Trainer:
+        """Join the job as a data-parallel worker.
+
+        ``prefetch``: stages fetched ahead of compute (at most ``prefetch + 1`` stages' weights are
+        held at once). ``shm``: map the server's shared memory (None: when it can be mapped, else
+        receive weights as data frames). ``grad_slots``: gradients in flight to the server.
+        """
+        if self._skeletons is None:
+            raise StateError(
+                f"job {self.name!r} was attached without its stages: pass stages= to attach_job "
+                "(modules built under torch.device('meta') are enough)"
+            )
+        runners = [StageRunner(i, sk, spec) for i, (sk, spec) in enumerate(zip(self._skeletons, self.specs))]
+        return Trainer(
+            self,
+            runners,
+            device=torch.device(device),
+            prefetch=prefetch,
+            shm=shm,
+            grad_slots=grad_slots,
+            preserve_rng=preserve_rng,
+        )
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The job's current fp32 weights as ``{"<stage>.<param>": tensor}`` (pulled from the server)."""
+        out: dict[str, torch.Tensor] = {}
+        for i, spec in enumerate(self.specs):
+            _, data = self.client._chan.request(m.Pull(session=self.session, stage=i), m.Master)
+            flat = tensor_from_frame(data[0], torch.float32)
+            for p in spec.params:
+                n = numel_of(p.shape)
+                out[f"{i}.{p.name}"] = flat[p.offset : p.offset + n].view(p.shape).clone()
+        return out
+
+    def drop(self) -> None:
+        """Delete the job from the server, freeing its memory (workers get errors afterwards)."""
+        self.client._chan.request(m.DropJob(session=self.session), m.Ok)
+
+
+def _progress(enabled: bool, total: int | None, desc: str) -> Any:
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="param", unit_scale=True)

@@ -1,0 +1,84 @@
+"""Stages on the worker: flat layouts from modules, meta-device skeletons, and running a stage.
+
+A stage's parameters are views into one flat buffer (``StageSpec``). The worker keeps only a
+skeleton of each module on the meta device and runs it with ``torch.func.functional_call`` on
+views cut from a streamed buffer. Making the flat buffer the autograd leaf gives one flat gradient
+per stage, element for element equal to an ordinary module's parameter gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from wstream.protocol import LayoutError, StageSpec
+from wstream.protocol.layout import build_stage_spec, numel_of, validate_stage
+
+Boundary = tuple[Any, ...]
+"""What flows between stages: the positional arguments of the next stage."""
+
+
+def spec_of(index: int, module: nn.Module) -> StageSpec:
+    """The flat layout of ``module``'s parameters (in ``named_parameters`` order)."""
+    buffers = [name for name, _ in module.named_buffers()]
+    if buffers:
+        raise LayoutError(
+            f"stage {index} ({type(module).__name__}) has buffers {buffers[:5]}: wstream streams "
+            "parameters only; compute constants such as masks inside forward (or make them parameters)"
+        )
+    params = []
+    for name, p in module.named_parameters():
+        if not p.is_floating_point():
+            raise LayoutError(f"stage {index}: parameter {name!r} has dtype {p.dtype}; only floating point is streamed")
+        params.append((name, tuple(p.shape)))
+    spec = build_stage_spec(str(index), params)
+    validate_stage(index, spec)
+    return spec
+
+
+def flatten(module: nn.Module, spec: StageSpec) -> torch.Tensor:
+    """``module``'s parameters copied into one flat fp32 CPU tensor laid out as ``spec``."""
+    flat = torch.zeros(spec.numel, dtype=torch.float32)
+    named = dict(module.named_parameters())
+    for p in spec.params:
+        n = numel_of(p.shape)
+        flat[p.offset : p.offset + n].copy_(named[p.name].detach().reshape(-1))
+    return flat
+
+
+def skeleton_of(module: nn.Module) -> nn.Module:
+    """Move ``module`` to the meta device in place (frees its weights) and return it."""
+    return module.to(device="meta")
+
+
+def specs_of(modules: Iterable[nn.Module]) -> Iterator[StageSpec]:
+    for i, mod in enumerate(modules):
+        yield spec_of(i, mod)
+
+
+class StageRunner:
+    """Runs one stage on flat weights through its meta skeleton."""
+
+    def __init__(self, index: int, skeleton: nn.Module, spec: StageSpec) -> None:
+        self.index = index
+        self.skeleton = skeleton
+        self.spec = spec
+        self._views = [(p.name, p.offset, numel_of(p.shape), tuple(p.shape)) for p in spec.params]
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: flat[off : off + n].view(shape) for name, off, n, shape in self._views}
+
+    def __call__(self, flat: torch.Tensor, inputs: Boundary) -> Any:
+        return torch.func.functional_call(self.skeleton, self.views(flat), inputs)
+
+
+def as_boundary(value: Any) -> Boundary:
+    """A stage's output as the next stage's positional arguments."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def boundary_bytes(b: Boundary) -> int:
+    return sum(t.numel() * t.element_size() for t in b if isinstance(t, torch.Tensor))

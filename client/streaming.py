@@ -1,0 +1,318 @@
+"""The worker's streaming machinery: weight ring, prefetch thread, gradient pusher, heartbeat.
+
+# NOTE [Residency bound]
+# 1. The ring preallocates ``prefetch + 1`` flat buffers, each the size of the largest stage, on
+#    the compute device; nothing else on the worker holds stage weights.
+# 2. A buffer is *resident* from the prefetcher's ``acquire`` until the trainer's ``release``, so
+#    at most ``prefetch + 1`` stages' weights exist at once (``WeightRing.peak`` proves it).
+# 3. The prefetcher walks the step's fetch order and blocks when the ring is full, which is what
+#    keeps it no more than ``prefetch`` stages ahead of compute.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import zmq
+
+from wstream.protocol import ServerUnavailable, WstreamError
+from wstream.protocol import messages as m
+
+from .channel import Channel, raise_or_narrow
+
+log = logging.getLogger(__name__)
+
+TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tensor_from_frame(frame: zmq.Frame, dtype: torch.dtype) -> torch.Tensor:
+    """A read-only view of a received frame, used only as a copy source."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(frame.buffer, dtype=dtype)
+
+
+class WeightRing:
+    """``capacity`` preallocated flat weight buffers; see NOTE [Residency bound]."""
+
+    def __init__(self, capacity: int, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(capacity)]
+        self._free: deque[int] = deque(range(capacity))
+        self._cond = threading.Condition()
+        self.resident = 0
+        self.peak = 0
+
+    @property
+    def capacity(self) -> int:
+        return len(self.buffers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    def acquire(self, stop: threading.Event) -> int:
+        with self._cond:
+            while not self._free:
+                if stop.is_set():
+                    raise InterruptedError("weight ring wait interrupted by shutdown")
+                self._cond.wait(0.1)
+            idx = self._free.popleft()
+            self.resident += 1
+            self.peak = max(self.peak, self.resident)
+            return idx
+
+    def release(self, idx: int) -> None:
+        with self._cond:
+            self._free.append(idx)
+            self.resident -= 1
+            self._cond.notify()
+
+    def release_all(self) -> None:
+        with self._cond:
+            self._free = deque(range(len(self.buffers)))
+            self.resident = 0
+            self._cond.notify_all()
+
+
+@dataclass(slots=True)
+class Fetched:
+    stage: int
+    buffer: int
+    weights: torch.Tensor  # flat view of the ring buffer, the stage's numel long
+
+
+@dataclass(slots=True)
+class StreamStats:
+    fetches: int = 0
+    bytes_fetched: int = 0
+    fetch_wait_s: float = 0.0  # time compute waited for weights
+    pushes: int = 0
+    bytes_pushed: int = 0
+    push_wait_s: float = 0.0  # time compute waited for a free gradient slot or the final acks
+
+
+@dataclass(kw_only=True)
+class StreamContext:
+    """What the streaming threads need to know about the connection and the job."""
+
+    ctx: zmq.Context[Any]
+    address: str
+    timeout_s: float
+    wait_timeout_s: float
+    session: bytes
+    numels: list[int]
+    published: torch.Tensor | None  # uint8 mapping of the published segment, None in frames mode
+    published_dtype: torch.dtype
+    abort: threading.Event = field(default_factory=threading.Event)
+    abort_reason: list[WstreamError] = field(default_factory=list)
+
+    def raise_aborted(self) -> None:
+        if self.abort_reason:
+            raise self.abort_reason[0]
+        raise ServerUnavailable("the worker was shut down")
+
+
+class Prefetcher:
+    """A thread that fetches stages in the order the trainer announces, into the ring."""
+
+    def __init__(self, sc: StreamContext, ring: WeightRing) -> None:
+        self._sc = sc
+        self._ring = ring
+        self._orders: queue.SimpleQueue[tuple[int, list[int]] | None] = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue[Fetched | BaseException] = queue.SimpleQueue()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.stats = StreamStats()
+
+    def start(self, step: int, order: list[int]) -> None:
+        """Begin fetching ``order`` (stage indices) for ``step``."""
+        if self._thread is None or not self._thread.is_alive():
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._run, name="wstream-prefetch", daemon=True)
+            self._thread.start()
+        self._orders.put((step, order))
+
+    def get(self, stage: int) -> Fetched:
+        """The next fetched stage, which must be ``stage`` (the order is the trainer's own)."""
+        t0 = time.perf_counter()
+        while True:
+            try:
+                item = self._ready.get(timeout=0.1)
+                break
+            except queue.Empty:
+                if self._sc.abort.is_set():
+                    self._sc.raise_aborted()
+                if self._thread is None or not self._thread.is_alive():
+                    raise ServerUnavailable("the prefetch thread stopped") from None
+        self.stats.fetch_wait_s += time.perf_counter() - t0
+        if isinstance(item, BaseException):
+            raise item
+        if item.stage != stage:
+            raise AssertionError(f"prefetch order broken: got stage {item.stage}, wanted {stage} (a bug in wstream)")
+        return item
+
+    def release(self, fetched: Fetched) -> None:
+        self._ring.release(fetched.buffer)
+
+    def reset(self) -> None:
+        """Stop the thread, forget queued work and free every buffer (after a failed step)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._thread = None
+        while not self._orders.empty():
+            self._orders.get_nowait()
+        while not self._ready.empty():
+            self._ready.get_nowait()
+        self._ring.release_all()
+
+    close = reset
+
+    def _run(self) -> None:
+        sc = self._sc
+        stop = self._stop
+        chan = Channel(sc.ctx, sc.address, timeout_s=sc.timeout_s)
+        try:
+            while not stop.is_set():
+                try:
+                    job = self._orders.get(timeout=0.1)
+                except queue.Empty:
+                    continue
+                if job is None:
+                    return
+                step, order = job
+                for stage in order:
+                    self._ready.put(self._fetch_one(chan, step, stage, stop))
+        except InterruptedError:
+            return
+        except BaseException as exc:  # handed to the consumer, which raises it
+            self._ready.put(exc)
+        finally:
+            chan.close()
+
+    def _fetch_one(self, chan: Channel, step: int, stage: int, stop: threading.Event) -> Fetched:
+        sc = self._sc
+        idx = self._ring.acquire(stop)
+        try:
+            reply, data = chan.request(
+                m.Fetch(session=sc.session, stage=stage, step=step),
+                m.Weights,
+                timeout_s=sc.wait_timeout_s,
+                stop=stop,
+            )
+            numel = sc.numels[stage]
+            dst = self._ring.buffers[idx][:numel]
+            if data:
+                src = tensor_from_frame(data[0], sc.published_dtype)
+            else:
+                assert sc.published is not None
+                nbytes = numel * sc.published_dtype.itemsize
+                src = sc.published[reply.offset : reply.offset + nbytes].view(sc.published_dtype)
+            dst.copy_(src)
+        except BaseException:
+            self._ring.release(idx)
+            raise
+        self.stats.fetches += 1
+        self.stats.bytes_fetched += dst.numel() * dst.element_size()
+        return Fetched(stage, idx, dst)
+
+
+class GradientPusher:
+    """Sends stage gradients without waiting; a ``pushed`` reply frees its slot (a credit)."""
+
+    def __init__(self, sc: StreamContext, slots: list[torch.Tensor] | None, nslots: int) -> None:
+        self._sc = sc
+        self._chan = Channel(sc.ctx, sc.address, timeout_s=sc.timeout_s)
+        self._slots = slots  # shm views, or None in frames mode
+        self._free = list(range(nslots))[::-1]
+        self._outstanding: dict[int, tuple[int, object]] = {}  # request id -> (slot, frame keep-alive)
+        self.stats = StreamStats()
+
+    def push(self, stage: int, step: int, grad: torch.Tensor) -> None:
+        slot = self._acquire()
+        numel = grad.numel()
+        keep: object = None
+        frames: list[object] = []
+        if self._slots is not None:
+            self._slots[slot][:numel].copy_(grad)
+        else:
+            keep = grad.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+            frames = [keep]
+        msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
+        rid = self._chan.send(msg, frames, copy=False)
+        self._outstanding[rid] = (slot, keep)
+        self.stats.pushes += 1
+        self.stats.bytes_pushed += numel * 4
+
+    def drain(self) -> None:
+        """Wait until every push is acknowledged, i.e. the server applied those updates."""
+        t0 = time.perf_counter()
+        while self._outstanding:
+            self._collect_one()
+        self.stats.push_wait_s += time.perf_counter() - t0
+
+    def _acquire(self) -> int:
+        if not self._free:
+            t0 = time.perf_counter()
+            while not self._free:
+                self._collect_one()
+            self.stats.push_wait_s += time.perf_counter() - t0
+        return self._free.pop()
+
+    def _collect_one(self) -> None:
+        try:
+            reply, _ = self._chan.recv(timeout_s=self._sc.wait_timeout_s, stop=self._sc.abort)
+        except InterruptedError:
+            self._sc.raise_aborted()
+        entry = self._outstanding.pop(reply.id, None)
+        if entry is None:
+            log.debug("dropping an unexpected reply %s", type(reply).__name__)
+            return
+        self._free.append(entry[0])
+        raise_or_narrow(reply, m.Pushed)
+
+    def forget_outstanding(self) -> None:
+        self._outstanding.clear()
+
+    def close(self) -> None:
+        self._chan.close()
+
+
+class HeartbeatThread:
+    """Keeps the worker's lease alive; on failure records the error and sets ``abort``."""
+
+    def __init__(self, sc: StreamContext, interval_s: float) -> None:
+        self._sc = sc
+        self._interval = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="wstream-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        sc = self._sc
+        chan = Channel(sc.ctx, sc.address, timeout_s=sc.timeout_s)
+        try:
+            while not self._stop.wait(self._interval):
+                try:
+                    chan.request(m.Heartbeat(session=sc.session), m.Ok, stop=self._stop)
+                except InterruptedError:
+                    return
+                except WstreamError as exc:
+                    log.error("heartbeat failed: %s", exc)
+                    sc.abort_reason.append(exc)
+                    sc.abort.set()
+                    return
+        finally:
+            chan.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()

@@ -1,0 +1,299 @@
+"""The streaming trainer: one optimizer step of a stage chain with weights fetched just in time.
+
+Schedule (this release): keep every stage boundary, recompute each stage once in backward.
+Forward runs stages 0..n-1 without autograd, keeping only their inputs; backward re-runs stage i
+from its input with autograd, pushes its flat gradient and passes dx_i down. The last stage runs
+once, with autograd, and its weights are fetched once per step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from wstream.protocol import StateError, WstreamError
+from wstream.protocol import messages as m
+from wstream.protocol.shm import map_segment
+
+from .channel import Channel
+from .stages import Boundary, StageRunner, as_boundary, boundary_bytes
+from .streaming import (
+    TORCH_DTYPES,
+    GradientPusher,
+    HeartbeatThread,
+    Prefetcher,
+    StreamContext,
+    WeightRing,
+)
+
+if TYPE_CHECKING:
+    from .client import Job
+
+log = logging.getLogger(__name__)
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+@dataclass(slots=True)
+class TrainerStats:
+    """What the last steps did; ``peak_resident_stages`` never exceeds ``prefetch + 1``."""
+
+    steps: int
+    prefetch: int
+    ring_capacity: int
+    ring_bytes: int
+    peak_resident_stages: int
+    fetches: int
+    bytes_fetched: int
+    fetch_wait_s: float
+    pushes: int
+    bytes_pushed: int
+    push_wait_s: float
+    peak_boundary_bytes: int
+
+
+class Trainer:
+    """Trains a job's stages as one data-parallel worker. Create with ``job.trainer(...)``."""
+
+    def __init__(
+        self,
+        job: Job,
+        runners: list[StageRunner],
+        *,
+        device: torch.device,
+        prefetch: int,
+        shm: bool | None,
+        grad_slots: int,
+        preserve_rng: bool,
+    ) -> None:
+        if prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        self.job = job
+        self.device = device
+        self.prefetch = prefetch
+        self.preserve_rng = preserve_rng
+        self._runners = runners
+        self._closed = False
+        client = job.client
+        self._chan = Channel(client.ctx, client.address, timeout_s=client.timeout_s)
+        attached, _ = self._chan.request(m.Attach(name=job.name, token=job._token), m.Attached)
+        self.session = attached.session
+        published = None
+        if shm is not False:
+            try:
+                published = map_segment(attached.published_path, attached.published_bytes)
+            except (FileNotFoundError, PermissionError, RuntimeError) as exc:
+                if shm:
+                    raise StateError(
+                        f"shm=True but the job's shared memory {attached.published_path} cannot be mapped "
+                        f"({exc}); is the server on another host? use shm=False"
+                    ) from None
+        self.shm = published is not None
+        joined, _ = self._chan.request(
+            m.Join(session=self.session, shm=self.shm, grad_slots=grad_slots), m.Joined
+        )
+        self.worker_id = joined.worker
+        self._step = joined.step
+        grad_views = None
+        if self.shm:
+            ring = map_segment(joined.grad_path, joined.grad_slot_bytes * joined.grad_slots)
+            max_numel = max(s.numel for s in attached.stages)
+            grad_views = [
+                ring[k * joined.grad_slot_bytes : k * joined.grad_slot_bytes + max_numel * 4].view(torch.float32)
+                for k in range(joined.grad_slots)
+            ]
+        pub_dtype = TORCH_DTYPES[attached.published_dtype]
+        self._sc = StreamContext(
+            ctx=client.ctx,
+            address=client.address,
+            timeout_s=client.timeout_s,
+            wait_timeout_s=client.wait_timeout_s,
+            session=self.session,
+            numels=[s.numel for s in attached.stages],
+            published=published,
+            published_dtype=pub_dtype,
+        )
+        self._ring = WeightRing(prefetch + 1, max(self._sc.numels), pub_dtype, device)
+        self._prefetcher = Prefetcher(self._sc, self._ring)
+        self._pusher = GradientPusher(self._sc, grad_views, joined.grad_slots)
+        self._heartbeat = HeartbeatThread(self._sc, interval_s=max(0.05, attached.lease_s / 3))
+        self._steps_done = 0
+        self._peak_boundary = 0
+        log.info(
+            "worker %d joined job %r at step %d: %d stages, prefetch %d, ring %d bytes, %s",
+            self.worker_id,
+            job.name,
+            self._step,
+            len(runners),
+            prefetch,
+            self._ring.nbytes,
+            "shared memory" if self.shm else "data frames",
+        )
+
+    # ---- public ------------------------------------------------------------------------------------
+    @property
+    def step_index(self) -> int:
+        """The step the next ``step()`` call trains (the job's step when this worker is in sync)."""
+        return self._step
+
+    def step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> float:
+        """One optimizer step on ``inputs``/``targets``; returns the loss as a float.
+
+        Returns once the server has applied this step's update to every stage.
+        """
+        if self._closed:
+            raise StateError("this trainer is closed")
+        n = len(self._runners)
+        order = list(range(n)) + list(range(n - 2, -1, -1))
+        self._prefetcher.start(self._step, order)
+        pushed_any = False
+        try:
+            boundaries, rng_states = self._forward(inputs)
+            loss_value, pushed_any = self._backward(boundaries, rng_states, targets, loss_fn)
+            self._pusher.drain()
+        except BaseException:
+            self._abort_step(pushed_any)
+            raise
+        self._step += 1
+        self._steps_done += 1
+        return loss_value
+
+    def stats(self) -> TrainerStats:
+        pf, pu = self._prefetcher.stats, self._pusher.stats
+        return TrainerStats(
+            steps=self._steps_done,
+            prefetch=self.prefetch,
+            ring_capacity=self._ring.capacity,
+            ring_bytes=self._ring.nbytes,
+            peak_resident_stages=self._ring.peak,
+            fetches=pf.fetches,
+            bytes_fetched=pf.bytes_fetched,
+            fetch_wait_s=pf.fetch_wait_s,
+            pushes=pu.pushes,
+            bytes_pushed=pu.bytes_pushed,
+            push_wait_s=pu.push_wait_s,
+            peak_boundary_bytes=self._peak_boundary,
+        )
+
+    def close(self) -> None:
+        """Leave the job (the server detaches this worker) and stop every thread."""
+        if self._closed:
+            return
+        self._closed = True
+        self._heartbeat.close()
+        self._prefetcher.close()
+        try:
+            self._chan.request(m.Leave(session=self.session), m.Ok, timeout_s=min(5.0, self._chan.timeout_s))
+        except WstreamError as exc:
+            log.warning("leave failed (the server will detach this worker when its lease ends): %s", exc)
+        self._pusher.close()
+        self._chan.close()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def _forward(self, inputs: Any) -> tuple[list[Boundary], list[Any]]:
+        """Run stages 0..n-2 without autograd; keep each stage's input (and RNG state)."""
+        n = len(self._runners)
+        boundaries: list[Boundary] = [as_boundary(inputs)]
+        rng_states: list[Any] = []
+        with torch.no_grad():
+            for i in range(n - 1):
+                rng_states.append(self._rng_state())
+                fetched = self._prefetcher.get(i)
+                out = self._runners[i](fetched.weights, boundaries[i])
+                self._prefetcher.release(fetched)
+                boundaries.append(as_boundary(out))
+        self._peak_boundary = max(self._peak_boundary, sum(boundary_bytes(b) for b in boundaries))
+        return boundaries, rng_states
+
+    def _backward(
+        self, boundaries: list[Boundary], rng_states: list[Any], targets: Any, loss_fn: LossFn
+    ) -> tuple[float, bool]:
+        n = len(self._runners)
+        grad_out: list[torch.Tensor | None] | None = None
+        loss_value = 0.0
+        pushed = False
+        for i in range(n - 1, -1, -1):
+            fetched = self._prefetcher.get(i)
+            leaf = fetched.weights.detach().requires_grad_(True)
+            inputs = tuple(
+                x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in boundaries[i]
+            )
+            # The last stage runs only here, right after the forward of stage n-2: the live RNG is
+            # already in its state, and leaving it advanced matches what plain training does.
+            rng = self._restore_rng(rng_states[i]) if i < n - 1 else contextlib.nullcontext()
+            with rng, torch.enable_grad():
+                out = self._runners[i](leaf, inputs)
+            grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+            if i == n - 1:
+                loss = loss_fn(out, targets)
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+                loss_value = float(loss.detach())
+                roots: list[torch.Tensor] = [loss]
+                root_grads: list[torch.Tensor | None] = [None]
+            else:
+                assert grad_out is not None
+                roots, root_grads = [], []
+                for o, g in zip(as_boundary(out), grad_out):
+                    if isinstance(o, torch.Tensor) and o.requires_grad and g is not None:
+                        roots.append(o)
+                        root_grads.append(g)
+            grads = torch.autograd.grad(roots, [leaf, *grad_inputs], root_grads, allow_unused=True)
+            flat_grad = grads[0] if grads[0] is not None else torch.zeros_like(leaf)
+            it = iter(grads[1:])
+            grad_out = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
+            del out, roots, root_grads, grads, leaf
+            self._pusher.push(i, self._step, flat_grad)
+            pushed = True
+            self._prefetcher.release(fetched)
+            boundaries.pop()  # the input of stage i+1 (or nothing left to keep for i = n-1)
+        return loss_value, pushed
+
+    def _abort_step(self, pushed_any: bool) -> None:
+        self._prefetcher.reset()
+        if pushed_any:
+            self._pusher.forget_outstanding()
+            self._closed = True
+            log.error(
+                "a step failed after gradients were sent; this trainer is closed, create a new one "
+                "(the server discards this worker's unfinished step when it leaves)"
+            )
+            with contextlib.suppress(WstreamError):
+                self._chan.request(m.Leave(session=self.session), m.Ok, timeout_s=5.0)
+            self._heartbeat.close()
+
+    # ---- RNG ---------------------------------------------------------------------------------------
+    def _rng_state(self) -> Any:
+        if not self.preserve_rng:
+            return None
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
+
+    @contextlib.contextmanager
+    def _restore_rng(self, state: Any) -> Iterator[None]:
+        """Re-run a stage with the RNG state its forward saw, leaving the caller's RNG untouched."""
+        if state is None:
+            yield
+            return
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(state[0])
+            if state[1] is not None:
+                torch.cuda.set_rng_state(state[1], self.device)
+            yield
+
+
+def _wants_grad(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()
+
