@@ -156,6 +156,7 @@ class Job:
         prefetch: int = 2,
         shm: bool | None = None,
         grad_slots: int = 2,
+        world_size: int = 1,
         preserve_rng: bool = True,
     ) -> Trainer:
         """Join the job as a data-parallel worker.
@@ -163,6 +164,8 @@ class Job:
         ``prefetch``: stages fetched ahead of compute (at most ``prefetch + 1`` stages' weights are
         held at once). ``shm``: map the server's shared memory (None: when it can be mapped, else
         receive weights as data frames). ``grad_slots``: gradients in flight to the server.
+        ``world_size``: data-parallel workers to wait for before the first update (every worker of
+        the job passes the same number); later, each step is the mean over the live workers.
         """
         if self._skeletons is None:
             raise StateError(
@@ -177,6 +180,7 @@ class Job:
             prefetch=prefetch,
             shm=shm,
             grad_slots=grad_slots,
+            world_size=world_size,
             preserve_rng=preserve_rng,
         )
 

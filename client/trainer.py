@@ -69,6 +69,7 @@ class Trainer:
         prefetch: int,
         shm: bool | None,
         grad_slots: int,
+        world_size: int,
         preserve_rng: bool,
     ) -> None:
         if prefetch < 0:
@@ -95,7 +96,7 @@ class Trainer:
                     ) from None
         self.shm = published is not None
         joined, _ = self._chan.request(
-            m.Join(session=self.session, shm=self.shm, grad_slots=grad_slots), m.Joined
+            m.Join(session=self.session, shm=self.shm, grad_slots=grad_slots, world_size=world_size), m.Joined
         )
         self.worker_id = joined.worker
         self._step = joined.step

@@ -145,9 +145,13 @@ class Attach(Message, tag="attach"):
 
 
 class Join(Message, tag="join"):
+    """Become a data-parallel worker. No update runs until ``world_size`` workers have joined (a
+    start barrier, as a fixed world size in DDP); after that the live workers make each step."""
+
     session: SessionId
     shm: bool
     grad_slots: Annotated[int, Meta(ge=1, le=MAX_GRAD_SLOTS)] = 2
+    world_size: Annotated[int, Meta(ge=1, le=65_536)] = 1
 
 
 class Fetch(Message, tag="fetch"):

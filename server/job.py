@@ -171,6 +171,8 @@ class Job:
         self.updates = 0
         self.optimizer_seconds = 0.0
         self.sealed = False
+        self.world_size: int | None = None  # set by the first join; see Join
+        self.started = False  # the start barrier opened
         self.max_stage_numel = 0
         self.published_path = create_segment(ARENA_STEP)
         self.published_bytes = 0  # bytes in use
@@ -305,6 +307,11 @@ class Job:
             raise NotReadyError(f"job {self.name!r} is still uploading its weights")
         if any(w.session == session for w in self.workers.values()):
             raise StateError("this session already joined the job as a worker")
+        if not self.started and self.world_size is not None and msg.world_size != self.world_size:
+            raise StateError(
+                f"job {self.name!r} is waiting for {self.world_size} workers; this worker says world_size="
+                f"{msg.world_size}: give every worker the same world_size"
+            )
         slot_bytes = _align(self.max_stage_numel * 4)
         nbytes = slot_bytes * msg.grad_slots
         self.memory.reserve(nbytes, f"gradient ring of a worker of job {self.name!r}")
@@ -333,7 +340,17 @@ class Job:
         )
         self.workers[wid] = w
         log.info("job %r: worker %d joined at step %d (shm=%s)", self.name, wid, w.first_step, w.shm)
+        if self.world_size is None:
+            self.world_size = msg.world_size
         return w
+
+    def open_barrier(self, submit: Callable[[UpdateTask], None]) -> None:
+        """Start training once ``world_size`` workers have joined (checked after every join)."""
+        if not self.started and self.world_size is not None and len(self.workers) >= self.world_size:
+            self.started = True
+            log.info("job %r: %d worker(s) joined, training starts", self.name, len(self.workers))
+            for st in self.stages:
+                self._maybe_update(st, submit)
 
     def _free_worker(self, w: Worker) -> None:
         unlink_segment(w.grad_path)
@@ -415,7 +432,7 @@ class Job:
         self._maybe_update(st, submit)
 
     def _maybe_update(self, st: StageState, submit: Callable[[UpdateTask], None]) -> None:
-        if st.updating or not st.pending:
+        if st.updating or not st.pending or not self.started:
             return
         expected = self._expected(st.version)
         if not expected.issubset(st.pending):

@@ -314,6 +314,7 @@ class Server:
         except SegmentSpaceError as exc:
             raise MemoryLimitError(str(exc)) from None
         s.worker = w.id
+        s.job.open_barrier(self._submit)
         reply = m.Joined(
             id=msg.id,
             worker=w.id,

@@ -1,0 +1,113 @@
+"""Fixtures: a real ``wstream-server`` subprocess on an ipc endpoint, and worker subprocesses."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from wstream.client import Client
+from wstream.protocol.shm import segment_paths
+
+HERE = Path(__file__).parent
+
+
+@dataclass
+class ServerProcess:
+    address: str
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"server did not exit within {timeout} s of signal {sig}\n{self.log()}") from None
+
+
+def start_server(tmp_path: Path, *extra: str, name: str = "server") -> ServerProcess:
+    sock = tmp_path / f"{name}.sock"
+    address = f"ipc://{sock}"
+    log_path = tmp_path / f"{name}.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "wstream.server", "--bind", address, *extra],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    srv = ServerProcess(address, proc, log_path)
+    deadline = time.monotonic() + 60
+    while True:  # ready when it answers a status request
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}\n{srv.log()}")
+        try:
+            with Client(address, timeout=1.0) as c:
+                c.status()
+            return srv
+        except Exception:
+            if time.monotonic() > deadline:
+                srv.stop(signal.SIGKILL)
+                raise AssertionError(f"server did not answer within 60 s\n{srv.log()}") from None
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[ServerProcess]:
+    srv = start_server(tmp_path, "--memory-limit", "4GiB")
+    yield srv
+    rc = srv.stop()
+    assert rc == 0, f"server exited with {rc}\n{srv.log()}"
+    assert not segment_paths(srv.proc.pid), f"server left shared-memory segments\n{srv.log()}"
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[Client]:
+    with Client(server.address, timeout=30) as c:
+        yield c
+
+
+def run_workers(
+    address: str, job: str, token: str, model: str, steps: int, ranks: int, tmp_path: Path, *extra: str
+) -> list[dict]:
+    """Run ``ranks`` worker processes to completion; return their JSON reports."""
+    procs = []
+    for rank in range(ranks):
+        out = tmp_path / f"worker{rank}.json"
+        log = open(tmp_path / f"worker{rank}.log", "wb")
+        cmd = [
+            sys.executable,
+            str(HERE / "worker_main.py"),
+            *(address, job, token, model, str(steps), str(rank), str(out)),
+            *("--world-size", str(ranks)),
+            *extra,
+        ]
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out, log))
+    reports = []
+    for proc, out, log in procs:
+        try:
+            rc = proc.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        log.close()
+        text = Path(log.name).read_text(errors="replace")
+        assert rc == 0, f"worker exited with {rc}:\n{text}"
+        reports.append(json.loads(out.read_text()))
+    return reports
+
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")

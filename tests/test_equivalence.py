@@ -1,0 +1,106 @@
+"""Training through wstream gives the weights plain PyTorch training gives."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from conftest import ServerProcess, run_workers
+from wstream.client import SGD, AdamW, Client
+
+STEPS = 6
+
+
+def reference_train(
+    stages: list[nn.Module], opt_factory, model: str, steps: int, ranks: int = 1, losses: list[float] | None = None
+) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: one nn.Sequential, the mean gradient over ``ranks`` batches per step."""
+    ref = nn.Sequential(*stages)
+    opt = opt_factory(ref.parameters())
+    for step in range(steps):
+        opt.zero_grad()
+        per_rank = [models.loss_fn(ref(x), y) for x, y in (models.batch(model, step, r) for r in range(ranks))]
+        loss = sum(per_rank) / ranks
+        loss.backward()
+        opt.step()
+        if losses is not None:
+            losses.append(loss.item())
+    return ref.state_dict()
+
+
+def assert_weights_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], atol: float) -> None:
+    assert got.keys() == want.keys()
+    worst = max((got[k] - want[k]).abs().max().item() for k in want)
+    assert worst <= atol, f"largest difference {worst:.3g} exceeds {atol:.3g}"
+
+
+@pytest.mark.parametrize("frames", [False, True], ids=["shm", "frames"])
+def test_single_worker_adamw_matches_pytorch(client: Client, frames: bool) -> None:
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    job = client.create_job("eq", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t")
+    with job.trainer(shm=not frames, prefetch=1) as trainer:
+        assert trainer.shm is (not frames)
+        losses = [trainer.step(*models.batch("mixed", s), models.loss_fn) for s in range(STEPS)]
+    ref_losses: list[float] = []
+    want = reference_train(
+        start, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05), "mixed", STEPS, losses=ref_losses
+    )
+    assert_weights_equal(job.state_dict(), want, atol=1e-6)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    # the weights really moved: a no-op server would fail the comparison above by this much
+    initial = nn.Sequential(*models.mixed()).state_dict()
+    assert max((want[k] - initial[k]).abs().max().item() for k in want) > 1e-3
+
+
+def test_sgd_momentum_matches_pytorch(client: Client) -> None:
+    stages = models.mixed(seed=3)
+    start = copy.deepcopy(stages)
+    opt = SGD(lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True)
+    job = client.create_job("sgd", stages, optimizer=opt, token="t")
+    with job.trainer() as trainer:
+        for s in range(STEPS):
+            trainer.step(*models.batch("mixed", s), models.loss_fn)
+    want = reference_train(
+        start,
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, weight_decay=1e-3, nesterov=True),
+        "mixed",
+        STEPS,
+    )
+    assert_weights_equal(job.state_dict(), want, atol=1e-6)
+
+
+def test_dropout_recomputation_replays_the_same_masks(client: Client) -> None:
+    """With RNG preserved per stage, recomputed dropout masks equal the forward's: same as plain training."""
+    stages = models.dropout_chain()
+    start = copy.deepcopy(stages)
+    job = client.create_job("drop", stages, optimizer=AdamW(lr=1e-2), token="t")
+    torch.manual_seed(77)
+    with job.trainer() as trainer:
+        for s in range(STEPS):
+            trainer.step(*models.batch("dropout_chain", s), models.loss_fn)
+    torch.manual_seed(77)
+    want = reference_train(start, lambda p: torch.optim.AdamW(p, lr=1e-2), "dropout_chain", STEPS)
+    assert_weights_equal(job.state_dict(), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("frames", [False, True], ids=["shm", "frames"])
+def test_two_workers_equal_training_on_the_mean_gradient(server: ServerProcess, tmp_path: Path, frames: bool) -> None:
+    stages = models.mixed(seed=5)
+    start = copy.deepcopy(stages)
+    with Client(server.address, timeout=30) as client:
+        job = client.create_job("dp", stages, optimizer=AdamW(lr=2e-3), token="dp-secret")
+        extra = ("--frames",) if frames else ()
+        reports = run_workers(server.address, "dp", "dp-secret", "mixed", STEPS, 2, tmp_path, *extra)
+        assert [r["shm"] for r in reports] == [not frames] * 2
+        got = job.state_dict()
+    want = reference_train(start, lambda p: torch.optim.AdamW(p, lr=2e-3), "mixed", STEPS, ranks=2)
+    assert_weights_equal(got, want, atol=2e-6)
+    # and not what one worker alone would have produced
+    alone = reference_train(copy.deepcopy(models.mixed(seed=5)), lambda p: torch.optim.AdamW(p, lr=2e-3), "mixed", STEPS)
+    assert max((alone[k] - got[k]).abs().max().item() for k in got) > 1e-4
