@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -37,6 +38,7 @@ class Client:
         self.wait_timeout_s = wait_timeout
         self.ctx: zmq.Context[Any] = zmq.Context()
         self._chan = Channel(self.ctx, address, timeout_s=timeout)
+        self._trainers: weakref.WeakSet[Trainer] = weakref.WeakSet()
         self._closed = False
 
     def create_job(
@@ -118,8 +120,10 @@ class Client:
         if self._closed:
             return
         self._closed = True
+        for trainer in list(self._trainers):
+            trainer.close()
         self._chan.close()
-        self.ctx.term()
+        self.ctx.destroy(linger=0)  # closes any socket still open instead of waiting on it
 
     def __enter__(self) -> Client:
         return self

@@ -82,6 +82,27 @@ class Trainer:
         self._closed = False
         client = job.client
         self._chan = Channel(client.ctx, client.address, timeout_s=client.timeout_s)
+        try:
+            self._connect(shm, grad_slots, world_size, prefetch)
+        except BaseException:
+            self._chan.close()
+            raise
+        client._trainers.add(self)
+        log.info(
+            "worker %d joined job %r at step %d: %d stages, prefetch %d, ring %d bytes, %s",
+            self.worker_id,
+            job.name,
+            self._step,
+            len(runners),
+            prefetch,
+            self._ring.nbytes,
+            "shared memory" if self.shm else "data frames",
+        )
+
+    def _connect(self, shm: bool | None, grad_slots: int, world_size: int, prefetch: int) -> None:
+        """Attach a fresh session, join as a worker, map shared memory and start the threads."""
+        job = self.job
+        client = job.client
         attached, _ = self._chan.request(m.Attach(name=job.name, token=job._token), m.Attached)
         self.session = attached.session
         published = None
@@ -119,22 +140,12 @@ class Trainer:
             published=published,
             published_dtype=pub_dtype,
         )
-        self._ring = WeightRing(prefetch + 1, max(self._sc.numels), pub_dtype, device)
+        self._ring = WeightRing(prefetch + 1, max(self._sc.numels), pub_dtype, self.device)
         self._prefetcher = Prefetcher(self._sc, self._ring)
         self._pusher = GradientPusher(self._sc, grad_views, joined.grad_slots)
         self._heartbeat = HeartbeatThread(self._sc, interval_s=max(0.05, attached.lease_s / 3))
         self._steps_done = 0
         self._peak_boundary = 0
-        log.info(
-            "worker %d joined job %r at step %d: %d stages, prefetch %d, ring %d bytes, %s",
-            self.worker_id,
-            job.name,
-            self._step,
-            len(runners),
-            prefetch,
-            self._ring.nbytes,
-            "shared memory" if self.shm else "data frames",
-        )
 
     # ---- public ------------------------------------------------------------------------------------
     @property

@@ -81,10 +81,19 @@ def client(server: ServerProcess) -> Iterator[Client]:
 
 
 def run_workers(
-    address: str, job: str, token: str, model: str, steps: int, ranks: int, tmp_path: Path, *extra: str
+    address: str,
+    job: str,
+    token: str,
+    model: str,
+    steps: int,
+    ranks: int,
+    tmp_path: Path,
+    *extra: str,
+    env: dict[str, str] | None = None,
 ) -> list[dict]:
     """Run ``ranks`` worker processes to completion; return their JSON reports."""
     procs = []
+    full_env = {**os.environ, **(env or {})}
     for rank in range(ranks):
         out = tmp_path / f"worker{rank}.json"
         log = open(tmp_path / f"worker{rank}.log", "wb")
@@ -95,7 +104,7 @@ def run_workers(
             *("--world-size", str(ranks)),
             *extra,
         ]
-        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), out, log))
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env), out, log))
     reports = []
     for proc, out, log in procs:
         try:

@@ -52,10 +52,21 @@ def deep(n: int = 64, width: int = 256, seed: int = 0) -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(n)]
 
 
-BUILDERS = {"mixed": mixed, "dropout_chain": dropout_chain, "deep": deep}
+def deep_wide(n: int) -> list[nn.Module]:
+    """``n`` stages of 1024 x 1024 (about 4 MiB each): for the residency test."""
+    return [nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(n)]
 
-IN_FEATURES = {"mixed": 12, "dropout_chain": 16, "deep": 256}
-OUT_FEATURES = {"mixed": 5, "dropout_chain": 5, "deep": 256}
+
+BUILDERS = {
+    "mixed": mixed,
+    "dropout_chain": dropout_chain,
+    "deep": deep,
+    "deep_wide16": lambda: deep_wide(16),
+    "deep_wide64": lambda: deep_wide(64),
+}
+
+IN_FEATURES = {"mixed": 12, "dropout_chain": 16, "deep": 256, "deep_wide16": 1024, "deep_wide64": 1024}
+OUT_FEATURES = {"mixed": 5, "dropout_chain": 5, "deep": 256, "deep_wide16": 1024, "deep_wide64": 1024}
 
 
 def batch(model: str, step: int, rank: int = 0, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

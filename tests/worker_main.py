@@ -10,7 +10,8 @@ import json
 import os
 import sys
 
-import psutil
+import threading
+
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -18,6 +19,35 @@ sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
 
 from wstream.client import Client  # noqa: E402
+
+
+def rss_anon() -> int:
+    """Private anonymous memory of this process (bytes): what it allocated itself. Unlike RSS it
+    leaves out pages of shared memory that are mapped from the server."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no RssAnon in /proc/self/status")
+
+
+class PeakSampler:
+    """Samples RssAnon every 2 ms in a thread, so peaks inside a step are seen."""
+
+    def __init__(self) -> None:
+        self.peak = rss_anon()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss_anon())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return max(self.peak, rss_anon())
 
 
 def main() -> None:
@@ -32,30 +62,36 @@ def main() -> None:
     p.add_argument("--frames", action="store_true")
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--warmup-width", type=int, default=0, help="initialize torch's kernels before measuring")
     args = p.parse_args()
     torch.manual_seed(1234 + args.rank)
-    rss0 = psutil.Process().memory_info().rss
     with torch.device("meta"):
         stages = models.BUILDERS[args.model]()
     with Client(args.address, timeout=30) as client:
         job = client.attach_job(args.job, token=args.token, stages=stages)
+        if args.warmup_width:  # torch's one-time runtime buffers are not the worker's memory
+            lin = torch.nn.Linear(args.warmup_width, args.warmup_width)
+            x0 = torch.randn(16, args.warmup_width, requires_grad=True)
+            torch.autograd.grad(torch.tanh(lin(x0)).sum(), [x0, *lin.parameters()])
+            del lin, x0
+        anon0 = rss_anon()
+        sampler = PeakSampler()
         trainer = job.trainer(
             prefetch=args.prefetch, shm=False if args.frames else None, world_size=args.world_size
         )
         losses = []
-        peak_rss = rss0
         for _ in range(args.steps):
             x, y = models.batch(args.model, trainer.step_index, args.rank)
             losses.append(trainer.step(x, y, models.loss_fn))
-            peak_rss = max(peak_rss, psutil.Process().memory_info().rss)
+        peak_anon = sampler.stop()
         stats = trainer.stats()
         trainer.close()
     with open(args.out, "w") as f:
         json.dump(
             {
                 "losses": losses,
-                "rss_before": rss0,
-                "peak_rss": peak_rss,
+                "anon_before": anon0,
+                "peak_anon": peak_anon,
                 "peak_resident_stages": stats.peak_resident_stages,
                 "ring_bytes": stats.ring_bytes,
                 "shm": trainer.shm,

@@ -1,0 +1,62 @@
+"""``wstream``: look at and manage a running server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import msgspec
+
+from wstream.protocol import WstreamError, format_bytes
+
+from .client import Client
+
+
+def _status(args: argparse.Namespace) -> int:
+    with Client(args.server, timeout=args.timeout) as client:
+        st = client.status()
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(st), indent=2))
+        return 0
+    print(
+        f"server {args.server}  pid {st.pid}  protocol {st.protocol}  up {st.uptime_s:.0f} s  "
+        f"memory {format_bytes(st.memory_used)} of {format_bytes(st.memory_limit)}"
+    )
+    if not st.jobs:
+        print("no jobs")
+        return 0
+    header = f"{'job':<20} {'stages':>6} {'params':>12} {'step':>8} {'workers':>7} {'memory':>12} {'optimizer':>10} {'opt time':>9}"
+    print(header)
+    print("-" * len(header))
+    for j in st.jobs:
+        state = "" if j.ready else " (creating)"
+        print(
+            f"{j.name + state:<20} {j.stages:>6} {j.params:>12,} {j.step:>8} {len(j.workers):>7} "
+            f"{format_bytes(j.bytes):>12} {j.optimizer:>10} {j.optimizer_s:>8.2f}s"
+        )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="wstream", description="Inspect and manage a wstream-server.")
+    sub = p.add_subparsers(dest="command", required=True)
+    s = sub.add_parser("status", help="jobs, workers, steps and memory of a server")
+    s.add_argument("--server", default="tcp://127.0.0.1:5555", help="server endpoint (default %(default)s)")
+    s.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    s.set_defaults(func=_status)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except WstreamError as exc:
+        print(f"wstream: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Bad input gets a clear error, and the server keeps serving every other job."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+from torch import nn
+
+import models
+from conftest import HERE, ServerProcess, start_server
+from rawwire import RawPeer
+from wstream.client import AdamW, Client, JobExistsError, MemoryLimitError
+from wstream.protocol import PROTOCOL_VERSION
+
+ADAM = {"kind": "adamw", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
+
+
+def _attach_worker(peer: RawPeer, job: str, token: str, *, shm: bool) -> bytes:
+    reply, _ = peer.request("attach", name=job, token=token)
+    assert reply["op"] == "attached", reply
+    session = reply["session"]
+    reply, _ = peer.request("join", session=session, shm=shm)
+    assert reply["op"] == "joined", reply
+    return session
+
+
+def test_every_bad_message_is_answered_while_another_job_trains(server: ServerProcess, tmp_path: Path) -> None:
+    steps = 8
+    stages = models.mixed(seed=11)
+    start = copy.deepcopy(stages)
+    client = Client(server.address, timeout=30)
+    client.create_job("busy", stages, optimizer=AdamW(lr=1e-3), token="busy-token")
+    out = tmp_path / "busy.json"
+    with open(tmp_path / "busy.log", "wb") as log:
+        worker = subprocess.Popen(
+            [sys.executable, str(HERE / "worker_main.py"), server.address, "busy", "busy-token", "mixed", str(steps), "0", str(out)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    victim = client.create_job("victim", models.mixed(seed=2), optimizer=AdamW(), token="victim-token")
+    peer = RawPeer(server.address)
+    try:
+        cases: list[tuple[str, list[bytes], str, str]] = [
+            ("garbage bytes", [b"\xc1\xff\x00not msgpack"], "bad_message", "not a msgpack map"),
+            ("header is a list", [msgpack.packb([1, 2, 3])], "bad_message", "not a msgpack map"),
+            ("no op", [msgpack.packb({"v": PROTOCOL_VERSION, "id": 1})], "bad_message", "op"),
+            ("unknown op", [msgpack.packb({"v": PROTOCOL_VERSION, "op": "format_disk"})], "unknown_op", "format_disk"),
+            ("old version", [msgpack.packb({"v": 0, "op": "status"})], "version_mismatch", "version 0"),
+            (
+                "wrong field type",
+                [msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": 5, "token": "x"})],
+                "bad_message",
+                "$.name",
+            ),
+            (
+                "negative step",
+                [msgpack.packb({"v": PROTOCOL_VERSION, "op": "fetch", "session": b"s" * 16, "stage": 0, "step": -3})],
+                "bad_message",
+                "$.step",
+            ),
+            (
+                "extra data frame",
+                [msgpack.packb({"v": PROTOCOL_VERSION, "op": "status"}), b"junk"],
+                "bad_message",
+                "data frame",
+            ),
+            (
+                "unknown session",
+                [msgpack.packb({"v": PROTOCOL_VERSION, "op": "heartbeat", "session": b"z" * 16})],
+                "auth_failed",
+                "session",
+            ),
+            ("wrong token", [msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "victim", "token": "nope"})], "auth_failed", "wrong token"),
+            ("unknown job", [msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "ghost", "token": "x"})], "unknown_job", "ghost"),
+        ]
+        for what, frames, code, words in cases:
+            reply, _ = peer.send_frames(frames)
+            assert reply["op"] == "error", what
+            assert reply["code"] == code, (what, reply)
+            assert words in reply["message"], (what, reply["message"])
+
+        # gradients: wrong size, wrong slot, stale step, not joined, frames mode length
+        session = _attach_worker(peer, "victim", "victim-token", shm=True)
+        numel0 = victim.specs[0].numel
+        reply, _ = peer.request("push", session=session, stage=0, step=0, slot=0, numel=numel0 + 1)
+        assert (reply["code"], "elements") == ("bad_gradient", "elements") and str(numel0) in reply["message"]
+        reply, _ = peer.request("push", session=session, stage=0, step=0, slot=9, numel=numel0)
+        assert reply["code"] == "bad_gradient" and "slot 9" in reply["message"]
+        reply, _ = peer.request("push", session=session, stage=0, step=4, slot=0, numel=numel0)
+        assert reply["code"] == "stale_step"
+        reply, _ = peer.request("fetch", session=session, stage=99, step=0)
+        assert reply["code"] == "bad_layout" and "no stage 99" in reply["message"]
+        framed = _attach_worker(peer, "victim", "victim-token", shm=False)
+        reply, _ = peer.request("push", b"\x00" * 12, session=framed, stage=0, step=0, slot=0, numel=numel0)
+        assert reply["code"] == "bad_gradient" and "12 bytes" in reply["message"]
+        reply, _ = peer.request("attach", name="victim", token="victim-token")
+        reply, _ = peer.request("push", session=reply["session"], stage=0, step=0, slot=0, numel=numel0)
+        assert reply["code"] == "bad_state" and "join" in reply["message"]
+
+        # duplicate job name and a job over the memory limit, through the client API
+        with pytest.raises(JobExistsError, match="busy"):
+            client.create_job("busy", models.mixed(), token="x")
+        with torch.device("meta"):  # sizes are all admission needs: refused before any upload
+            huge = [nn.Linear(8192, 8192) for _ in range(20)]  # 1.3 G params * 12 bytes > 4 GiB
+        with pytest.raises(MemoryLimitError, match=r"needs .* bytes\) but only .* bytes\) .* free"):
+            client.create_job("huge", huge, token="x")
+        assert "huge" not in {j.name for j in client.status().jobs}
+    finally:
+        peer.close()
+
+    assert worker.wait(timeout=240) == 0, (tmp_path / "busy.log").read_text()
+    ref = nn.Sequential(*start)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    for s in range(steps):
+        opt.zero_grad()
+        models.loss_fn(ref(models.batch("mixed", s)[0]), models.batch("mixed", s)[1]).backward()
+        opt.step()
+    got = client.attach_job("busy", token="busy-token").state_dict()
+    want = ref.state_dict()
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
+    client.close()
+
+
+def test_sessions_are_bound_to_their_job(client: Client) -> None:
+    a = client.create_job("a", [nn.Linear(4, 4)], token="ta")
+    client.create_job("b", [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 2)], token="tb")
+    # a's session cannot reach b's stages: stage 2 exists only in b
+    with pytest.raises(Exception, match="no stage 2"):
+        from wstream.protocol import messages as m
+
+        client._chan.request(m.Pull(session=a.session, stage=2), m.Master)
+    with pytest.raises(Exception, match="wrong token"):
+        client.attach_job("b", token="ta")
+
+
+def test_growing_job_and_join_over_memory_limit_are_refused(tmp_path: Path) -> None:
+    srv = start_server(tmp_path, "--memory-limit", "3MiB")
+    try:
+        with Client(srv.address, timeout=30) as c:
+            # a generator gives no size up front: the stage that crosses the limit is refused,
+            # and the half-made job is removed
+            with pytest.raises(MemoryLimitError, match="stage 3"):
+                c.create_job("growing", (nn.Linear(256, 256) for _ in range(10)), token="x")
+            assert c.status().jobs == [] and c.status().memory_used == 0
+            job = c.create_job("j", [nn.Linear(256, 256)], optimizer=AdamW(), token="t")  # ~0.8 MiB
+            with pytest.raises(MemoryLimitError, match="gradient ring"):
+                job.trainer(grad_slots=64)
+            with job.trainer(grad_slots=2) as tr:  # a smaller ring fits
+                tr.step(torch.randn(2, 256), torch.randn(2, 256), models.loss_fn)
+    finally:
+        assert srv.stop() == 0
