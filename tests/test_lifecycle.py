@@ -1,0 +1,113 @@
+"""Server lifecycle: clean exit on signals, no shared memory left behind, stale segments reaped,
+and the ``wstream status`` command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import models
+from conftest import start_server
+from wstream.client import AdamW, Client
+from wstream.protocol.shm import PREFIX, SHM_DIR, segment_paths
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_exits_cleanly_and_removes_every_segment(tmp_path: Path, sig: int) -> None:
+    srv = start_server(tmp_path)
+    with Client(srv.address, timeout=30) as c:
+        job = c.create_job("j", models.mixed(), optimizer=AdamW(), token="t")
+        trainer = job.trainer()
+        trainer.step(*models.batch("mixed", 0), models.loss_fn)
+        made = segment_paths(srv.proc.pid)
+        assert len(made) == 2  # published weights + this worker's gradient ring
+        for path in made:
+            assert os.stat(path).st_mode & 0o777 == 0o600
+        assert srv.stop(sig) == 0, srv.log()
+        trainer._heartbeat.close()  # the server is gone: don't wait for a lease to notice
+    assert not segment_paths(srv.proc.pid)
+    assert "all shared-memory segments removed" in srv.log()
+
+
+def test_stale_segments_of_a_dead_server_are_reaped(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = Path(SHM_DIR) / f"{PREFIX}{int(dead.stdout)}-{'ab' * 16}"
+    stale.write_bytes(b"x" * 4096)
+    srv = start_server(tmp_path)
+    try:
+        assert not stale.exists()
+        assert "reaped 1 stale" in srv.log()
+    finally:
+        assert srv.stop() == 0
+
+
+def test_status_command_prints_jobs_workers_steps_and_memory(tmp_path: Path) -> None:
+    srv = start_server(tmp_path, "--memory-limit", "1GiB")
+    try:
+        with Client(srv.address, timeout=30) as c:
+            job = c.create_job("status-demo", models.mixed(), optimizer=AdamW(), token="t")
+            with job.trainer() as tr:
+                for s in range(3):
+                    tr.step(*models.batch("mixed", s), models.loss_fn)
+                out = subprocess.run(
+                    [sys.executable, "-m", "wstream.client.admin", "status", "--server", srv.address],
+                    capture_output=True,
+                    text=True,
+                    timeout=60,
+                )
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert "of 1.00 GiB" in lines[0]
+        row = next(line for line in lines if line.startswith("status-demo"))
+        fields = row.split()
+        params = sum(p.numel() for m in models.mixed() for p in m.parameters())
+        assert fields[1:5] == ["5", f"{params:,}", "3", "1"]  # stages, params, step, workers
+    finally:
+        assert srv.stop() == 0
+
+
+def test_status_of_a_server_that_is_not_there_fails_clearly(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "wstream.client.admin", "status", "--server", f"ipc://{tmp_path}/none", "--timeout", "1"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 1
+    assert "did not answer within 1 s" in out.stderr
+
+
+def test_server_refuses_a_bad_bind_address(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "wstream.server", "--bind", "nonsense"], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 2
+    assert "not a ZeroMQ endpoint" in out.stderr
+
+
+def test_worker_lease_expiry_lets_the_other_worker_go_on(tmp_path: Path) -> None:
+    """A worker that stops talking is detached after its lease; the job goes on without it."""
+    srv = start_server(tmp_path, "--lease", "1.0")
+    try:
+        with Client(srv.address, timeout=30) as c:
+            job = c.create_job("lease", models.mixed(), optimizer=AdamW(), token="t")
+            silent = job.trainer(world_size=2)
+            silent._heartbeat.close()  # stops heart-beating, as a hung process would
+            with job.trainer(world_size=2) as alive:
+                loss = alive.step(*models.batch("mixed", 0), models.loss_fn)  # waits for the lease
+            assert torch.isfinite(torch.tensor(loss))
+            st = c.status().jobs[0]
+            assert st.step == 1 and st.workers == []
+            assert "silent for more than its 1 s lease" in srv.log()
+            silent._closed = True  # its session is gone already
+            silent._prefetcher.close()
+            silent._pusher.close()
+            silent._chan.close()
+    finally:
+        assert srv.stop() == 0

@@ -1,0 +1,181 @@
+"""The wire format, in isolation: round trips, validation, bounds, layouts, sizes."""
+
+from __future__ import annotations
+
+import msgpack
+import msgspec
+import pytest
+
+from wstream.protocol import (
+    PROTOCOL_VERSION,
+    SGD,
+    AdamW,
+    LayoutError,
+    ProtocolError,
+    UnknownOpError,
+    VersionMismatchError,
+    check_frames,
+    decode_reply,
+    decode_request,
+    encode,
+    error_from_code,
+    format_bytes,
+    parse_size,
+    peek_id,
+)
+from wstream.protocol import messages as m
+from wstream.protocol.errors import ErrorCode, GradientError, WstreamError
+from wstream.protocol.layout import ALIGN_ELEMENTS, build_stage_spec, describe_mismatch, validate_stage
+
+SID = bytes(range(16))
+SPEC = build_stage_spec("0", [("w", (3, 5)), ("b", (5,))])
+
+REQUESTS: list[m.Message] = [
+    m.CreateJob(name="job-1", token="t", optimizer=AdamW(lr=0.1), dtype="bfloat16", total_numel=10),
+    m.CreateJob(name="j", token="t", optimizer=SGD(momentum=0.9)),
+    m.AddStage(session=SID, index=0, spec=SPEC),
+    m.Seal(session=SID),
+    m.Attach(name="j", token="secret"),
+    m.Join(session=SID, shm=True, grad_slots=4, world_size=2),
+    m.Fetch(session=SID, stage=3, step=9),
+    m.Push(session=SID, stage=3, step=9, slot=1, numel=100),
+    m.Pull(session=SID, stage=0),
+    m.Heartbeat(session=SID),
+    m.Leave(session=SID),
+    m.DropJob(session=SID),
+    m.Status(),
+]
+
+
+@pytest.mark.parametrize("msg", REQUESTS, ids=lambda x: type(x).__name__)
+def test_every_request_round_trips_and_is_plain_msgpack(msg: m.Message) -> None:
+    header = encode(msg)
+    assert decode_request(header) == msg
+    plain = msgpack.unpackb(header)
+    assert plain["op"] == m.op_of(type(msg)) and plain["v"] == PROTOCOL_VERSION
+    assert decode_request(msgpack.packb(plain)) == msg  # another encoder's bytes decode too
+
+
+def test_every_op_is_covered_here() -> None:
+    assert {m.op_of(type(x)) for x in REQUESTS} == set(m.REQUEST_TYPES)
+
+
+def test_replies_round_trip() -> None:
+    replies = [
+        m.Weights(id=3, stage=1, step=2, offset=64),
+        m.Pushed(id=4, stage=1, step=2, slot=0),
+        m.Master(stage=0, version=5),
+        m.Ok(id=1),
+        m.Error(code="bad_message", message="x"),
+        m.Joined(worker=1, step=0, grad_path="/dev/shm/x", grad_slot_bytes=64, grad_slots=2),
+    ]
+    for r in replies:
+        assert decode_reply(encode(r)) == r
+    with pytest.raises(UnknownOpError):
+        decode_reply(encode(m.Status()))  # a request is not a reply
+
+
+@pytest.mark.parametrize(
+    ("header", "error", "words"),
+    [
+        (b"\x93\x01\x02", ProtocolError, "not a msgpack map"),
+        (b"\xc1", ProtocolError, "not a msgpack map"),
+        (msgpack.packb({"v": 1}), ProtocolError, "op"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "nope"}), UnknownOpError, "'nope'"),
+        (msgpack.packb({"v": 99, "op": "status"}), VersionMismatchError, "version 99"),
+        (msgpack.packb({"op": "status"}), VersionMismatchError, "version -1"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "status", "extra": 1}), ProtocolError, "extra"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "fetch", "session": b"x" * 15, "stage": 0, "step": 0}), ProtocolError, "$.session"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "fetch", "session": SID, "stage": 2**40, "step": 0}), ProtocolError, "$.stage"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "join", "session": SID, "shm": True, "grad_slots": 0}), ProtocolError, "$.grad_slots"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "../etc", "token": "t"}), ProtocolError, "$.name"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "a" * 129, "token": "t"}), ProtocolError, "$.name"),
+        (
+            msgpack.packb({"v": PROTOCOL_VERSION, "op": "create_job", "name": "j", "token": "t", "optimizer": {"kind": "adamw", "lr": -1.0}}),
+            ProtocolError,
+            "lr must be",
+        ),
+        (
+            msgpack.packb({"v": PROTOCOL_VERSION, "op": "create_job", "name": "j", "token": "t", "optimizer": {"kind": "lion"}}),
+            ProtocolError,
+            "lion",
+        ),
+        (
+            msgpack.packb(
+                {"v": PROTOCOL_VERSION, "op": "add_stage", "session": SID, "index": 0,
+                 "spec": {"name": "0", "numel": 4, "params": [["w", [1] * 9, 0]]}}
+            ),
+            ProtocolError,
+            "length <= 8",
+        ),
+    ],
+)
+def test_malformed_headers_raise_named_errors(header: bytes, error: type[Exception], words: str) -> None:
+    with pytest.raises(error) as info:
+        decode_request(header)
+    assert words in str(info.value)
+    assert isinstance(info.value, WstreamError)
+
+
+def test_peek_id_survives_garbage() -> None:
+    assert peek_id(msgpack.packb({"op": "x", "id": 42})) == 42
+    assert peek_id(b"\xff\xff") == 0
+    assert peek_id(msgpack.packb({"op": "x", "id": "seven"})) == 0
+
+
+def test_frame_counts_are_checked() -> None:
+    check_frames(m.Status(), [])
+    with pytest.raises(ProtocolError, match="0 data frame"):
+        check_frames(m.Status(), [b""])
+    with pytest.raises(ProtocolError, match="1 data frame"):
+        check_frames(m.AddStage(session=SID, index=0, spec=SPEC), [])
+    check_frames(m.Push(session=SID, stage=0, step=0, slot=0, numel=1), [b"x"])
+
+
+def test_optimizer_records_validate_on_construction() -> None:
+    with pytest.raises(ValueError, match="betas"):
+        AdamW(betas=(1.5, 0.9))
+    with pytest.raises(ValueError, match="nesterov"):
+        SGD(nesterov=True)
+    with pytest.raises(ValueError, match="eps"):
+        AdamW(eps=float("nan"))
+    assert msgspec.msgpack.decode(encode(AdamW()), type=AdamW) == AdamW()
+
+
+def test_layouts_are_aligned_and_validated() -> None:
+    spec = build_stage_spec("s", [("a", (3,)), ("b", (2, 2)), ("c", ())])
+    assert [p.offset for p in spec.params] == [0, ALIGN_ELEMENTS, 2 * ALIGN_ELEMENTS]
+    assert spec.numel == 3 * ALIGN_ELEMENTS
+    validate_stage(0, spec)
+    overlap = m.StageSpec(name="x", numel=10, params=[m.ParamSpec("a", (4,), 0), m.ParamSpec("b", (4,), 2)])
+    with pytest.raises(LayoutError, match="overlap"):
+        validate_stage(1, overlap)
+    outside = m.StageSpec(name="x", numel=3, params=[m.ParamSpec("a", (4,), 0)])
+    with pytest.raises(LayoutError, match="beyond"):
+        validate_stage(1, outside)
+    with pytest.raises(LayoutError, match="no parameters"):
+        validate_stage(2, m.StageSpec(name="x", numel=0, params=[]))
+    with pytest.raises(LayoutError, match="twice"):
+        validate_stage(2, m.StageSpec(name="x", numel=8, params=[m.ParamSpec("a", (2,), 0), m.ParamSpec("a", (2,), 4)]))
+    other = build_stage_spec("s", [("a", (3,)), ("b", (2, 3)), ("c", ())])
+    assert describe_mismatch([spec], [spec]) is None
+    assert "'b' has shape [2, 3]" in describe_mismatch([spec], [other])
+    assert "2 stages" in describe_mismatch([spec, spec], [spec])
+
+
+def test_error_codes_map_back_to_classes() -> None:
+    err = error_from_code("bad_gradient", "too big")
+    assert isinstance(err, GradientError) and err.message == "too big"
+    assert error_from_code("from_the_future", "x").code == ErrorCode.INTERNAL
+    assert "[from_the_future]" in str(error_from_code("from_the_future", "x"))
+
+
+def test_sizes() -> None:
+    assert parse_size("8GiB") == 8 * 2**30
+    assert parse_size("1.5G") == 1_500_000_000
+    assert parse_size("512") == 512
+    assert parse_size(7) == 7
+    with pytest.raises(ValueError, match="cannot read 'lots'"):
+        parse_size("lots")
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(10) == "10 B"
