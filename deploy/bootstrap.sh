@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Set up a virtual environment for wstream and run the demo or the tests.
+#
+#   bash deploy/bootstrap.sh demo [args for examples/train_gpt.py]
+#   bash deploy/bootstrap.sh test [args for pytest]
+#
+# Creates .venv (if missing) next to this repository, installs torch FIRST, keeping a torch that
+# is already importable (set WSTREAM_TORCH to choose another requirement, e.g. a CUDA build), then
+# installs wstream itself in editable mode with its test extras.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${WSTREAM_VENV:-$here/.venv}"
+python="${PYTHON:-python3}"
+what="${1:-}"
+shift || true
+
+case "$what" in
+  demo|test) ;;
+  *) echo "usage: bash deploy/bootstrap.sh demo|test [args...]" >&2; exit 2 ;;
+esac
+
+if [ ! -x "$venv/bin/python" ]; then
+  # --system-site-packages: a torch installed system-wide is used rather than downloaded again
+  "$python" -m venv --system-site-packages "$venv"
+fi
+py="$venv/bin/python"
+
+if ! "$py" -c "import torch" >/dev/null 2>&1; then
+  "$py" -m pip install --quiet "${WSTREAM_TORCH:-torch==2.13.0}"
+fi
+"$py" -m pip install --quiet -e "$here[test]"
+
+cd "$here"
+export PYTHONUNBUFFERED=1
+if [ "$what" = demo ]; then
+  exec "$py" examples/train_gpt.py "$@"
+else
+  exec "$py" -m pytest "$@"
+fi

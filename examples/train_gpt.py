@@ -1,0 +1,149 @@
+"""Train a small character-level GPT through wstream, end to end on one machine.
+
+Starts a ``wstream-server`` on an embedded default address (unless one already answers there),
+creates the job stage by stage, trains with a progress bar, then prints the worker's peak memory
+next to what the whole model would need, and a sample of generated text.
+
+    python examples/train_gpt.py                 # defaults: 4 layers, 200 steps
+    python examples/train_gpt.py --steps 20      # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from wstream.client import AdamW, Client, ServerUnavailable
+from wstream.client.models import GPTConfig, gpt_stages, lm_loss
+from wstream.protocol import format_bytes
+
+TEXT = Path(__file__).parent / "data" / "sonnets.txt"
+DEFAULT_SERVER = f"ipc://{tempfile.gettempdir()}/wstream-demo-{os.getuid()}.sock"
+
+
+def start_server(address: str) -> subprocess.Popen[bytes] | None:
+    """Start a server at ``address`` unless one answers there already; wait until it does."""
+    try:
+        with Client(address, timeout=1.0) as c:
+            c.status()
+        print(f"using the wstream-server already running at {address}")
+        return None
+    except ServerUnavailable:
+        pass
+    cmd = [sys.executable, "-m", "wstream.server", "--bind", address, "--memory-limit", "2GiB", "--log-level", "WARNING"]
+    proc = subprocess.Popen(cmd)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            with Client(address, timeout=1.0) as c:
+                c.status()
+            print(f"started wstream-server (pid {proc.pid}) at {address}")
+            return proc
+        except ServerUnavailable:
+            if proc.poll() is not None:
+                raise SystemExit(f"wstream-server exited with code {proc.returncode}") from None
+    proc.kill()
+    raise SystemExit("wstream-server did not come up within 60 s")
+
+
+def batches(data: torch.Tensor, seq: int, batch: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        starts = torch.randint(0, len(data) - seq - 1, (batch,), generator=g)
+        x = torch.stack([data[s : s + seq] for s in starts])
+        y = torch.stack([data[s + 1 : s + seq + 1] for s in starts])
+        yield x, y
+
+
+@torch.no_grad()
+def sample(model: nn.Module, stoi: dict[str, int], itos: list[str], prompt: str, length: int, block: int) -> str:
+    idx = torch.tensor([[stoi[c] for c in prompt]])
+    g = torch.Generator().manual_seed(0)
+    for _ in range(length):
+        logits = model(idx[:, -block:])[:, -1] / 0.8
+        nxt = torch.multinomial(torch.softmax(logits, dim=-1), 1, generator=g)
+        idx = torch.cat([idx, nxt], dim=1)
+    return "".join(itos[i] for i in idx[0].tolist())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--server", default=DEFAULT_SERVER, help="server endpoint (started if none answers)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--embd", type=int, default=128)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--prefetch", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+
+    text = TEXT.read_text()
+    itos = sorted(set(text))
+    stoi = {c: i for i, c in enumerate(itos)}
+    data = torch.tensor([stoi[c] for c in text])
+    cfg = GPTConfig(vocab_size=len(itos), block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
+
+    server = start_server(args.server)
+    job_name = f"gpt-demo-{os.getpid()}"
+    try:
+        with Client(args.server) as client:
+            torch.manual_seed(args.seed)
+            job = client.create_job(
+                job_name, gpt_stages(cfg), optimizer=AdamW(lr=args.lr, weight_decay=0.1), token="demo", progress=True
+            )
+            print(f"job {job_name!r}: {job.num_stages} stages, {job.num_params:,} parameters")
+            data_iter = batches(data, args.seq, args.batch, args.seed)
+            process = psutil.Process()
+            with job.trainer(prefetch=args.prefetch) as trainer:
+                bar = tqdm(range(args.steps), desc="training", unit="step")
+                first = last = 0.0
+                t0 = time.perf_counter()
+                for step in bar:
+                    x, y = next(data_iter)
+                    last = trainer.step(x, y, lm_loss)
+                    first = first or last
+                    bar.set_postfix(loss=f"{last:.3f}")
+                elapsed = time.perf_counter() - t0
+                stats = trainer.stats()
+            rss = process.memory_info().rss
+            params = job.num_params
+            print(f"\nloss {first:.3f} -> {last:.3f} in {args.steps} steps ({args.steps / elapsed:.1f} steps/s)")
+            print("memory:")
+            print(f"  whole model, fp32 weights + grads + AdamW state (16 B/param): {format_bytes(16 * params)}")
+            print(
+                f"  worker peak: weight ring {format_bytes(stats.ring_bytes)} "
+                f"({stats.ring_capacity} of {job.num_stages} stages resident at most, peak {stats.peak_resident_stages}) "
+                f"+ stage-boundary activations {format_bytes(stats.peak_boundary_bytes)}"
+            )
+            print(f"  (this process's RSS, torch runtime included: {format_bytes(rss)})")
+            print(
+                f"  streamed per step: {format_bytes(stats.bytes_fetched / max(stats.steps, 1))} of weights in, "
+                f"{format_bytes(stats.bytes_pushed / max(stats.steps, 1))} of gradients out"
+            )
+            model = nn.Sequential(*gpt_stages(cfg))
+            model.load_state_dict(job.state_dict())
+            model.eval()
+            print("\nsample:\n" + sample(model, stoi, itos, "Shall I ", 240, args.seq))
+            job.drop()
+    finally:
+        if server is not None:
+            server.send_signal(signal.SIGTERM)
+            server.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The demo in examples/ runs end to end (small settings) and says what it promises."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from wstream.protocol.shm import segment_paths
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_gpt_demo_starts_a_server_trains_and_reports_memory(tmp_path: Path) -> None:
+    before = set(segment_paths())
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "train_gpt.py"),
+            *("--server", f"ipc://{tmp_path}/demo.sock", "--steps", "12", "--layers", "2", "--embd", "64"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "started wstream-server" in text
+    assert "job 'gpt-demo-" in text and "4 stages" in text
+    first, last = (float(v) for v in text.split("\nloss ")[1].split(" in ")[0].split(" -> "))
+    assert last < first  # 12 steps from random init already lower the loss
+    assert "worker peak: weight ring" in text and "2 of 4 stages resident at most, peak 2" in text
+    assert "sample:\nShall I " in text
+    assert set(segment_paths()) <= before  # the demo's server cleaned up
