@@ -13,11 +13,11 @@ from torch import nn
 
 from wstream.protocol import LayoutError, StageSpec, StateError, WstreamError
 from wstream.protocol import messages as m
+from wstream.protocol.frames import copy_frames_into, tensor_frames
 from wstream.protocol.layout import describe_mismatch, numel_of
 
 from .channel import Channel
 from .stages import StageRunner, flatten, skeleton_of, spec_of
-from .streaming import tensor_from_frame
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -79,9 +79,7 @@ class Client:
             for i, module in enumerate(stages):
                 spec = spec_of(i, module)
                 flat = flatten(module, spec)
-                self._chan.request(
-                    m.AddStage(session=session, index=i, spec=spec), m.Ok, [flat.numpy()]
-                )
+                self._chan.request(m.AddStage(session=session, index=i, spec=spec), m.Ok, tensor_frames(flat))
                 del flat
                 skeletons.append(skeleton_of(module))
                 if bar is not None:
@@ -193,7 +191,8 @@ class Job:
         out: dict[str, torch.Tensor] = {}
         for i, spec in enumerate(self.specs):
             _, data = self.client._chan.request(m.Pull(session=self.session, stage=i), m.Master)
-            flat = tensor_from_frame(data[0], torch.float32)
+            flat = torch.empty(spec.numel, dtype=torch.float32)
+            copy_frames_into(flat, data)
             for p in spec.params:
                 n = numel_of(p.shape)
                 out[f"{i}.{p.name}"] = flat[p.offset : p.offset + n].view(p.shape).clone()

@@ -15,7 +15,6 @@ import logging
 import queue
 import threading
 import time
-import warnings
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,18 +25,13 @@ import zmq
 from wstream.protocol import ServerUnavailable, WstreamError
 from wstream.protocol import messages as m
 
+from wstream.protocol.frames import copy_frames_into, tensor_frames
+
 from .channel import Channel, raise_or_narrow
 
 log = logging.getLogger(__name__)
 
 TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def tensor_from_frame(frame: zmq.Frame, dtype: torch.dtype) -> torch.Tensor:
-    """A read-only view of a received frame, used only as a copy source."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(frame.buffer, dtype=dtype)
 
 
 class WeightRing:
@@ -189,8 +183,7 @@ class Prefetcher:
                 if job is None:
                     return
                 step, order = job
-                for stage in order:
-                    self._ready.put(self._fetch_one(chan, step, stage, stop))
+                self._fetch_order(chan, step, order, stop)
         except InterruptedError:
             return
         except BaseException as exc:  # handed to the consumer, which raises it
@@ -198,25 +191,42 @@ class Prefetcher:
         finally:
             chan.close()
 
-    def _fetch_one(self, chan: Channel, step: int, stage: int, stop: threading.Event) -> Fetched:
+    def _fetch_order(self, chan: Channel, step: int, order: list[int], stop: threading.Event) -> None:
+        """Fetch ``order`` into the ring, keeping up to a ring's worth of requests in flight.
+
+        Requests run ahead of the copies so that a round trip overlaps the previous copy; the
+        replies may arrive out of order (a stage still updating is answered later) and are matched
+        by request id. Only the copy needs a ring buffer, so memory stays bounded by the ring.
+        """
+        sc = self._sc
+        ahead = self._ring.capacity
+        sent: deque[tuple[int, int]] = deque()  # (request id, stage) in order
+        replies: dict[int, tuple[m.Message, list[zmq.Frame]]] = {}
+        nxt = 0
+        while nxt < len(order) or sent:
+            while nxt < len(order) and len(sent) < ahead:
+                sent.append((chan.send(m.Fetch(session=sc.session, stage=order[nxt], step=step)), order[nxt]))
+                nxt += 1
+            rid, stage = sent[0]
+            while rid not in replies:
+                reply, data = chan.recv(timeout_s=sc.wait_timeout_s, stop=stop)
+                replies[reply.id] = (reply, data)
+            sent.popleft()
+            reply, data = replies.pop(rid)
+            self._ready.put(self._copy_in(stage, raise_or_narrow(reply, m.Weights), data, stop))
+
+    def _copy_in(self, stage: int, reply: m.Weights, data: list[zmq.Frame], stop: threading.Event) -> Fetched:
         sc = self._sc
         idx = self._ring.acquire(stop)
         try:
-            reply, data = chan.request(
-                m.Fetch(session=sc.session, stage=stage, step=step),
-                m.Weights,
-                timeout_s=sc.wait_timeout_s,
-                stop=stop,
-            )
             numel = sc.numels[stage]
             dst = self._ring.buffers[idx][:numel]
             if data:
-                src = tensor_from_frame(data[0], sc.published_dtype)
+                copy_frames_into(dst, data)
             else:
                 assert sc.published is not None
                 nbytes = numel * sc.published_dtype.itemsize
-                src = sc.published[reply.offset : reply.offset + nbytes].view(sc.published_dtype)
-            dst.copy_(src)
+                dst.copy_(sc.published[reply.offset : reply.offset + nbytes].view(sc.published_dtype))
         except BaseException:
             self._ring.release(idx)
             raise
@@ -244,8 +254,8 @@ class GradientPusher:
         if self._slots is not None:
             self._slots[slot][:numel].copy_(grad)
         else:
-            keep = grad.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
-            frames = [keep]
+            keep = grad.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            frames = list(tensor_frames(keep))
         msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
         rid = self._chan.send(msg, frames, copy=False)
         self._outstanding[rid] = (slot, keep)

@@ -98,3 +98,4 @@ def expect(message: Message, cls: type[M]) -> M:
     if not isinstance(message, cls):
         raise ProtocolError(f"expected a {cls.__name__} reply, got {type(message).__name__}")
     return message
+

@@ -25,6 +25,10 @@ MAX_DIMS = 8
 MAX_NUMEL = 2**40
 MAX_GRAD_SLOTS = 64
 MAX_STEP = 2**62
+MAX_DATA_FRAMES = 1 << 16
+CHUNK_BYTES = 4 * 2**20
+"""Tensor bytes travel in data frames of at most this size: one 64 MiB ZeroMQ frame moves several
+times slower than the same bytes in 4 MiB frames (see BENCHMARKS.md)."""
 
 JobName = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
 ParamName = Annotated[str, Meta(min_length=1, max_length=512)]
@@ -125,9 +129,9 @@ class CreateJob(Message, tag="create_job"):
 
 
 class AddStage(Message, tag="add_stage"):
-    """Append one stage: its layout, and its fp32 weights as the data frame."""
+    """Append one stage: its layout, and its fp32 weights as the data frames."""
 
-    frames: ClassVar[tuple[int, int]] = (1, 1)
+    frames: ClassVar[tuple[int, int]] = (1, MAX_DATA_FRAMES)
     session: SessionId
     index: StageIndex
     spec: StageSpec
@@ -161,7 +165,7 @@ class Fetch(Message, tag="fetch"):
 
 
 class Push(Message, tag="push"):
-    frames: ClassVar[tuple[int, int]] = (0, 1)
+    frames: ClassVar[tuple[int, int]] = (0, MAX_DATA_FRAMES)
     session: SessionId
     stage: StageIndex
     step: Step
@@ -220,9 +224,9 @@ class Joined(Message, tag="joined"):
 
 
 class Weights(Message, tag="weights"):
-    """Stage weights for ``step`` are at ``offset`` in the published segment (or in frame 1)."""
+    """Stage weights for ``step`` are at ``offset`` in the published segment (or in the frames)."""
 
-    frames: ClassVar[tuple[int, int]] = (0, 1)
+    frames: ClassVar[tuple[int, int]] = (0, MAX_DATA_FRAMES)
     stage: StageIndex
     step: Step
     offset: int
@@ -237,7 +241,7 @@ class Pushed(Message, tag="pushed"):
 
 
 class Master(Message, tag="master"):
-    frames: ClassVar[tuple[int, int]] = (1, 1)
+    frames: ClassVar[tuple[int, int]] = (1, MAX_DATA_FRAMES)
     stage: StageIndex
     version: Step
 

@@ -37,6 +37,7 @@ from wstream.protocol import (
     StateError,
 )
 from wstream.protocol import messages as m
+from wstream.protocol.frames import copy_frames_into, frames_nbytes, tensor_frames
 from wstream.protocol.layout import validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
 
@@ -180,7 +181,7 @@ class Job:
         self._mapping = map_segment(self.published_path, self._capacity)
 
     # ---- creation --------------------------------------------------------------------------------
-    def add_stage(self, msg: m.AddStage, frame: zmq.Frame) -> None:
+    def add_stage(self, msg: m.AddStage, frames: list[zmq.Frame]) -> None:
         if self.sealed:
             raise StateError(f"job {self.name!r} is sealed: stages cannot be added any more")
         if msg.index != len(self.stages):
@@ -188,9 +189,10 @@ class Job:
         validate_stage(msg.index, msg.spec)
         numel = msg.spec.numel
         expected = numel * 4
-        if len(frame.buffer) != expected:
+        got = frames_nbytes(frames)
+        if got != expected:
             raise LayoutError(
-                f"stage {msg.index}: got {len(frame.buffer)} bytes of weights, the layout needs "
+                f"stage {msg.index}: got {got} bytes of weights, the layout needs "
                 f"{expected} ({numel} float32 elements)"
             )
         pub, priv = stage_bytes(numel, self.optimizer_spec, self.dtype, self.double_buffer)
@@ -210,14 +212,14 @@ class Job:
             self._mapping[o : o + numel * pub_dtype.itemsize].view(pub_dtype)
             for o in ((offset, offset + slot_nbytes) if self.double_buffer else (offset,))
         ]
-        weights = _tensor_from_frame(frame, torch.float32)
         if self.double_buffer:
-            master = weights.clone()
+            master = torch.empty(numel, dtype=torch.float32)
+            copy_frames_into(master, frames)
             slots, offsets = (views[0], views[1]), (offset, offset + slot_nbytes)
             views[0].copy_(master)
         else:
             master = views[0]
-            master.copy_(weights)
+            copy_frames_into(master, frames)
             slots, offsets = (master, master), (offset, offset)
         st = StageState(msg.index, msg.spec, master, slots, offsets, StageOptimizer(self.optimizer_spec, master))
         self.stages.append(st)
@@ -395,7 +397,7 @@ class Job:
     def _weights_reply(self, st: StageState, identity: bytes, request_id: int, shm: bool) -> Outgoing:
         k = st.slot_for(st.version)
         reply = m.Weights(id=request_id, stage=st.index, step=st.version, offset=st.slot_offsets[k])
-        frames: list[object] = [] if shm else [st.slots[k].numpy()]
+        frames: list[object] = [] if shm else list(tensor_frames(st.slots[k]))
         return Outgoing(identity, reply, frames)
 
     def push(
@@ -423,10 +425,10 @@ class Job:
         if worker.shm and frames:
             raise GradientError(f"{where}: a shared-memory worker sends no data frame (the slot holds it)")
         if not worker.shm:
-            if len(frames) != 1 or len(frames[0].buffer) != st.spec.numel * 4:
-                got = len(frames[0].buffer) if frames else 0
-                raise GradientError(f"{where}: data frame of {got} bytes, expected {st.spec.numel * 4}")
-            worker.slots[msg.slot][: st.spec.numel].copy_(_tensor_from_frame(frames[0], torch.float32))
+            got = frames_nbytes(frames)
+            if got != st.spec.numel * 4:
+                raise GradientError(f"{where}: data frames of {got} bytes, expected {st.spec.numel * 4}")
+            copy_frames_into(worker.slots[msg.slot][: st.spec.numel], frames)
         worker.busy.add(msg.slot)
         st.pending[worker.id] = PendingPush(msg.slot, identity, msg.id)
         self._maybe_update(st, submit)
@@ -484,15 +486,6 @@ class Job:
         return self.pull_reply(st, identity, msg.id)
 
     def pull_reply(self, st: StageState, identity: bytes, request_id: int) -> Outgoing:
-        return Outgoing(
-            identity, m.Master(id=request_id, stage=st.index, version=st.version), [st.master.numpy().tobytes()]
-        )
+        snapshot = st.master.clone()  # the master changes in place with the next update
+        return Outgoing(identity, m.Master(id=request_id, stage=st.index, version=st.version), list(tensor_frames(snapshot)))
 
-
-def _tensor_from_frame(frame: zmq.Frame, dtype: torch.dtype) -> torch.Tensor:
-    """A read-only view of a received frame; only ever used as a copy source."""
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        return torch.frombuffer(frame.buffer, dtype=dtype)

@@ -288,7 +288,7 @@ class Server:
         assert isinstance(msg, m.AddStage)
         job = self._session(msg.session).job
         try:
-            job.add_stage(msg, data[0])
+            job.add_stage(msg, data)
         except SegmentSpaceError as exc:
             raise MemoryLimitError(str(exc)) from None
         return Outgoing(identity, m.Ok(id=msg.id))

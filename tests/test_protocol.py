@@ -127,7 +127,7 @@ def test_frame_counts_are_checked() -> None:
     check_frames(m.Status(), [])
     with pytest.raises(ProtocolError, match="0 data frame"):
         check_frames(m.Status(), [b""])
-    with pytest.raises(ProtocolError, match="1 data frame"):
+    with pytest.raises(ProtocolError, match="1 to 65536 data frame"):
         check_frames(m.AddStage(session=SID, index=0, spec=SPEC), [])
     check_frames(m.Push(session=SID, stage=0, step=0, slot=0, numel=1), [b"x"])
 
@@ -168,6 +168,22 @@ def test_error_codes_map_back_to_classes() -> None:
     assert isinstance(err, GradientError) and err.message == "too big"
     assert error_from_code("from_the_future", "x").code == ErrorCode.INTERNAL
     assert "[from_the_future]" in str(error_from_code("from_the_future", "x"))
+
+
+def test_tensor_frames_round_trip_in_chunks() -> None:
+    import torch
+
+    from wstream.protocol.frames import copy_frames_into, frames_nbytes, tensor_frames
+
+    t = torch.randn(1000)
+    frames = tensor_frames(t, chunk=1024)  # 4000 bytes -> 4 frames
+    assert [len(f) for f in frames] == [1024, 1024, 1024, 928]
+    assert frames_nbytes(frames) == 4000
+    out = torch.empty(1000)
+    copy_frames_into(out, frames)
+    assert torch.equal(out, t)
+    with pytest.raises(ValueError, match="hold 3072 bytes, the tensor takes 4000"):
+        copy_frames_into(out, frames[:3])
 
 
 def test_sizes() -> None:

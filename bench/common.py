@@ -1,0 +1,80 @@
+"""Helpers shared by the benchmarks: a server subprocess, machine facts, robust timing."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import psutil
+import torch
+
+from wstream.client import Client, ServerUnavailable
+
+
+def machine() -> str:
+    cpu = platform.processor() or "unknown cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    mem = psutil.virtual_memory().total / 2**30
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB RAM, Python {platform.python_version()}, "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads)"
+    )
+
+
+@contextlib.contextmanager
+def server(*extra: str) -> Iterator[str]:
+    """A wstream-server subprocess on a fresh ipc endpoint; yields its address."""
+    with tempfile.TemporaryDirectory() as tmp:
+        address = f"ipc://{tmp}/bench.sock"
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "wstream.server", "--bind", address, "--log-level", "WARNING", *extra]
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    with Client(address, timeout=1.0) as c:
+                        c.status()
+                    break
+                except ServerUnavailable:
+                    if proc.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError("wstream-server did not start") from None
+            yield address
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=30)
+
+
+def median_time(fn: Callable[[], object], *, repeat: int, warmup: int = 1) -> float:
+    """Median wall time of ``fn`` over ``repeat`` runs (after ``warmup`` untimed ones)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+class FlatStage(torch.nn.Module):
+    """A stage that is just one big parameter: cheap to create, for transfer benchmarks."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(numel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x

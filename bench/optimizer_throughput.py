@@ -1,0 +1,65 @@
+"""(2) The server's per-stage update vs torch.optim.AdamW(fused=True) on a flat tensor.
+
+Runs the server's own update (`UpdateTask.run` on a real `Job`, i.e. gradient mean, fused AdamW on
+the fp32 master in shared memory, publication) and, as the baseline, a bare
+`torch.optim.AdamW([p], fused=True).step()` on a flat tensor of the same size, alternately in this
+process. Ratio = baseline time / wstream time (1.0 = as fast as bare fused AdamW).
+
+    python bench/optimizer_throughput.py [--mparams 32] [--repeat 9]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import zmq
+
+from common import machine, median_time
+from wstream.protocol import AdamW
+from wstream.protocol import messages as m
+from wstream.protocol.layout import build_stage_spec
+from wstream.server.job import Job, UpdateTask
+from wstream.server.memory import MemoryAccount
+
+
+def make_job(numel: int, *, double_buffer: bool, workers: int) -> tuple[Job, UpdateTask]:
+    job = Job(m.CreateJob(name="b", token="t", optimizer=AdamW(lr=1e-4), double_buffer=double_buffer), MemoryAccount(2**40))
+    spec = build_stage_spec("0", [("w", (numel,))])
+    job.add_stage(m.AddStage(session=b"s" * 16, index=0, spec=spec), zmq.Frame(torch.randn(spec.numel).numpy().tobytes()))
+    job.seal()
+    grads = [torch.randn(spec.numel) * 1e-3 for _ in range(workers)]
+    # run() does not flip the version (the loop does, in finish_update), so it can be repeated
+    return job, UpdateTask(job, job.stages[0], grads)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mparams", type=int, default=32, help="stage size in millions of parameters")
+    p.add_argument("--repeat", type=int, default=9)
+    args = p.parse_args()
+    numel = args.mparams * 1_000_000
+    print(f"machine: {machine()}")
+    print(f"one stage of {numel:,} fp32 parameters")
+
+    base = torch.randn(numel)
+    base.grad = torch.randn(numel) * 1e-3
+    opt = torch.optim.AdamW([base], lr=1e-4, fused=True)
+    t_base = median_time(opt.step, repeat=args.repeat)
+    print(f"torch.optim.AdamW(fused=True), flat tensor: {numel / t_base / 1e9:5.2f} G params/s")
+
+    cases = [
+        ("1 worker, fp32 published in place (default)", False, 1),
+        ("1 worker, double-buffered publish", True, 1),
+        ("2 workers (mean of gradients)", False, 2),
+    ]
+    for label, double, workers in cases:
+        job, task = make_job(numel, double_buffer=double, workers=workers)
+        t = median_time(task.run, repeat=args.repeat)
+        t_base = median_time(opt.step, repeat=args.repeat)  # re-measured next to each case
+        print(f"wstream update, {label:45}: {numel / t / 1e9:5.2f} G params/s   ratio {t_base / t:.2f}")
+        job.close()
+
+
+if __name__ == "__main__":
+    main()

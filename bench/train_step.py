@@ -1,0 +1,103 @@
+"""(3) A training step through wstream vs plain PyTorch doing the same recomputation.
+
+Both train the same chain of MLP blocks (each stage >= 20 ms of forward compute here) on the
+same batches. Plain PyTorch keeps only stage boundaries with `torch.utils.checkpoint` on every
+stage (so it recomputes each stage once in backward, like wstream's current schedule) and steps
+`torch.optim.AdamW(fused=True)`. wstream streams every stage from a server process (shared
+memory), with the optimizer running there, stage by stage, during backward.
+Ratio = wstream step time / plain step time (target <= 1.15).
+
+    python bench/train_step.py [--stages 8] [--width 1024] [--batch 256] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import time
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from common import machine, server
+from wstream.client import AdamW, Client
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up = nn.Linear(width, 4 * width)
+        self.down = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.nn.functional.gelu(self.up(self.norm(x))))
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--stages", type=int, default=8)
+    p.add_argument("--width", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=256)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--prefetch", type=int, default=2)
+    args = p.parse_args()
+    print(f"machine: {machine()}")
+    torch.manual_seed(0)
+    stages = [Block(args.width) for _ in range(args.stages)]
+    params = sum(q.numel() for s in stages for q in s.parameters())
+    ref = nn.Sequential(*copy.deepcopy(stages))
+    data = [(torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)) for _ in range(args.steps + 1)]
+    with torch.no_grad():
+        x = data[0][0]
+        t0 = time.perf_counter()
+        for _ in range(3):
+            ref[0](x)
+        per_stage_ms = (time.perf_counter() - t0) / 3 * 1e3
+    print(
+        f"{args.stages} stages x {params // args.stages:,} params (width {args.width}), batch {args.batch}: "
+        f"forward of one stage {per_stage_ms:.1f} ms"
+    )
+
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
+
+    def plain_step(x: torch.Tensor, y: torch.Tensor) -> float:
+        h = x
+        for stage in ref:
+            h = checkpoint(stage, h, use_reentrant=False)
+        loss = loss_fn(h, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    plain_step(*data[0])  # warm-up
+    t0 = time.perf_counter()
+    for x, y in data[1:]:
+        plain_step(x, y)
+    t_plain = (time.perf_counter() - t0) / args.steps
+
+    with server("--memory-limit", "16GiB") as address, Client(address) as client:
+        job = client.create_job("step", stages, optimizer=AdamW(lr=1e-4), token="b")
+        with job.trainer(prefetch=args.prefetch) as trainer:
+            trainer.step(*data[0], loss_fn)  # warm-up
+            t0 = time.perf_counter()
+            for x, y in data[1:]:
+                trainer.step(x, y, loss_fn)
+            t_ws = (time.perf_counter() - t0) / args.steps
+            st = trainer.stats()
+    print(f"plain PyTorch (checkpoint per stage + fused AdamW): {t_plain * 1e3:7.1f} ms/step")
+    print(f"wstream (streamed weights, server-side AdamW):      {t_ws * 1e3:7.1f} ms/step   ratio {t_ws / t_plain:.2f}")
+    print(
+        f"  worker waited {st.fetch_wait_s / st.steps * 1e3:.1f} ms/step for weights, "
+        f"{st.push_wait_s / st.steps * 1e3:.1f} ms/step for gradient slots and the last updates"
+    )
+
+
+if __name__ == "__main__":
+    main()
