@@ -22,12 +22,13 @@ from typing import Any
 import torch
 import zmq
 
-from wstream.protocol import ServerUnavailable, WstreamError
+from wstream.protocol import ServerUnavailable, StageSpec, WstreamError
 from wstream.protocol import messages as m
 
 from wstream.protocol.frames import copy_frames_into, tensor_frames
 
 from .channel import Channel, raise_or_narrow
+from .stages import scatter_grads
 
 log = logging.getLogger(__name__)
 
@@ -246,15 +247,17 @@ class GradientPusher:
         self._outstanding: dict[int, tuple[int, object]] = {}  # request id -> (slot, frame keep-alive)
         self.stats = StreamStats()
 
-    def push(self, stage: int, step: int, grad: torch.Tensor) -> None:
+    def push(self, stage: int, step: int, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
+        """Write the stage's per-parameter gradients into a free slot and send ``push``."""
         slot = self._acquire()
-        numel = grad.numel()
+        numel = spec.numel
         keep: object = None
         frames: list[object] = []
         if self._slots is not None:
-            self._slots[slot][:numel].copy_(grad)
+            scatter_grads(self._slots[slot][:numel], spec, grads)
         else:
-            keep = grad.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            keep = torch.empty(numel, dtype=torch.float32)
+            scatter_grads(keep, spec, grads)
             frames = list(tensor_frames(keep))
         msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
         rid = self._chan.send(msg, frames, copy=False)

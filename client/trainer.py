@@ -237,7 +237,8 @@ class Trainer:
         pushed = False
         for i in range(n - 1, -1, -1):
             fetched = self._prefetcher.get(i)
-            leaf = fetched.weights.detach().requires_grad_(True)
+            runner = self._runners[i]
+            params = runner.leaves(fetched.weights)
             inputs = tuple(
                 x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in boundaries[i]
             )
@@ -245,7 +246,7 @@ class Trainer:
             # already in its state, and leaving it advanced matches what plain training does.
             rng = self._restore_rng(rng_states[i]) if i < n - 1 else contextlib.nullcontext()
             with rng, torch.enable_grad():
-                out = self._runners[i](leaf, inputs)
+                out = runner.call_with(params, inputs)
             grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
             if i == n - 1:
                 loss = loss_fn(out, targets)
@@ -261,12 +262,13 @@ class Trainer:
                     if isinstance(o, torch.Tensor) and o.requires_grad and g is not None:
                         roots.append(o)
                         root_grads.append(g)
-            grads = torch.autograd.grad(roots, [leaf, *grad_inputs], root_grads, allow_unused=True)
-            flat_grad = grads[0] if grads[0] is not None else torch.zeros_like(leaf)
-            it = iter(grads[1:])
+            leaves = [params[p.name] for p in runner.spec.params]
+            grads = torch.autograd.grad(roots, [*leaves, *grad_inputs], root_grads, allow_unused=True)
+            param_grads = list(grads[: len(leaves)])
+            it = iter(grads[len(leaves) :])
             grad_out = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-            del out, roots, root_grads, grads, leaf
-            self._pusher.push(i, self._step, flat_grad)
+            del out, roots, root_grads, grads, leaves, params
+            self._pusher.push(i, self._step, runner.spec, param_grads)
             pushed = True
             self._prefetcher.release(fetched)
             boundaries.pop()  # the input of stage i+1 (or nothing left to keep for i = n-1)
