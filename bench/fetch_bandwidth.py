@@ -44,7 +44,9 @@ def main() -> None:
     with server("--memory-limit", "16GiB") as address, Client(address) as client:
         job = client.create_job("fetch", (FlatStage(numel) for _ in range(args.stages)), optimizer=AdamW(), token="b")
         for mode, shm in (("shm", True), ("frames", False)):
-            trainer = job.trainer(prefetch=args.prefetch, shm=shm)
+            # the copying path: on a GPU this copy is the host-to-device transfer (CPU workers
+            # default to zero_copy, which moves no bytes at all)
+            trainer = job.trainer(prefetch=args.prefetch, shm=shm, zero_copy=False if shm else None)
             pf = trainer._prefetcher  # the worker's real fetch path, driven without compute
             order = list(range(args.stages)) * args.rounds
 

@@ -26,7 +26,7 @@ from wstream.server.memory import MemoryAccount
 def make_job(numel: int, *, double_buffer: bool, workers: int) -> tuple[Job, UpdateTask]:
     job = Job(m.CreateJob(name="b", token="t", optimizer=AdamW(lr=1e-4), double_buffer=double_buffer), MemoryAccount(2**40))
     spec = build_stage_spec("0", [("w", (numel,))])
-    job.add_stage(m.AddStage(session=b"s" * 16, index=0, spec=spec), zmq.Frame(torch.randn(spec.numel).numpy().tobytes()))
+    job.add_stage(m.AddStage(session=b"s" * 16, index=0, spec=spec), [zmq.Frame(torch.randn(spec.numel).numpy().tobytes())])
     job.seal()
     grads = [torch.randn(spec.numel) * 1e-3 for _ in range(workers)]
     # run() does not flip the version (the loop does, in finish_update), so it can be repeated

@@ -5,7 +5,8 @@ same batches. Plain PyTorch keeps only stage boundaries with `torch.utils.checkp
 stage (so it recomputes each stage once in backward, like wstream's current schedule) and steps
 `torch.optim.AdamW(fused=True)`. wstream streams every stage from a server process (shared
 memory), with the optimizer running there, stage by stage, during backward.
-Ratio = wstream step time / plain step time (target <= 1.15).
+The two alternate step by step (plain, wstream, plain, ...) and the medians are compared, so
+drift of a shared machine hits both alike. Ratio = wstream / plain median step time (target <= 1.15).
 
     python bench/train_step.py [--stages 8] [--width 1024] [--batch 256] [--steps 6]
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import statistics
 import time
 
 import torch
@@ -44,8 +46,9 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=8)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--server-threads", type=int, default=None, help="torch threads of the server's optimizer")
     args = p.parse_args()
     print(f"machine: {machine()}")
     torch.manual_seed(0)
@@ -76,21 +79,25 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
-    plain_step(*data[0])  # warm-up
-    t0 = time.perf_counter()
-    for x, y in data[1:]:
-        plain_step(x, y)
-    t_plain = (time.perf_counter() - t0) / args.steps
-
-    with server("--memory-limit", "16GiB") as address, Client(address) as client:
+    plain_times: list[float] = []
+    ws_times: list[float] = []
+    extra = ("--torch-threads", str(args.server_threads)) if args.server_threads else ()
+    with server("--memory-limit", "16GiB", *extra) as address, Client(address) as client:
         job = client.create_job("step", stages, optimizer=AdamW(lr=1e-4), token="b")
         with job.trainer(prefetch=args.prefetch) as trainer:
-            trainer.step(*data[0], loss_fn)  # warm-up
-            t0 = time.perf_counter()
+            plain_step(*data[0])  # warm-up both
+            trainer.step(*data[0], loss_fn)
             for x, y in data[1:]:
+                t0 = time.perf_counter()
+                plain_step(x, y)
+                t1 = time.perf_counter()
                 trainer.step(x, y, loss_fn)
-            t_ws = (time.perf_counter() - t0) / args.steps
+                t2 = time.perf_counter()
+                plain_times.append(t1 - t0)
+                ws_times.append(t2 - t1)
             st = trainer.stats()
+    t_plain = statistics.median(plain_times)
+    t_ws = statistics.median(ws_times)
     print(f"plain PyTorch (checkpoint per stage + fused AdamW): {t_plain * 1e3:7.1f} ms/step")
     print(f"wstream (streamed weights, server-side AdamW):      {t_ws * 1e3:7.1f} ms/step   ratio {t_ws / t_plain:.2f}")
     print(

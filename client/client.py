@@ -160,6 +160,7 @@ class Job:
         grad_slots: int = 2,
         world_size: int = 1,
         preserve_rng: bool = True,
+        zero_copy: bool | None = None,
     ) -> Trainer:
         """Join the job as a data-parallel worker.
 
@@ -168,6 +169,10 @@ class Job:
         receive weights as data frames). ``grad_slots``: gradients in flight to the server.
         ``world_size``: data-parallel workers to wait for before the first update (every worker of
         the job passes the same number); later, each step is the mean over the live workers.
+        ``zero_copy``: a CPU worker on shared memory computes directly on read-only views of the
+        server's published weights instead of copying each stage into its ring (None: whenever
+        possible). Safe because a stage is updated only after every worker has pushed its gradient,
+        i.e. after its last use of those weights (DESIGN.md).
         """
         if self._skeletons is None:
             raise StateError(
@@ -184,6 +189,7 @@ class Job:
             grad_slots=grad_slots,
             world_size=world_size,
             preserve_rng=preserve_rng,
+            zero_copy=zero_copy,
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -36,10 +36,16 @@ TORCH_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": to
 
 
 class WeightRing:
-    """``capacity`` preallocated flat weight buffers; see NOTE [Residency bound]."""
+    """``capacity`` preallocated flat weight buffers; see NOTE [Residency bound].
 
-    def __init__(self, capacity: int, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.buffers = [torch.empty(numel, dtype=dtype, device=device) for _ in range(capacity)]
+    With ``allocate=False`` (zero-copy CPU workers) the ring holds no memory and only counts the
+    stages in use, which still bounds how far the prefetcher runs ahead."""
+
+    def __init__(
+        self, capacity: int, numel: int, dtype: torch.dtype, device: torch.device, *, allocate: bool = True
+    ) -> None:
+        size = numel if allocate else 0
+        self.buffers = [torch.empty(size, dtype=dtype, device=device) for _ in range(capacity)]
         self._free: deque[int] = deque(range(capacity))
         self._cond = threading.Condition()
         self.resident = 0
@@ -106,6 +112,7 @@ class StreamContext:
     numels: list[int]
     published: torch.Tensor | None  # uint8 mapping of the published segment, None in frames mode
     published_dtype: torch.dtype
+    zero_copy: bool = False  # compute on views of ``published`` instead of ring copies
     abort: threading.Event = field(default_factory=threading.Event)
     abort_reason: list[WstreamError] = field(default_factory=list)
 
@@ -219,8 +226,13 @@ class Prefetcher:
     def _copy_in(self, stage: int, reply: m.Weights, data: list[zmq.Frame], stop: threading.Event) -> Fetched:
         sc = self._sc
         idx = self._ring.acquire(stop)
+        numel = sc.numels[stage]
+        if sc.zero_copy:
+            assert sc.published is not None and not data
+            view = sc.published[reply.offset : reply.offset + numel * sc.published_dtype.itemsize]
+            self.stats.fetches += 1
+            return Fetched(stage, idx, view.view(sc.published_dtype))
         try:
-            numel = sc.numels[stage]
             dst = self._ring.buffers[idx][:numel]
             if data:
                 copy_frames_into(dst, data)

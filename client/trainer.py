@@ -71,6 +71,7 @@ class Trainer:
         grad_slots: int,
         world_size: int,
         preserve_rng: bool,
+        zero_copy: bool | None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
@@ -83,7 +84,7 @@ class Trainer:
         client = job.client
         self._chan = Channel(client.ctx, client.address, timeout_s=client.timeout_s)
         try:
-            self._connect(shm, grad_slots, world_size, prefetch)
+            self._connect(shm, grad_slots, world_size, prefetch, zero_copy)
         except BaseException:
             self._chan.close()
             raise
@@ -96,10 +97,12 @@ class Trainer:
             len(runners),
             prefetch,
             self._ring.nbytes,
-            "shared memory" if self.shm else "data frames",
+            ("shared memory, zero-copy" if self.zero_copy else "shared memory") if self.shm else "data frames",
         )
 
-    def _connect(self, shm: bool | None, grad_slots: int, world_size: int, prefetch: int) -> None:
+    def _connect(
+        self, shm: bool | None, grad_slots: int, world_size: int, prefetch: int, zero_copy: bool | None
+    ) -> None:
         """Attach a fresh session, join as a worker, map shared memory and start the threads."""
         job = self.job
         client = job.client
@@ -130,6 +133,10 @@ class Trainer:
                 for k in range(joined.grad_slots)
             ]
         pub_dtype = TORCH_DTYPES[attached.published_dtype]
+        cpu_shm = self.shm and self.device.type == "cpu"
+        if zero_copy and not cpu_shm:
+            raise StateError("zero_copy=True needs a CPU device and shared memory (shm)")
+        self.zero_copy = cpu_shm if zero_copy is None else zero_copy
         self._sc = StreamContext(
             ctx=client.ctx,
             address=client.address,
@@ -139,8 +146,11 @@ class Trainer:
             numels=[s.numel for s in attached.stages],
             published=published,
             published_dtype=pub_dtype,
+            zero_copy=self.zero_copy,
         )
-        self._ring = WeightRing(prefetch + 1, max(self._sc.numels), pub_dtype, self.device)
+        self._ring = WeightRing(
+            prefetch + 1, max(self._sc.numels), pub_dtype, self.device, allocate=not self.zero_copy
+        )
         self._prefetcher = Prefetcher(self._sc, self._ring)
         self._pusher = GradientPusher(self._sc, grad_views, joined.grad_slots)
         self._heartbeat = HeartbeatThread(self._sc, interval_s=max(0.05, attached.lease_s / 3))

@@ -39,13 +39,14 @@ def assert_weights_equal(got: dict[str, torch.Tensor], want: dict[str, torch.Ten
     assert worst <= atol, f"largest difference {worst:.3g} exceeds {atol:.3g}"
 
 
-@pytest.mark.parametrize("frames", [False, True], ids=["shm", "frames"])
-def test_single_worker_adamw_matches_pytorch(client: Client, frames: bool) -> None:
+@pytest.mark.parametrize("mode", ["zero-copy", "shm-copy", "frames"])
+def test_single_worker_adamw_matches_pytorch(client: Client, mode: str) -> None:
     stages = models.mixed()
     start = copy.deepcopy(stages)
     job = client.create_job("eq", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t")
-    with job.trainer(shm=not frames, prefetch=1) as trainer:
-        assert trainer.shm is (not frames)
+    with job.trainer(shm=mode != "frames", zero_copy=mode == "zero-copy" if mode != "frames" else None, prefetch=1) as trainer:
+        assert trainer.shm is (mode != "frames")
+        assert trainer.zero_copy is (mode == "zero-copy")
         losses = [trainer.step(*models.batch("mixed", s), models.loss_fn) for s in range(STEPS)]
     ref_losses: list[float] = []
     want = reference_train(
@@ -89,15 +90,16 @@ def test_dropout_recomputation_replays_the_same_masks(client: Client) -> None:
     assert_weights_equal(job.state_dict(), want, atol=1e-6)
 
 
-@pytest.mark.parametrize("frames", [False, True], ids=["shm", "frames"])
-def test_two_workers_equal_training_on_the_mean_gradient(server: ServerProcess, tmp_path: Path, frames: bool) -> None:
+@pytest.mark.parametrize("mode", ["zero-copy", "shm-copy", "frames"])
+def test_two_workers_equal_training_on_the_mean_gradient(server: ServerProcess, tmp_path: Path, mode: str) -> None:
     stages = models.mixed(seed=5)
     start = copy.deepcopy(stages)
     with Client(server.address, timeout=30) as client:
         job = client.create_job("dp", stages, optimizer=AdamW(lr=2e-3), token="dp-secret")
-        extra = ("--frames",) if frames else ()
+        extra = {"zero-copy": (), "shm-copy": ("--copy",), "frames": ("--frames",)}[mode]
         reports = run_workers(server.address, "dp", "dp-secret", "mixed", STEPS, 2, tmp_path, *extra)
-        assert [r["shm"] for r in reports] == [not frames] * 2
+        assert [r["shm"] for r in reports] == [mode != "frames"] * 2
+        assert [r["zero_copy"] for r in reports] == [mode == "zero-copy"] * 2
         got = job.state_dict()
     want = reference_train(start, lambda p: torch.optim.AdamW(p, lr=2e-3), "mixed", STEPS, ranks=2)
     assert_weights_equal(got, want, atol=2e-6)

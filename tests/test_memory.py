@@ -12,22 +12,22 @@ from conftest import ServerProcess, run_workers
 from wstream.client import AdamW, Client
 
 
-def _worker_growth(server: ServerProcess, tmp_path: Path, n: int, prefetch: int) -> dict:
+def _worker_growth(server: ServerProcess, tmp_path: Path, n: int, prefetch: int, *extra: str) -> dict:
     with Client(server.address, timeout=60) as client:
         # generated one stage at a time: the test process never holds the model either
         client.create_job(
-            f"deep{n}",
+            f"deep{n}{''.join(extra)}",
             (models.deep_wide(1)[0] for _ in range(n)),
             optimizer=AdamW(lr=1e-4),
             token="t",
         )
-        out = tmp_path / f"n{n}"
+        out = tmp_path / f"n{n}{''.join(extra)}"
         out.mkdir()
         # glibc otherwise keeps freed multi-MB blocks (its mmap threshold adapts upwards), and
         # RssAnon would show the allocator's cache rather than what the worker holds
         (report,) = run_workers(
             server.address,
-            f"deep{n}",
+            f"deep{n}{''.join(extra)}",
             "t",
             f"deep_wide{n}",
             2,
@@ -37,20 +37,25 @@ def _worker_growth(server: ServerProcess, tmp_path: Path, n: int, prefetch: int)
             str(prefetch),
             "--warmup-width",
             "1024",
+            *extra,
             env={"MALLOC_MMAP_THRESHOLD_": "131072"},
         )
     return report
 
 
-def test_64_stage_model_keeps_only_prefetch_plus_one_stages(server: ServerProcess, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["copy", "zero-copy"])
+def test_64_stage_model_keeps_only_prefetch_plus_one_stages(server: ServerProcess, tmp_path: Path, mode: str) -> None:
     width, prefetch = 1024, 2
     stage_bytes = (width * width + width) * 4  # ~4 MiB per stage
-    shallow = _worker_growth(server, tmp_path, 16, prefetch)
-    deep = _worker_growth(server, tmp_path, 64, prefetch)
+    extra = ("--copy",) if mode == "copy" else ()
+    shallow = _worker_growth(server, tmp_path, 16, prefetch, *extra)
+    deep = _worker_growth(server, tmp_path, 64, prefetch, *extra)
+    ring = (prefetch + 1) * ((width * width + width + 15) // 16 * 16) * 4
     for report in (shallow, deep):
         assert report["shm"] is True
+        assert report["zero_copy"] is (mode == "zero-copy")
         assert report["peak_resident_stages"] == prefetch + 1
-        assert report["ring_bytes"] == (prefetch + 1) * ((width * width + width + 15) // 16 * 16) * 4
+        assert report["ring_bytes"] == (ring if mode == "copy" else 0)
     grown16 = shallow["peak_anon"] - shallow["anon_before"]
     grown64 = deep["peak_anon"] - deep["anon_before"]
     # 48 more stages would add ~200 MB if the worker kept weights; the schedule promises nothing

@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("rank", type=int)
     p.add_argument("out")
     p.add_argument("--frames", action="store_true")
+    p.add_argument("--copy", action="store_true", help="copy weights into the ring (no zero-copy)")
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--warmup-width", type=int, default=0, help="initialize torch's kernels before measuring")
@@ -77,7 +78,10 @@ def main() -> None:
         anon0 = rss_anon()
         sampler = PeakSampler()
         trainer = job.trainer(
-            prefetch=args.prefetch, shm=False if args.frames else None, world_size=args.world_size
+            prefetch=args.prefetch,
+            shm=False if args.frames else None,
+            world_size=args.world_size,
+            zero_copy=False if args.copy else None,
         )
         losses = []
         for _ in range(args.steps):
@@ -95,6 +99,7 @@ def main() -> None:
                 "peak_resident_stages": stats.peak_resident_stages,
                 "ring_bytes": stats.ring_bytes,
                 "shm": trainer.shm,
+                "zero_copy": trainer.zero_copy,
             },
             f,
         )
