@@ -106,3 +106,15 @@ def test_two_workers_equal_training_on_the_mean_gradient(server: ServerProcess, 
     # and not what one worker alone would have produced
     alone = reference_train(copy.deepcopy(models.mixed(seed=5)), lambda p: torch.optim.AdamW(p, lr=2e-3), "mixed", STEPS)
     assert max((alone[k] - got[k]).abs().max().item() for k in got) > 1e-4
+
+
+def test_double_buffered_publication_matches_pytorch(client: Client) -> None:
+    """Two published slots per stage (the path non-fp32 compute dtypes use) give the same weights."""
+    stages = models.mixed(seed=8)
+    start = copy.deepcopy(stages)
+    job = client.create_job("db", stages, optimizer=AdamW(lr=3e-3), token="t", double_buffer=True)
+    with job.trainer(zero_copy=False) as trainer:
+        for s in range(STEPS):
+            trainer.step(*models.batch("mixed", s), models.loss_fn)
+    want = reference_train(start, lambda p: torch.optim.AdamW(p, lr=3e-3), "mixed", STEPS)
+    assert_weights_equal(job.state_dict(), want, atol=1e-6)
