@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 import psutil
 import torch
 
-from wstream.client import Client, ServerUnavailable
+from wstream.client import wait_for_server
 
 
 def machine() -> str:
@@ -42,15 +42,7 @@ def server(*extra: str) -> Iterator[str]:
             [sys.executable, "-m", "wstream.server", "--bind", address, "--log-level", "WARNING", *extra]
         )
         try:
-            deadline = time.monotonic() + 60
-            while True:
-                try:
-                    with Client(address, timeout=1.0) as c:
-                        c.status()
-                    break
-                except ServerUnavailable:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        raise RuntimeError("wstream-server did not start") from None
+            wait_for_server(address, timeout=60, alive=lambda: proc.poll() is None)
             yield address
         finally:
             proc.send_signal(signal.SIGTERM)

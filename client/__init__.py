@@ -26,7 +26,7 @@ from wstream.protocol import (
     WstreamError,
 )
 
-from .client import Client, Job
+from .client import Client, Job, wait_for_server
 from .trainer import Trainer, TrainerStats
 
 __all__ = [
@@ -47,4 +47,5 @@ __all__ = [
     "TrainerStats",
     "UnknownJobError",
     "WstreamError",
+    "wait_for_server",
 ]

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import logging
+import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import zmq
 from torch import nn
 
-from wstream.protocol import LayoutError, StageSpec, StateError, WstreamError
+from wstream.protocol import LayoutError, ServerUnavailable, StageSpec, StateError, WstreamError
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, tensor_frames
 from wstream.protocol.layout import describe_mismatch, numel_of
@@ -207,6 +208,23 @@ class Job:
     def drop(self) -> None:
         """Delete the job from the server, freeing its memory (workers get errors afterwards)."""
         self.client._chan.request(m.DropJob(session=self.session), m.Ok)
+
+
+def wait_for_server(
+    address: str, *, timeout: float = 60.0, alive: Callable[[], bool] | None = None
+) -> m.StatusReply:
+    """Wait until a server answers ``status`` at ``address``; return its status.
+
+    ``alive`` (e.g. ``lambda: proc.poll() is None``) stops the wait early when it turns False.
+    Raises :class:`ServerUnavailable` when no server answered in time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with Client(address, timeout=min(1.0, max(timeout, 0.05))) as c:
+                return c.status()
+        except ServerUnavailable:
+            if time.monotonic() >= deadline or (alive is not None and not alive()):
+                raise ServerUnavailable(f"no wstream-server answered at {address} within {timeout:g} s") from None
 
 
 def _progress(enabled: bool, total: int | None, desc: str) -> Any:

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from wstream.client import AdamW, Client, ServerUnavailable
+from wstream.client import AdamW, Client, ServerUnavailable, wait_for_server
 from wstream.client.models import GPTConfig, gpt_stages, lm_loss
 from wstream.protocol import format_bytes
 
@@ -35,26 +35,20 @@ DEFAULT_SERVER = f"ipc://{tempfile.gettempdir()}/wstream-demo-{os.getuid()}.sock
 def start_server(address: str) -> subprocess.Popen[bytes] | None:
     """Start a server at ``address`` unless one answers there already; wait until it does."""
     try:
-        with Client(address, timeout=1.0) as c:
-            c.status()
+        wait_for_server(address, timeout=1.0)
         print(f"using the wstream-server already running at {address}")
         return None
     except ServerUnavailable:
         pass
     cmd = [sys.executable, "-m", "wstream.server", "--bind", address, "--memory-limit", "2GiB", "--log-level", "WARNING"]
     proc = subprocess.Popen(cmd)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with Client(address, timeout=1.0) as c:
-                c.status()
-            print(f"started wstream-server (pid {proc.pid}) at {address}")
-            return proc
-        except ServerUnavailable:
-            if proc.poll() is not None:
-                raise SystemExit(f"wstream-server exited with code {proc.returncode}") from None
-    proc.kill()
-    raise SystemExit("wstream-server did not come up within 60 s")
+    try:
+        wait_for_server(address, timeout=60, alive=lambda: proc.poll() is None)
+    except ServerUnavailable:
+        proc.kill()
+        raise SystemExit(f"wstream-server did not come up (exit code {proc.poll()})") from None
+    print(f"started wstream-server (pid {proc.pid}) at {address}")
+    return proc
 
 
 def batches(data: torch.Tensor, seq: int, batch: int, seed: int):

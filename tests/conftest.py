@@ -7,14 +7,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from wstream.client import Client
+from wstream.client import Client, ServerUnavailable, wait_for_server
 from wstream.protocol.shm import segment_paths
 
 HERE = Path(__file__).parent
@@ -51,18 +50,12 @@ def start_server(tmp_path: Path, *extra: str, name: str = "server") -> ServerPro
             stderr=subprocess.STDOUT,
         )
     srv = ServerProcess(address, proc, log_path)
-    deadline = time.monotonic() + 60
-    while True:  # ready when it answers a status request
-        if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode}\n{srv.log()}")
-        try:
-            with Client(address, timeout=1.0) as c:
-                c.status()
-            return srv
-        except Exception:
-            if time.monotonic() > deadline:
-                srv.stop(signal.SIGKILL)
-                raise AssertionError(f"server did not answer within 60 s\n{srv.log()}") from None
+    try:  # ready when it answers a status request
+        wait_for_server(address, timeout=60, alive=lambda: proc.poll() is None)
+    except ServerUnavailable:
+        srv.stop(signal.SIGKILL)
+        raise AssertionError(f"server did not come up (exit code {proc.returncode})\n{srv.log()}") from None
+    return srv
 
 
 @pytest.fixture
