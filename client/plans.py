@@ -1,0 +1,348 @@
+"""Checkpoint plans: pure data describing how to run forward and backward over a chain of stages.
+
+A chain is ``x_{i+1} = F_i(x_i)`` for stages ``0 .. n-1``. A plan is a list of actions over it:
+
+* ``ADVANCE i``  -- run F_i without autograd from the current state x_i; the current state becomes
+  x_{i+1} (the previous one is dropped unless it is also a snapshot).
+* ``SNAPSHOT i`` -- keep the current state x_i in a slot.
+* ``RESTORE i``  -- make the kept x_i the current state (it stays kept).
+* ``FREE i``     -- drop the kept x_i.
+* ``BACKWARD i`` -- run F_i with autograd from the current state x_i, backpropagate dx_{i+1} (the
+  loss for i = n-1) into dx_i and the stage's parameter gradient; the current state is dropped.
+
+Cost model (Griewank and Walther's, as in ../shared/REFERENCES.md): ``slots`` counts kept states,
+the one holding x_0 included; one stage's tape is live at a time; each stage runs once with
+autograd (its BACKWARD). The number of ADVANCEs is the recomputation a plan costs; keeping every
+boundary (``store_all``) needs n-1 of them, the least possible. With streamed weights every
+ADVANCE and BACKWARD of stage i also fetches w_i.
+
+Nothing here imports torch: planners are pure functions and plans are checked by :func:`simulate`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+
+class Op(enum.IntEnum):
+    ADVANCE = 0
+    SNAPSHOT = 1
+    RESTORE = 2
+    FREE = 3
+    BACKWARD = 4
+
+
+Action = tuple[Op, int]
+
+
+class PlanError(ValueError):
+    """A plan that cannot run, or a request no plan can satisfy."""
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """A checkpoint plan for a chain of ``n`` stages, with what it costs."""
+
+    name: str
+    n: int
+    actions: tuple[Action, ...]
+    advances: int
+    """Untaped forward evaluations (the recomputation); the total forward count is n + advances."""
+    peak_slots: int
+    """Most states kept at once (x_0 included): Griewank and Walther's slots."""
+    peak_states: int
+    """Most states alive at once: the kept ones plus the current one when it is not kept."""
+
+    def fetch_order(self) -> list[int]:
+        """The stages whose weights each compute action needs, in order."""
+        return [i for op, i in self.actions if op in (Op.ADVANCE, Op.BACKWARD)]
+
+    @property
+    def forward_evaluations(self) -> int:
+        return self.n + self.advances
+
+
+@dataclass(frozen=True, slots=True)
+class Simulation:
+    advances: int
+    peak_slots: int
+    peak_states: int
+    peak_bytes: int
+    """Most activation bytes live at once: kept states + the current state (+ one tape)."""
+
+
+def simulate(
+    n: int,
+    actions: Sequence[Action],
+    *,
+    state_bytes: Sequence[int] | None = None,
+    tape_bytes: Sequence[int] | None = None,
+) -> Simulation:
+    """Check that ``actions`` reverse a chain of ``n`` stages exactly once each, in order n-1..0,
+    and return the counts. ``state_bytes[i]`` is the size of x_i; ``tape_bytes[i]`` the extra
+    memory of F_i's tape while its BACKWARD runs. Raises :class:`PlanError` naming the first bad
+    action."""
+    sb = state_bytes if state_bytes is not None else [1] * n
+    tb = tape_bytes if tape_bytes is not None else [0] * n
+    kept: set[int] = set()
+    current: int | None = 0
+    next_backward = n - 1
+    advances = peak_slots = peak_states = peak_bytes = 0
+    kept_bytes = 0
+
+    def live(extra: int = 0) -> int:
+        cur = sb[current] if current is not None and current not in kept and current < n else 0
+        return kept_bytes + cur + extra
+
+    for k, (op, i) in enumerate(actions):
+        where = f"action {k} ({op.name} {i})"
+        if not 0 <= i < n:
+            raise PlanError(f"{where}: stage {i} is outside the chain of {n}")
+        if op == Op.ADVANCE:
+            if current != i:
+                raise PlanError(f"{where}: the current state is {current}, not {i}")
+            if i >= next_backward:
+                raise PlanError(f"{where}: stage {i} is at or past the next stage to reverse ({next_backward})")
+            peak_bytes = max(peak_bytes, live(sb[i + 1]))
+            current = i + 1
+            advances += 1
+        elif op == Op.SNAPSHOT:
+            if current != i:
+                raise PlanError(f"{where}: the current state is {current}, not {i}")
+            if i not in kept:
+                kept.add(i)
+                kept_bytes += sb[i]
+        elif op == Op.RESTORE:
+            if i not in kept:
+                raise PlanError(f"{where}: x_{i} is not kept")
+            current = i
+        elif op == Op.FREE:
+            if i not in kept:
+                raise PlanError(f"{where}: x_{i} is not kept")
+            kept.remove(i)
+            kept_bytes -= sb[i]
+        elif op == Op.BACKWARD:
+            if i != next_backward:
+                raise PlanError(f"{where}: the next stage to reverse is {next_backward}")
+            if current != i:
+                raise PlanError(f"{where}: the current state is {current}, not {i}")
+            peak_bytes = max(peak_bytes, live(tb[i]))
+            next_backward -= 1
+            current = None
+        peak_slots = max(peak_slots, len(kept))
+        peak_states = max(peak_states, len(kept) + (1 if current is not None and current not in kept else 0))
+        peak_bytes = max(peak_bytes, live())
+    if next_backward != -1:
+        raise PlanError(f"the plan ends with stages 0..{next_backward} not reversed")
+    return Simulation(advances, peak_slots, peak_states, peak_bytes)
+
+
+def _plan(name: str, n: int, actions: list[Action]) -> Plan:
+    sim = simulate(n, actions)
+    return Plan(name, n, tuple(actions), sim.advances, sim.peak_slots, sim.peak_states)
+
+
+def _check_n(n: int) -> None:
+    if n < 1:
+        raise PlanError(f"a chain needs at least one stage, got n={n}")
+
+
+# ---- store_all ------------------------------------------------------------------------------------
+def store_all(n: int) -> Plan:
+    """Keep every stage input: n-1 advances (the minimum), n slots."""
+    _check_n(n)
+    actions: list[Action] = []
+    for i in range(n - 1):
+        actions += [(Op.SNAPSHOT, i), (Op.ADVANCE, i)]
+    actions.append((Op.BACKWARD, n - 1))
+    for i in range(n - 2, -1, -1):
+        actions += [(Op.RESTORE, i), (Op.FREE, i), (Op.BACKWARD, i)]
+    return _plan("store_all", n, actions)
+
+
+# ---- reversal of a segment with everything kept (building block) ----------------------------------
+def _reverse_storing_all(a: int, b: int, emit: Callable[[Action], None]) -> None:
+    """Current state x_a (kept by the caller or not); reverse stages [a, b) keeping every input."""
+    for i in range(a, b - 1):
+        if i > a:
+            emit((Op.SNAPSHOT, i))
+        emit((Op.ADVANCE, i))
+    emit((Op.BACKWARD, b - 1))
+    for i in range(b - 2, a, -1):
+        emit((Op.RESTORE, i))
+        emit((Op.FREE, i))
+        emit((Op.BACKWARD, i))
+    if b - 1 > a:
+        emit((Op.RESTORE, a))
+        emit((Op.BACKWARD, a))
+
+
+# ---- sqrt(n) segments (Chen et al. 2016) ----------------------------------------------------------
+def sqrt_segments(n: int, segments: int | None = None, *, recursive: bool = False) -> Plan:
+    """Keep the input of each of ``segments`` (default ceil(sqrt n)) segments in the first sweep,
+    then reverse segment by segment, keeping every input inside the segment. With
+    ``recursive=True`` a segment is itself split the same way until it is at most 2 stages long
+    (O(log n) memory, O(n log n) recomputation)."""
+    _check_n(n)
+    k = segments if segments is not None else max(1, math.ceil(math.sqrt(n)))
+    if not 1 <= k <= n:
+        raise PlanError(f"segments must be in [1, {n}], got {k}")
+    actions: list[Action] = []
+    emit = actions.append
+
+    def reverse(a: int, b: int, parts: int) -> None:
+        # current state x_a, kept by the caller
+        length = b - a
+        if length <= 2 or parts <= 1:
+            _reverse_storing_all(a, b, emit)
+            return
+        bounds = [a + (length * j) // parts for j in range(parts)] + [b]
+        for j in range(1, parts):
+            for i in range(bounds[j - 1], bounds[j]):
+                emit((Op.ADVANCE, i))
+            emit((Op.SNAPSHOT, bounds[j]))
+        for j in range(parts - 1, -1, -1):
+            s, e = bounds[j], bounds[j + 1]
+            if j < parts - 1:
+                emit((Op.RESTORE, s))
+            sub = max(1, math.ceil(math.sqrt(e - s))) if recursive else 1
+            reverse(s, e, sub)
+            if j > 0:
+                emit((Op.FREE, s))
+
+    emit((Op.SNAPSHOT, 0))
+    reverse(0, n, k)
+    emit((Op.FREE, 0))
+    return _plan("sqrt_recursive" if recursive else "sqrt", n, actions)
+
+
+# ---- divide and conquer: bisection (Siskind and Pearlmutter) --------------------------------------
+def divide_and_conquer(n: int) -> Plan:
+    """Bisection: keep the midpoint, reverse the right half, then the left. For n = 2^k it costs
+    (n/2) log2 n advances with log2 n + 1 slots."""
+    _check_n(n)
+    actions: list[Action] = []
+    emit = actions.append
+
+    def reverse(a: int, b: int) -> None:
+        # current state x_a, kept by the caller
+        if b - a == 1:
+            emit((Op.BACKWARD, a))
+            return
+        mid = (a + b) // 2
+        for i in range(a, mid):
+            emit((Op.ADVANCE, i))
+        emit((Op.SNAPSHOT, mid))
+        reverse(mid, b)
+        emit((Op.FREE, mid))
+        emit((Op.RESTORE, a))
+        reverse(a, mid)
+
+    emit((Op.SNAPSHOT, 0))
+    reverse(0, n)
+    emit((Op.FREE, 0))
+    return _plan("dnc", n, actions)
+
+
+# ---- binomial checkpointing (Griewank and Walther, Revolve) ----------------------------------------
+def beta(s: int, t: int) -> int:
+    """The longest chain reversible with ``s`` slots and repetition number ``t``: C(s+t, s)."""
+    if s < 0 or t < 0:
+        return 0
+    return math.comb(s + t, s)
+
+
+def revolve_cost(n: int, slots: int) -> int:
+    """The minimal number of advances p(n, slots) = t*n - C(slots+t, slots+1) (closed form)."""
+    _check_n(n)
+    if slots < 1:
+        raise PlanError(f"revolve needs at least one slot (for x_0), got {slots}")
+    if n == 1:
+        return 0
+    t = 0
+    while beta(slots, t) < n:
+        t += 1
+    return t * n - math.comb(slots + t, slots + 1)
+
+
+def _revolve_split(m: int, ds: int) -> int:
+    """How far to advance before the next snapshot, for m stages left and ds free slots
+    (Griewank and Walther's rule, p. 34 of the TOMS paper; see REFERENCES)."""
+    if ds == 1:
+        return m - 1
+    t = 0
+    while beta(ds, t) < m:
+        t += 1
+    b1, b2, b3 = beta(ds, t - 1), beta(ds - 1, t - 1), beta(ds - 2, t - 1)
+    b4, b5 = beta(ds, t - 2), beta(ds - 3, t)
+    if m <= b1 + b3:
+        k = b4
+    elif m >= beta(ds, t) - b5:
+        k = b1
+    else:
+        k = m - b2 - b3
+    return max(1, min(k, m - 1))
+
+
+def revolve(n: int, slots: int) -> Plan:
+    """Binomial checkpointing with ``slots`` kept states (x_0 included): p(n, slots) advances, the
+    proven minimum."""
+    _check_n(n)
+    if slots < 1:
+        raise PlanError(f"revolve needs at least one slot (for x_0), got {slots}")
+    actions: list[Action] = [(Op.SNAPSHOT, 0)]
+    _revolve_emit(0, n, slots, actions.append)
+    actions.append((Op.FREE, 0))
+    return _plan("revolve", n, actions)
+
+
+def _revolve_emit(a: int, b: int, slots: int, emit: Callable[[Action], None]) -> None:
+    """Reverse [a, b) from the kept current state x_a with ``slots`` slots in all (x_a's included),
+    splitting as p(l, s) = k + p(l-k, s-1) + p(k, s) with k from :func:`_revolve_split`."""
+    m = b - a
+    if m == 1:
+        emit((Op.BACKWARD, a))
+        return
+    if slots == 1:  # only x_a is kept: advance from it for every stage, last first
+        for end in range(b, a, -1):
+            emit((Op.RESTORE, a))
+            for i in range(a, end - 1):
+                emit((Op.ADVANCE, i))
+            emit((Op.BACKWARD, end - 1))
+        return
+    k = _revolve_split(m, slots)
+    for i in range(a, a + k):
+        emit((Op.ADVANCE, i))
+    emit((Op.SNAPSHOT, a + k))
+    _revolve_emit(a + k, b, slots - 1, emit)
+    emit((Op.FREE, a + k))
+    emit((Op.RESTORE, a))
+    _revolve_emit(a, a + k, slots, emit)
+
+
+def revolve_cost_dp(n: int, slots: int) -> int:
+    """p(n, slots) by the recurrence p(l, s) = min_k [k + p(l-k, s-1) + p(k, s)] (for tests)."""
+
+    @lru_cache(maxsize=None)
+    def p(length: int, s: int) -> int:
+        if length == 1:
+            return 0
+        if s == 1:
+            return length * (length - 1) // 2
+        return min(k + p(length - k, s - 1) + p(k, s) for k in range(1, length))
+
+    return p(n, slots)
+
+
+PLANNERS = {
+    "store_all": lambda n, slots=None: store_all(n),
+    "sqrt": lambda n, slots=None: sqrt_segments(n),
+    "sqrt_recursive": lambda n, slots=None: sqrt_segments(n, recursive=True),
+    "dnc": lambda n, slots=None: divide_and_conquer(n),
+    "revolve": lambda n, slots=None: revolve(n, slots if slots is not None else max(1, math.ceil(math.log2(max(n, 2))))),
+}
+"""Planners by schedule name (``job.trainer(schedule=...)``)."""

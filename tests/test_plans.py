@@ -1,0 +1,145 @@
+"""Checkpoint planners against proven optima, closed forms and exhaustive search."""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import pytest
+
+from wstream.client.plans import (
+    Op,
+    PlanError,
+    divide_and_conquer,
+    revolve,
+    revolve_cost,
+    revolve_cost_dp,
+    simulate,
+    sqrt_segments,
+    store_all,
+)
+
+
+def exhaustive_min_advances(n: int, slots: int) -> int:
+    """The fewest ADVANCEs of any valid plan with at most ``slots`` kept states, by Dijkstra over
+    every reachable (kept, current, next stage to reverse) state. Independent of the planners."""
+    start = (frozenset(), 0, n - 1)
+    best = {start: 0}
+    heap = [(0, 0, start)]
+    tie = 0
+    while heap:
+        cost, _, state = heapq.heappop(heap)
+        kept, cur, nb = state
+        if nb == -1:
+            return cost
+        if cost > best[state]:
+            continue
+        moves = []
+        if cur is not None and cur < nb:
+            moves.append((1, (kept, cur + 1, nb)))  # advance
+        if cur is not None and cur == nb:
+            moves.append((0, (kept, None, nb - 1)))  # backward
+        if cur is not None and cur not in kept and len(kept) < slots:
+            moves.append((0, (kept | {cur}, cur, nb)))  # snapshot
+        for k in kept:
+            if k <= nb:
+                moves.append((0, (kept, k, nb)))  # restore
+            moves.append((0, (kept - {k}, cur, nb)))  # free
+        for dc, nxt in moves:
+            if cost + dc < best.get(nxt, math.inf):
+                best[nxt] = cost + dc
+                tie += 1
+                heapq.heappush(heap, (cost + dc, tie, nxt))
+    raise AssertionError("no plan found")
+
+
+def test_revolve_reaches_the_closed_form_for_every_n_up_to_300_and_slots_up_to_12() -> None:
+    for n in range(1, 301):
+        for s in range(1, 13):
+            plan = revolve(n, s)  # every plan is also replayed by simulate() when built
+            assert plan.advances == revolve_cost(n, s), (n, s)
+            assert plan.peak_slots <= s, (n, s)
+
+
+@pytest.mark.parametrize(
+    ("n", "s", "p"), [(10, 2, 20), (10, 3, 15), (20, 3, 45), (20, 5, 33), (16, 4, 27), (20, 6, 32), (1000, 11, 3545)]
+)
+def test_revolve_spot_values(n: int, s: int, p: int) -> None:
+    assert revolve_cost(n, s) == p
+    assert revolve(n, s).advances == p
+
+
+def test_closed_form_equals_the_recurrence() -> None:
+    for n in range(1, 41):
+        for s in range(1, 7):
+            assert revolve_cost(n, s) == revolve_cost_dp(n, s), (n, s)
+    assert revolve_cost(1, 3) == 0
+    assert all(revolve_cost(n, 1) == n * (n - 1) // 2 for n in range(1, 50))
+    assert all(revolve_cost(n, s) == n - 1 for n in range(2, 30) for s in range(n - 1, n + 3))
+
+
+@pytest.mark.parametrize("n", range(1, 8))
+@pytest.mark.parametrize("s", range(1, 5))
+def test_revolve_is_optimal_by_exhaustive_search(n: int, s: int) -> None:
+    assert exhaustive_min_advances(n, s) == revolve_cost(n, s) == revolve(n, s).advances
+
+
+def test_bisection_costs() -> None:
+    for k in range(0, 11):
+        n = 2**k
+        plan = divide_and_conquer(n)
+        assert plan.advances == n // 2 * k
+        assert plan.peak_states == k + 1
+    big = divide_and_conquer(1000)
+    assert (big.advances, big.peak_states) == (4932, 11)
+    for n in range(1, 200):
+        plan = divide_and_conquer(n)
+        assert plan.peak_states <= math.ceil(math.log2(n)) + 1
+        assert plan.advances <= n * math.ceil(math.log2(max(n, 2)))
+
+
+def test_store_all_is_the_minimum_recomputation() -> None:
+    for n in range(1, 50):
+        plan = store_all(n)
+        assert plan.advances == n - 1
+        if n <= 6:
+            assert exhaustive_min_advances(n, n) == n - 1
+        assert plan.peak_slots == n - 1
+        assert plan.fetch_order() == list(range(n)) + list(range(n - 2, -1, -1))
+
+
+def test_sqrt_segments() -> None:
+    for n in (1, 2, 3, 7, 10, 64, 100, 1000):
+        plan = sqrt_segments(n)
+        k = max(1, math.ceil(math.sqrt(n)))
+        seg = math.ceil(n / k)
+        assert plan.peak_states <= k + seg + 1
+        # first sweep to the last segment, then each segment again but its last stage
+        assert plan.advances <= 2 * (n - 1)
+    assert sqrt_segments(1000).peak_states < 70 < store_all(1000).peak_states
+    # the recursive variant trades recomputation for memory
+    rec, flat = sqrt_segments(4096, recursive=True), sqrt_segments(4096)
+    assert rec.peak_states < flat.peak_states and rec.advances > flat.advances
+    with pytest.raises(PlanError, match="segments"):
+        sqrt_segments(10, segments=11)
+
+
+def test_simulate_rejects_invalid_plans() -> None:
+    with pytest.raises(PlanError, match="current state is 1, not 0"):
+        simulate(3, [(Op.ADVANCE, 0), (Op.ADVANCE, 0)])
+    with pytest.raises(PlanError, match="not kept"):
+        simulate(2, [(Op.RESTORE, 0)])
+    with pytest.raises(PlanError, match="next stage to reverse is 1"):
+        simulate(2, [(Op.BACKWARD, 0)])
+    with pytest.raises(PlanError, match="not reversed"):
+        simulate(2, [(Op.ADVANCE, 0), (Op.BACKWARD, 1)])
+    with pytest.raises(PlanError, match="outside the chain"):
+        simulate(2, [(Op.ADVANCE, 5)])
+
+
+def test_peak_bytes_follow_state_sizes() -> None:
+    sizes = [10, 20, 30, 40]
+    sim = simulate(4, store_all(4).actions, state_bytes=sizes, tape_bytes=[5] * 4)
+    assert sim.peak_bytes == 10 + 20 + 30 + 40 + 5  # all inputs kept + the last stage's tape
+    low = simulate(4, revolve(4, 1).actions, state_bytes=sizes, tape_bytes=[5] * 4)
+    assert low.peak_bytes < sim.peak_bytes
