@@ -18,6 +18,7 @@ from wstream.protocol.frames import copy_frames_into, tensor_frames
 from wstream.protocol.layout import describe_mismatch, numel_of
 
 from .channel import Channel
+from .plans import PLANNERS
 from .stages import StageRunner, flatten, skeleton_of, spec_of
 from .trainer import Trainer
 
@@ -162,6 +163,8 @@ class Job:
         world_size: int = 1,
         preserve_rng: bool = True,
         zero_copy: bool | None = None,
+        schedule: str = "store_all",
+        slots: int | None = None,
     ) -> Trainer:
         """Join the job as a data-parallel worker.
 
@@ -174,6 +177,9 @@ class Job:
         server's published weights instead of copying each stage into its ring (None: whenever
         possible). Safe because a stage is updated only after every worker has pushed its gradient,
         i.e. after its last use of those weights (DESIGN.md).
+        ``schedule``: the checkpoint plan: ``"store_all"`` (keep every stage input), ``"sqrt"``,
+        ``"sqrt_recursive"``, ``"dnc"`` (bisection) or ``"revolve"`` (binomial, with ``slots`` kept
+        stage inputs; default ceil(log2 n)). Gradients are the same for every plan.
         """
         if self._skeletons is None:
             raise StateError(
@@ -181,6 +187,11 @@ class Job:
                 "(modules built under torch.device('meta') are enough)"
             )
         runners = [StageRunner(i, sk, spec) for i, (sk, spec) in enumerate(zip(self._skeletons, self.specs))]
+        if schedule not in PLANNERS:
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(PLANNERS)}")
+        if slots is not None and schedule != "revolve":
+            raise ValueError(f"slots= applies to schedule='revolve', not {schedule!r}")
+        plan = PLANNERS[schedule](len(runners), slots)
         return Trainer(
             self,
             runners,
@@ -191,6 +202,7 @@ class Job:
             world_size=world_size,
             preserve_rng=preserve_rng,
             zero_copy=zero_copy,
+            plan=plan,
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -1,9 +1,9 @@
 """The streaming trainer: one optimizer step of a stage chain with weights fetched just in time.
 
-Schedule (this release): keep every stage boundary, recompute each stage once in backward.
-Forward runs stages 0..n-1 without autograd, keeping only their inputs; backward re-runs stage i
-from its input with autograd, pushes its flat gradient and passes dx_i down. The last stage runs
-once, with autograd, and its weights are fetched once per step.
+The step is driven by a checkpoint plan (:mod:`wstream.client.plans`): untaped ADVANCEs move the
+current stage input forward, SNAPSHOT/RESTORE/FREE keep and reuse inputs, and each BACKWARD re-runs
+one stage with autograd from its input, pushes its gradient and passes dx_i down. The weights of
+every compute action are fetched in the plan's order by the prefetch thread.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.shm import map_segment
 
 from .channel import Channel
+from .plans import Op, Plan
 from .stages import Boundary, StageRunner, as_boundary, boundary_bytes
 from .streaming import (
     TORCH_DTYPES,
@@ -72,9 +73,13 @@ class Trainer:
         world_size: int,
         preserve_rng: bool,
         zero_copy: bool | None,
+        plan: Plan,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
+        if plan.n != len(runners):
+            raise ValueError(f"the plan is for {plan.n} stages, the job has {len(runners)}")
+        self.plan = plan
         self.job = job
         self.device = device
         self.prefetch = prefetch
@@ -156,6 +161,7 @@ class Trainer:
         self._heartbeat = HeartbeatThread(self._sc, interval_s=max(0.05, attached.lease_s / 3))
         self._steps_done = 0
         self._peak_boundary = 0
+        self._fetch_order = self.plan.fetch_order()
 
     # ---- public ------------------------------------------------------------------------------------
     @property
@@ -170,20 +176,33 @@ class Trainer:
         """
         if self._closed:
             raise StateError("this trainer is closed")
-        n = len(self._runners)
-        order = list(range(n)) + list(range(n - 2, -1, -1))
-        self._prefetcher.start(self._step, order)
-        pushed_any = False
+        self._prefetcher.start(self._step, self._fetch_order)
+        run = _PlanRun(inputs)
         try:
-            boundaries, rng_states = self._forward(inputs)
-            loss_value, pushed_any = self._backward(boundaries, rng_states, targets, loss_fn)
+            for op, i in self.plan.actions:
+                self._execute(run, op, i, targets, loss_fn)
             self._pusher.drain()
         except BaseException:
-            self._abort_step(pushed_any)
+            self._abort_step(run.pushed)
             raise
+        self._peak_boundary = max(self._peak_boundary, run.peak_bytes)
         self._step += 1
         self._steps_done += 1
-        return loss_value
+        return run.loss
+
+    def plan_summary(self) -> dict[str, Any]:
+        """What the checkpoint plan costs per step: recomputation, memory and weight traffic."""
+        stage_bytes = [n * self._sc.published_dtype.itemsize for n in self._sc.numels]
+        return {
+            "schedule": self.plan.name,
+            "stages": self.plan.n,
+            "forward_evaluations": self.plan.forward_evaluations,
+            "recomputed_forwards": self.plan.advances,
+            "peak_kept_states": self.plan.peak_slots,
+            "peak_live_states": self.plan.peak_states,
+            "peak_activation_bytes_measured": self._peak_boundary,
+            "weight_bytes_fetched": sum(stage_bytes[i] for i in self._fetch_order),
+        }
 
     def stats(self) -> TrainerStats:
         pf, pu = self._prefetcher.stats, self._pusher.stats
@@ -222,67 +241,63 @@ class Trainer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- the step ----------------------------------------------------------------------------------
-    def _forward(self, inputs: Any) -> tuple[list[Boundary], list[Any]]:
-        """Run stages 0..n-2 without autograd; keep each stage's input (and RNG state)."""
-        n = len(self._runners)
-        boundaries: list[Boundary] = [as_boundary(inputs)]
-        rng_states: list[Any] = []
-        with torch.no_grad():
-            for i in range(n - 1):
-                rng_states.append(self._rng_state())
-                fetched = self._prefetcher.get(i)
-                out = self._runners[i](fetched.weights, boundaries[i])
-                self._prefetcher.release(fetched)
-                boundaries.append(as_boundary(out))
-        self._peak_boundary = max(self._peak_boundary, sum(boundary_bytes(b) for b in boundaries))
-        return boundaries, rng_states
-
-    def _backward(
-        self, boundaries: list[Boundary], rng_states: list[Any], targets: Any, loss_fn: LossFn
-    ) -> tuple[float, bool]:
-        n = len(self._runners)
-        grad_out: list[torch.Tensor | None] | None = None
-        loss_value = 0.0
-        pushed = False
-        for i in range(n - 1, -1, -1):
+    # ---- the plan executor ------------------------------------------------------------------------
+    def _execute(self, run: _PlanRun, op: Op, i: int, targets: Any, loss_fn: LossFn) -> None:
+        if op == Op.ADVANCE:
+            assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
             fetched = self._prefetcher.get(i)
-            runner = self._runners[i]
-            params = runner.leaves(fetched.weights)
-            inputs = tuple(
-                x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in boundaries[i]
-            )
-            # The last stage runs only here, right after the forward of stage n-2: the live RNG is
-            # already in its state, and leaving it advanced matches what plain training does.
-            rng = self._restore_rng(rng_states[i]) if i < n - 1 else contextlib.nullcontext()
-            with rng, torch.enable_grad():
-                out = runner.call_with(params, inputs)
-            grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-            if i == n - 1:
-                loss = loss_fn(out, targets)
-                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                    raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-                loss_value = float(loss.detach())
-                roots: list[torch.Tensor] = [loss]
-                root_grads: list[torch.Tensor | None] = [None]
-            else:
-                assert grad_out is not None
-                roots, root_grads = [], []
-                for o, g in zip(as_boundary(out), grad_out):
-                    if isinstance(o, torch.Tensor) and o.requires_grad and g is not None:
-                        roots.append(o)
-                        root_grads.append(g)
-            leaves = [params[p.name] for p in runner.spec.params]
-            grads = torch.autograd.grad(roots, [*leaves, *grad_inputs], root_grads, allow_unused=True)
-            param_grads = list(grads[: len(leaves)])
-            it = iter(grads[len(leaves) :])
-            grad_out = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-            del out, roots, root_grads, grads, leaves, params
-            self._pusher.push(i, self._step, runner.spec, param_grads)
-            pushed = True
+            with torch.no_grad(), self._stage_rng(run, i):
+                out = self._runners[i](fetched.weights, run.current[1])
             self._prefetcher.release(fetched)
-            boundaries.pop()  # the input of stage i+1 (or nothing left to keep for i = n-1)
-        return loss_value, pushed
+            run.current = (i + 1, as_boundary(out))
+            run.account()
+        elif op == Op.SNAPSHOT:
+            assert run.current is not None and run.current[0] == i
+            run.kept[i] = run.current[1]
+            run.account()
+        elif op == Op.RESTORE:
+            run.current = (i, run.kept[i])
+        elif op == Op.FREE:
+            del run.kept[i]
+        else:
+            assert run.current is not None and run.current[0] == i
+            self._backward_stage(run, i, targets, loss_fn)
+
+    def _backward_stage(self, run: _PlanRun, i: int, targets: Any, loss_fn: LossFn) -> None:
+        """Re-run stage i with autograd from the current state, backpropagate, push its gradient."""
+        assert run.current is not None
+        n = len(self._runners)
+        fetched = self._prefetcher.get(i)
+        runner = self._runners[i]
+        params = runner.leaves(fetched.weights)
+        inputs = tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in run.current[1])
+        run.current = None
+        with self._stage_rng(run, i), torch.enable_grad():
+            out = runner.call_with(params, inputs)
+        grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        if i == n - 1:
+            loss = loss_fn(out, targets)
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+            run.loss = float(loss.detach())
+            roots: list[torch.Tensor] = [loss]
+            root_grads: list[torch.Tensor | None] = [None]
+        else:
+            assert run.grad_out is not None
+            roots, root_grads = [], []
+            for o, g in zip(as_boundary(out), run.grad_out):
+                if isinstance(o, torch.Tensor) and o.requires_grad and g is not None:
+                    roots.append(o)
+                    root_grads.append(g)
+        leaves = [params[p.name] for p in runner.spec.params]
+        grads = torch.autograd.grad(roots, [*leaves, *grad_inputs], root_grads, allow_unused=True)
+        param_grads = list(grads[: len(leaves)])
+        it = iter(grads[len(leaves) :])
+        run.grad_out = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
+        del out, roots, root_grads, grads, leaves, params
+        self._pusher.push(i, self._step, runner.spec, param_grads)
+        run.pushed = True
+        self._prefetcher.release(fetched)
 
     def _abort_step(self, pushed_any: bool) -> None:
         self._prefetcher.reset()
@@ -298,24 +313,46 @@ class Trainer:
             self._heartbeat.close()
 
     # ---- RNG ---------------------------------------------------------------------------------------
-    def _rng_state(self) -> Any:
+    def _stage_rng(self, run: _PlanRun, i: int) -> contextlib.AbstractContextManager[None]:
+        """A stage's first run uses the live RNG (and records its state), so the RNG ends where plain
+        training leaves it; every re-run replays the recorded state in a forked RNG."""
         if not self.preserve_rng:
-            return None
-        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-        return torch.get_rng_state(), cuda
+            return contextlib.nullcontext()
+        if i not in run.rng:
+            cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+            run.rng[i] = (torch.get_rng_state(), cuda)
+            return contextlib.nullcontext()
+        return self._restore_rng(run.rng[i])
 
     @contextlib.contextmanager
     def _restore_rng(self, state: Any) -> Iterator[None]:
-        """Re-run a stage with the RNG state its forward saw, leaving the caller's RNG untouched."""
-        if state is None:
-            yield
-            return
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
             torch.set_rng_state(state[0])
             if state[1] is not None:
                 torch.cuda.set_rng_state(state[1], self.device)
             yield
+
+
+class _PlanRun:
+    """The executor's state during one step."""
+
+    __slots__ = ("current", "kept", "rng", "grad_out", "loss", "pushed", "peak_bytes")
+
+    def __init__(self, inputs: Any) -> None:
+        self.current: tuple[int, Boundary] | None = (0, as_boundary(inputs))
+        self.kept: dict[int, Boundary] = {}
+        self.rng: dict[int, Any] = {}
+        self.grad_out: list[torch.Tensor | None] | None = None
+        self.loss = 0.0
+        self.pushed = False
+        self.peak_bytes = 0
+
+    def account(self) -> None:
+        live = sum(boundary_bytes(b) for b in self.kept.values())
+        if self.current is not None and not any(self.current[1] is b for b in self.kept.values()):
+            live += boundary_bytes(self.current[1])
+        self.peak_bytes = max(self.peak_bytes, live)
 
 
 def _wants_grad(x: Any) -> bool:

@@ -1,0 +1,83 @@
+"""Every checkpoint plan gives bit-identical training to store_all, at the recomputation it promises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from wstream.client import AdamW, Client
+from wstream.client.plans import revolve_cost
+
+STEPS = 2
+WIDTH = 8
+
+
+def chain(n: int, *, dropout: bool, seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(n):
+        block = [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+        if dropout:
+            block.append(nn.Dropout(0.2))
+        layers.append(nn.Sequential(*block))
+    return layers
+
+
+def train(client: Client, name: str, n: int, dropout: bool, **trainer_kwargs) -> tuple[dict, dict, list[float]]:
+    job = client.create_job(name, chain(n, dropout=dropout), optimizer=AdamW(lr=1e-2), token="t")
+    torch.manual_seed(123)  # the same dropout masks for every plan
+    g = torch.Generator().manual_seed(7)
+    data = [(torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g)) for _ in range(STEPS)]
+    with job.trainer(**trainer_kwargs) as trainer:
+        losses = [trainer.step(x, y, torch.nn.functional.mse_loss) for x, y in data]
+        summary = trainer.plan_summary()
+        stats = trainer.stats()
+    assert stats.fetches == STEPS * len(trainer.plan.fetch_order())
+    return job.state_dict(), summary, losses
+
+
+CASES = [
+    {"schedule": "sqrt"},
+    {"schedule": "sqrt_recursive"},
+    {"schedule": "dnc"},
+    {"schedule": "revolve", "slots": 1},
+    {"schedule": "revolve", "slots": 2},
+    {"schedule": "revolve", "slots": 5},
+]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 64])
+def test_every_plan_trains_bit_identically_to_store_all(client: Client, n: int) -> None:
+    dropout = n in (3, 7)  # recomputed stages must replay their dropout masks exactly
+    want, base, want_losses = train(client, f"base{n}", n, dropout)
+    assert base["recomputed_forwards"] == n - 1
+    for k, case in enumerate(CASES):
+        got, summary, losses = train(client, f"p{n}-{k}", n, dropout, **case)
+        assert losses == want_losses, case
+        for key in want:
+            assert torch.equal(got[key], want[key]), (case, key)
+        if case["schedule"] == "revolve":
+            assert summary["recomputed_forwards"] == revolve_cost(n, case["slots"])
+            assert summary["peak_kept_states"] <= case["slots"]
+        assert summary["weight_bytes_fetched"] == (n + summary["recomputed_forwards"]) * base["weight_bytes_fetched"] // (2 * n - 1)
+
+
+def test_memory_follows_the_plan(client: Client) -> None:
+    """Measured boundary memory: store_all grows with n, revolve stays at its slots."""
+    n = 64
+    _, store, _ = train(client, "mem-all", n, False)
+    _, rev, _ = train(client, "mem-rev", n, False, schedule="revolve", slots=4)
+    _, dnc, _ = train(client, "mem-dnc", n, False, schedule="dnc")
+    state = 4 * WIDTH * 4  # one boundary: 4 x 8 fp32
+    assert store["peak_activation_bytes_measured"] == n * state  # x_0 .. x_{n-1}
+    assert rev["peak_activation_bytes_measured"] <= (4 + 1) * state
+    assert dnc["peak_activation_bytes_measured"] <= (6 + 1) * state  # log2(64) + 1 live states
+
+
+def test_unknown_schedule_and_misplaced_slots_are_refused(client: Client) -> None:
+    job = client.create_job("bad-plan", chain(3, dropout=False), token="t")
+    with pytest.raises(ValueError, match="unknown schedule 'fast'"):
+        job.trainer(schedule="fast")
+    with pytest.raises(ValueError, match="slots= applies to schedule='revolve'"):
+        job.trainer(schedule="dnc", slots=3)
