@@ -346,3 +346,130 @@ PLANNERS = {
     "revolve": lambda n, slots=None: revolve(n, slots if slots is not None else max(1, math.ceil(math.log2(max(n, 2))))),
 }
 """Planners by schedule name (``job.trainer(schedule=...)``)."""
+
+
+# ---- heterogeneous chains under a byte budget --------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class StageCosts:
+    """Per-stage costs of a chain, as measured by a profiling pass (or given).
+
+    ``forward_s[i]``: seconds of an untaped forward of stage i; ``state_bytes[i]``: size of its
+    input x_i; ``tape_bytes[i]``: extra memory while stage i runs with autograd and backward;
+    ``weight_bytes[i]``: bytes fetched for every run of stage i; ``bandwidth``: bytes/s of that
+    fetch (0 = free, as on the zero-copy CPU path)."""
+
+    forward_s: tuple[float, ...]
+    state_bytes: tuple[int, ...]
+    tape_bytes: tuple[int, ...]
+    weight_bytes: tuple[int, ...] = ()
+    bandwidth: float = 0.0
+
+    def __post_init__(self) -> None:
+        n = len(self.forward_s)
+        if n < 1 or len(self.state_bytes) != n or len(self.tape_bytes) != n:
+            raise PlanError("StageCosts needs forward_s, state_bytes and tape_bytes of one equal, non-zero length")
+        if self.weight_bytes and len(self.weight_bytes) != n:
+            raise PlanError("StageCosts.weight_bytes must have one entry per stage")
+
+    @property
+    def n(self) -> int:
+        return len(self.forward_s)
+
+    def advance_cost(self, i: int) -> float:
+        """Seconds one recomputation of stage i costs: its forward and, streamed, its weights."""
+        fetch = self.weight_bytes[i] / self.bandwidth if self.weight_bytes and self.bandwidth > 0 else 0.0
+        return self.forward_s[i] + fetch
+
+
+def min_budget(costs: StageCosts) -> int:
+    """The least activation memory any plan needs: x_0 stays live throughout (it cannot be
+    recomputed), each x_{j+1} is computed from x_j at least once, and each backward needs x_i
+    and its tape. Keeping only x_0 and recomputing from it reaches this bound."""
+    x, tape, n = costs.state_bytes, costs.tape_bytes, costs.n
+    need = x[0] + tape[0] if n == 1 else max(x[0] + tape[0], x[0] + x[1])
+    for j in range(1, n):
+        need = max(need, x[0] + x[j] + tape[j])
+        if j + 1 < n:
+            need = max(need, x[0] + x[j] + x[j + 1])
+    return need
+
+
+def optimal(costs: StageCosts, budget_bytes: int, *, resolution: int = 256) -> Plan:
+    """The plan of least recomputation time whose activation memory stays within ``budget_bytes``.
+
+    Dynamic program over (first stage a, end b, memory left): reverse [a, b) from the kept x_a
+    either directly (b = a + 1) or by advancing to some k, keeping x_k, reversing [k, b) with the
+    memory x_a leaves, then [a, k) (the structure of Beaumont et al.'s DP without the "keep the
+    whole tape" option, which this executor does not have). Memory is counted in units of
+    budget/``resolution``, rounding sizes up, so the plan always fits. O(n^3 * resolution)."""
+    n = costs.n
+    need = min_budget(costs)
+    if budget_bytes < need:
+        raise PlanError(
+            f"a budget of {budget_bytes} bytes cannot hold this chain: the least any plan needs is "
+            f"{need} bytes (x_0, one stage's input and output, and its tape)"
+        )
+    unit = max(1, budget_bytes // resolution)
+    x = [-(-b // unit) for b in costs.state_bytes]
+    tape = [-(-b // unit) for b in costs.tape_bytes]
+    budget = budget_bytes // unit
+    c = [costs.advance_cost(i) for i in range(n)]
+    prefix = [0.0]
+    for v in c:
+        prefix.append(prefix[-1] + v)
+    inf = math.inf
+
+    @lru_cache(maxsize=None)
+    def best(a: int, b: int, mem: int) -> tuple[float, int]:
+        """(cost, split) to reverse [a, b) with x_a kept in ``mem`` units (x_a's included);
+        split 0 means reverse directly."""
+        if b - a == 1:
+            return (0.0, 0) if x[a] + tape[a] <= mem else (inf, -1)
+        top: tuple[float, int] = (inf, -1)
+        peak = x[a] + x[a + 1]  # advancing from x_a (kept and current) to x_{a+1}
+        for k in range(a + 1, b):
+            if k > a + 1:
+                peak = max(peak, x[a] + x[k - 1] + x[k])
+            if peak > mem:
+                break
+            right = best(k, b, mem - x[a])[0]
+            if right == inf:
+                continue
+            left = best(a, k, mem)[0]
+            total = prefix[k] - prefix[a] + right + left
+            if total < top[0]:
+                top = (total, k)
+        return top
+
+    def emit(a: int, b: int, mem: int, out: list[Action]) -> None:
+        _, k = best(a, b, mem)
+        if k == 0:
+            out.append((Op.BACKWARD, a))
+            return
+        out.extend((Op.ADVANCE, i) for i in range(a, k))
+        out.append((Op.SNAPSHOT, k))
+        emit(k, b, mem - x[a], out)
+        out += [(Op.FREE, k), (Op.RESTORE, a)]
+        emit(a, k, mem, out)
+
+    import sys
+
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 10 * n + 1000))
+    try:
+        if best(0, n, budget)[0] == inf:  # rounding up to units lost the last few bytes
+            raise PlanError(
+                f"no plan fits {budget_bytes} bytes at resolution {resolution}; the least any plan needs "
+                f"is {need} bytes: give a little more or a finer resolution"
+            )
+        actions: list[Action] = [(Op.SNAPSHOT, 0)]
+        emit(0, n, budget, actions)
+        actions.append((Op.FREE, 0))
+    finally:
+        sys.setrecursionlimit(old)
+    return _plan("optimal", n, actions)
+
+
+def plan_time(costs: StageCosts, plan: Plan) -> float:
+    """Seconds of recomputation ``plan`` costs under ``costs``."""
+    return sum(costs.advance_cost(i) for op, i in plan.actions if op == Op.ADVANCE)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import random
 
 import pytest
 
@@ -143,3 +144,112 @@ def test_peak_bytes_follow_state_sizes() -> None:
     assert sim.peak_bytes == 10 + 20 + 30 + 40 + 5  # all inputs kept + the last stage's tape
     low = simulate(4, revolve(4, 1).actions, state_bytes=sizes, tape_bytes=[5] * 4)
     assert low.peak_bytes < sim.peak_bytes
+
+
+# ---- heterogeneous chains under a byte budget ---------------------------------------------------
+from wstream.client.plans import StageCosts, min_budget, optimal, plan_time  # noqa: E402
+
+
+def exhaustive_min_time(costs: StageCosts, budget: int) -> float:
+    """Least recomputation time of any valid plan whose memory (as simulate() counts it) stays
+    within ``budget``: Dijkstra over every (kept, current, next to reverse) state."""
+    n, x, tape = costs.n, costs.state_bytes, costs.tape_bytes
+
+    def live(kept: frozenset, cur) -> int:  # noqa: ANN001
+        return sum(x[k] for k in kept) + (x[cur] if cur is not None and cur not in kept else 0)
+
+    start = (frozenset(), 0, n - 1)
+    best = {start: 0.0}
+    heap = [(0.0, 0, start)]
+    tie = 0
+    while heap:
+        cost, _, state = heapq.heappop(heap)
+        kept, cur, nb = state
+        if nb == -1:
+            return cost
+        if cost > best[state]:
+            continue
+        moves = []
+        if cur is not None and cur < nb and live(kept, cur) + x[cur + 1] <= budget:
+            moves.append((costs.advance_cost(cur), (kept, cur + 1, nb)))
+        if cur is not None and cur == nb and live(kept, cur) + tape[cur] <= budget:
+            moves.append((0.0, (kept, None, nb - 1)))
+        if cur is not None and cur not in kept:
+            moves.append((0.0, (kept | {cur}, cur, nb)))
+        for k in kept:
+            if k <= nb and live(kept, k) <= budget:
+                moves.append((0.0, (kept, k, nb)))
+            moves.append((0.0, (kept - {k}, cur, nb)))
+        for dc, nxt in moves:
+            if cost + dc < best.get(nxt, math.inf) - 1e-12:
+                best[nxt] = cost + dc
+                tie += 1
+                heapq.heappush(heap, (cost + dc, tie, nxt))
+    return math.inf
+
+
+def random_chain(rng: random.Random, n: int) -> StageCosts:
+    return StageCosts(
+        forward_s=tuple(rng.choice([0.5, 1.0, 1.5, 3.0]) for _ in range(n)),
+        state_bytes=tuple(rng.randint(1, 4) for _ in range(n)),
+        tape_bytes=tuple(rng.randint(0, 3) for _ in range(n)),
+        weight_bytes=tuple(rng.randint(0, 8) for _ in range(n)),
+        bandwidth=4.0,
+    )
+
+
+def test_optimal_equals_exhaustive_search_on_random_chains() -> None:
+    rng = random.Random(2026)
+    checked = 0
+    for _ in range(60):
+        n = rng.randint(1, 6)
+        costs = random_chain(rng, n)
+        low = min_budget(costs)
+        for budget in sorted({low, low + 1, low + 3, sum(costs.state_bytes) + max(costs.tape_bytes)}):
+            plan = optimal(costs, budget, resolution=budget)  # unit of 1 byte: exact
+            sim = simulate(n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes)
+            assert sim.peak_bytes <= budget
+            assert plan_time(costs, plan) == pytest.approx(exhaustive_min_time(costs, budget)), (costs, budget)
+            checked += 1
+    assert checked > 150
+
+
+def test_min_budget_is_exact_and_refusals_name_it() -> None:
+    rng = random.Random(7)
+    for _ in range(40):
+        costs = random_chain(rng, rng.randint(1, 6))
+        low = min_budget(costs)
+        assert exhaustive_min_time(costs, low) < math.inf
+        assert exhaustive_min_time(costs, low - 1) == math.inf
+        with pytest.raises(PlanError, match=f"least any plan needs is {low} bytes"):
+            optimal(costs, low - 1)
+
+
+def test_optimal_prefers_recomputing_cheap_stages() -> None:
+    """Two stages cost 100x the others: the plan keeps their outputs instead of re-running them."""
+    n = 12
+    fwd = tuple(100.0 if i in (3, 8) else 1.0 for i in range(n))
+    costs = StageCosts(forward_s=fwd, state_bytes=(1,) * n, tape_bytes=(0,) * n)
+    plan = optimal(costs, 5, resolution=5)
+    reruns = [i for op, i in plan.actions if op == Op.ADVANCE]
+    assert reruns.count(3) == 1 and reruns.count(8) == 1  # only the unavoidable first pass
+    uniform = optimal(StageCosts(forward_s=(1.0,) * n, state_bytes=(1,) * n, tape_bytes=(0,) * n), 5, resolution=5)
+    assert plan_time(costs, plan) < plan_time(costs, uniform)
+
+
+def test_weight_traffic_counts_in_the_cost() -> None:
+    """With streamed weights a heavy stage is expensive to re-run even when its compute is cheap."""
+    n = 8
+    light = StageCosts(forward_s=(1.0,) * n, state_bytes=(1,) * n, tape_bytes=(0,) * n)
+    heavy = StageCosts(
+        forward_s=(1.0,) * n, state_bytes=(1,) * n, tape_bytes=(0,) * n,
+        weight_bytes=tuple(1000 if i == 2 else 0 for i in range(n)), bandwidth=10.0,
+    )
+    plan = optimal(heavy, 4, resolution=4)
+    assert [i for op, i in plan.actions if op == Op.ADVANCE].count(2) == 1
+    # revolve with 2 slots fits the same 4 bytes but runs stage 2 twice
+    other = revolve(n, 2)
+    assert simulate(n, other.actions, state_bytes=heavy.state_bytes, tape_bytes=heavy.tape_bytes).peak_bytes <= 4
+    assert [i for op, i in other.actions if op == Op.ADVANCE].count(2) == 2
+    assert plan_time(light, optimal(light, 4, resolution=4)) <= plan_time(light, other)
+    assert plan_time(heavy, plan) < plan_time(heavy, other)
