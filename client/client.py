@@ -12,7 +12,7 @@ import torch
 import zmq
 from torch import nn
 
-from wstream.protocol import LayoutError, ServerUnavailable, StageSpec, StateError, WstreamError
+from wstream.protocol import LayoutError, ServerUnavailable, StageSpec, StateError, WstreamError, parse_size
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, tensor_frames
 from wstream.protocol.layout import describe_mismatch, numel_of
@@ -165,6 +165,7 @@ class Job:
         zero_copy: bool | None = None,
         schedule: str = "store_all",
         slots: int | None = None,
+        memory_budget: int | str | None = None,
     ) -> Trainer:
         """Join the job as a data-parallel worker.
 
@@ -179,7 +180,9 @@ class Job:
         i.e. after its last use of those weights (DESIGN.md).
         ``schedule``: the checkpoint plan: ``"store_all"`` (keep every stage input), ``"sqrt"``,
         ``"sqrt_recursive"``, ``"dnc"`` (bisection) or ``"revolve"`` (binomial, with ``slots`` kept
-        stage inputs; default ceil(log2 n)). Gradients are the same for every plan.
+        stage inputs; default ceil(log2 n)), or ``"optimal"`` with ``memory_budget`` (bytes or
+        "64MiB"): the least recomputation time within that much activation memory, planned from a
+        profile of the first batch. Gradients are the same for every plan.
         """
         if self._skeletons is None:
             raise StateError(
@@ -187,11 +190,14 @@ class Job:
                 "(modules built under torch.device('meta') are enough)"
             )
         runners = [StageRunner(i, sk, spec) for i, (sk, spec) in enumerate(zip(self._skeletons, self.specs))]
-        if schedule not in PLANNERS:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(PLANNERS)}")
+        if schedule not in PLANNERS and schedule != "optimal":
+            raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted([*PLANNERS, 'optimal'])}")
         if slots is not None and schedule != "revolve":
             raise ValueError(f"slots= applies to schedule='revolve', not {schedule!r}")
-        plan = PLANNERS[schedule](len(runners), slots)
+        budget = parse_size(memory_budget) if memory_budget is not None else None
+        if (budget is not None) != (schedule == "optimal"):
+            raise ValueError("memory_budget= goes with schedule='optimal' (and that schedule needs it)")
+        plan = PLANNERS[schedule](len(runners), slots) if schedule != "optimal" else None
         return Trainer(
             self,
             runners,
@@ -203,6 +209,7 @@ class Job:
             preserve_rng=preserve_rng,
             zero_copy=zero_copy,
             plan=plan,
+            memory_budget=budget,
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -409,7 +409,23 @@ def optimal(costs: StageCosts, budget_bytes: int, *, resolution: int = 256) -> P
             f"a budget of {budget_bytes} bytes cannot hold this chain: the least any plan needs is "
             f"{need} bytes (x_0, one stage's input and output, and its tape)"
         )
-    unit = max(1, budget_bytes // resolution)
+    sizes = [*costs.state_bytes, *costs.tape_bytes]
+    exact = math.gcd(*sizes) if any(sizes) else 1
+    if exact and budget_bytes // exact <= 16 * resolution:
+        return _optimal_in_units(costs, budget_bytes, exact, need)  # exact: every size is a multiple
+    for res in (resolution, 4 * resolution, 16 * resolution):
+        try:
+            return _optimal_in_units(costs, budget_bytes, max(1, budget_bytes // res), need)
+        except PlanError:
+            continue
+    raise PlanError(
+        f"no plan fits {budget_bytes} bytes at a resolution of {16 * resolution} units; the least any plan "
+        f"needs is {need} bytes: give a little more memory"
+    )
+
+
+def _optimal_in_units(costs: StageCosts, budget_bytes: int, unit: int, need: int) -> Plan:
+    n = costs.n
     x = [-(-b // unit) for b in costs.state_bytes]
     tape = [-(-b // unit) for b in costs.tape_bytes]
     budget = budget_bytes // unit
@@ -458,10 +474,7 @@ def optimal(costs: StageCosts, budget_bytes: int, *, resolution: int = 256) -> P
     sys.setrecursionlimit(max(old, 10 * n + 1000))
     try:
         if best(0, n, budget)[0] == inf:  # rounding up to units lost the last few bytes
-            raise PlanError(
-                f"no plan fits {budget_bytes} bytes at resolution {resolution}; the least any plan needs "
-                f"is {need} bytes: give a little more or a finer resolution"
-            )
+            raise PlanError(f"no plan fits {budget_bytes} bytes in units of {unit} bytes (the least is {need})")
         actions: list[Action] = [(Op.SNAPSHOT, 0)]
         emit(0, n, budget, actions)
         actions.append((Op.FREE, 0))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.shm import map_segment
 
 from .channel import Channel
-from .plans import Op, Plan
+from .plans import Op, Plan, StageCosts, optimal
 from .stages import Boundary, StageRunner, as_boundary, boundary_bytes
 from .streaming import (
     TORCH_DTYPES,
@@ -73,13 +74,18 @@ class Trainer:
         world_size: int,
         preserve_rng: bool,
         zero_copy: bool | None,
-        plan: Plan,
+        plan: Plan | None,
+        memory_budget: int | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
-        if plan.n != len(runners):
+        if plan is not None and plan.n != len(runners):
             raise ValueError(f"the plan is for {plan.n} stages, the job has {len(runners)}")
-        self.plan = plan
+        if plan is None and memory_budget is None:
+            raise ValueError("give a plan, or a memory_budget to plan for after profiling")
+        self.plan: Plan | None = plan
+        self.memory_budget = memory_budget
+        self.profile: StageCosts | None = None
         self.job = job
         self.device = device
         self.prefetch = prefetch
@@ -161,7 +167,7 @@ class Trainer:
         self._heartbeat = HeartbeatThread(self._sc, interval_s=max(0.05, attached.lease_s / 3))
         self._steps_done = 0
         self._peak_boundary = 0
-        self._fetch_order = self.plan.fetch_order()
+        self._fetch_order = self.plan.fetch_order() if self.plan is not None else []
 
     # ---- public ------------------------------------------------------------------------------------
     @property
@@ -176,6 +182,9 @@ class Trainer:
         """
         if self._closed:
             raise StateError("this trainer is closed")
+        if self.plan is None:
+            self._plan_from_profile(inputs)
+        assert self.plan is not None
         self._prefetcher.start(self._step, self._fetch_order)
         run = _PlanRun(inputs)
         try:
@@ -192,6 +201,8 @@ class Trainer:
 
     def plan_summary(self) -> dict[str, Any]:
         """What the checkpoint plan costs per step: recomputation, memory and weight traffic."""
+        if self.plan is None:
+            raise StateError("the plan is made from a profile of the first step: call step() first")
         stage_bytes = [n * self._sc.published_dtype.itemsize for n in self._sc.numels]
         return {
             "schedule": self.plan.name,
@@ -240,6 +251,72 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ---- profiling (schedule="optimal") ----------------------------------------------------------
+    def _plan_from_profile(self, inputs: Any) -> None:
+        """Measure each stage once on ``inputs`` (forward time, input size, tape size) and plan.
+
+        Runs inside a forked RNG and pushes nothing, so training afterwards is exactly what it
+        would have been; a budget no plan fits is refused here, before any update."""
+        n = len(self._runners)
+        assert self.memory_budget is not None
+        self._prefetcher.start(self._step, list(range(n)))
+        forward_s: list[float] = []
+        state_bytes: list[int] = []
+        tape_bytes: list[int] = []
+        devices = [self.device] if self.device.type == "cuda" else []
+        current = as_boundary(inputs)
+        t_fetch = time.perf_counter()
+        try:
+            with torch.random.fork_rng(devices=devices):
+                for i in range(n):
+                    fetched = self._prefetcher.get(i)
+                    state_bytes.append(boundary_bytes(current))
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        out = self._runners[i](fetched.weights, current)
+                    forward_s.append(time.perf_counter() - t0)
+                    tape_bytes.append(self._tape_bytes(i, fetched.weights, current))
+                    self._prefetcher.release(fetched)
+                    current = as_boundary(out)
+        except BaseException:
+            self._prefetcher.reset()
+            raise
+        elapsed = time.perf_counter() - t_fetch
+        weight_bytes = tuple(k * self._sc.published_dtype.itemsize for k in self._sc.numels)
+        fetch_s = max(elapsed - sum(forward_s), 1e-9)
+        bandwidth = 0.0 if self.zero_copy else sum(weight_bytes) / fetch_s
+        self.profile = StageCosts(
+            forward_s=tuple(forward_s),
+            state_bytes=tuple(state_bytes),
+            tape_bytes=tuple(tape_bytes),
+            weight_bytes=weight_bytes,
+            bandwidth=bandwidth,
+        )
+        self.plan = optimal(self.profile, self.memory_budget)
+        self._fetch_order = self.plan.fetch_order()
+        log.info(
+            "schedule 'optimal' for a %d-byte budget: %d recomputed forwards, %d live inputs at most",
+            self.memory_budget,
+            self.plan.advances,
+            self.plan.peak_states,
+        )
+
+    def _tape_bytes(self, i: int, weights: torch.Tensor, inputs: Boundary) -> int:
+        """Bytes autograd saves for backward when stage i runs with grad (plus its output)."""
+        saved = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal saved
+            if t.data_ptr() != weights.data_ptr() and t.untyped_storage().data_ptr() != weights.untyped_storage().data_ptr():
+                saved += t.numel() * t.element_size()
+            return t
+
+        params = self._runners[i].leaves(weights)
+        xs = tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in inputs)
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = self._runners[i].call_with(params, xs)
+        return saved + boundary_bytes(as_boundary(out))
 
     # ---- the plan executor ------------------------------------------------------------------------
     def _execute(self, run: _PlanRun, op: Op, i: int, targets: Any, loss_fn: LossFn) -> None:

@@ -33,7 +33,8 @@ def train(client: Client, name: str, n: int, dropout: bool, **trainer_kwargs) ->
         losses = [trainer.step(x, y, torch.nn.functional.mse_loss) for x, y in data]
         summary = trainer.plan_summary()
         stats = trainer.stats()
-    assert stats.fetches == STEPS * len(trainer.plan.fetch_order())
+    profiling = n if trainer_kwargs.get("schedule") == "optimal" else 0  # one fetch per stage, once
+    assert stats.fetches == STEPS * len(trainer.plan.fetch_order()) + profiling
     return job.state_dict(), summary, losses
 
 
@@ -81,3 +82,26 @@ def test_unknown_schedule_and_misplaced_slots_are_refused(client: Client) -> Non
         job.trainer(schedule="fast")
     with pytest.raises(ValueError, match="slots= applies to schedule='revolve'"):
         job.trainer(schedule="dnc", slots=3)
+
+
+def test_optimal_schedule_profiles_then_trains_bit_identically_within_its_budget(client: Client) -> None:
+    n = 16
+    want, _, want_losses = train(client, "opt-base", n, True)
+    state = 4 * WIDTH * 4
+    budget = 12 * state  # store_all keeps 16 inputs; the least any plan needs is about 6 here
+    got, summary, losses = train(client, "opt", n, True, schedule="optimal", memory_budget=budget)
+    assert losses == want_losses
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert summary["schedule"] == "optimal"
+    assert n - 1 < summary["recomputed_forwards"]  # it had to recompute to fit
+    assert summary["peak_activation_bytes_measured"] <= budget
+
+
+def test_a_budget_no_plan_fits_is_refused_before_training_with_the_least_that_works(client: Client) -> None:
+    job = client.create_job("tiny-budget", chain(8, dropout=False), optimizer=AdamW(lr=1e-2), token="t")
+    from wstream.client.plans import PlanError
+
+    with job.trainer(schedule="optimal", memory_budget=64) as trainer:
+        with pytest.raises(PlanError, match=r"least any plan needs is \d+ bytes"):
+            trainer.step(torch.randn(4, WIDTH), torch.randn(4, WIDTH), torch.nn.functional.mse_loss)
+    assert client.status().jobs[-1].step == 0  # nothing was applied
