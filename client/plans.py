@@ -483,6 +483,62 @@ def _optimal_in_units(costs: StageCosts, budget_bytes: int, unit: int, need: int
     return _plan("optimal", n, actions)
 
 
+# ---- the checkpoint subset of least peak memory --------------------------------------------------
+def segments_plan(n: int, bounds: Sequence[int], name: str = "segments") -> Plan:
+    """Keep x at each of ``bounds`` (which starts with 0) in one forward sweep, then reverse the
+    segments between them last to first, keeping every input inside the segment being reversed."""
+    _check_n(n)
+    if not bounds or bounds[0] != 0 or list(bounds) != sorted(set(bounds)) or bounds[-1] >= n:
+        raise PlanError(f"bounds must start at 0 and increase below {n}, got {list(bounds)}")
+    marks = [*bounds, n]
+    actions: list[Action] = [(Op.SNAPSHOT, 0)]
+    for a, b in zip(marks[:-2], marks[1:-1]):
+        actions.extend((Op.ADVANCE, i) for i in range(a, b))
+        actions.append((Op.SNAPSHOT, b))
+    for j in range(len(marks) - 2, -1, -1):
+        a, b = marks[j], marks[j + 1]
+        if j < len(marks) - 2:
+            actions.append((Op.RESTORE, a))
+        _reverse_storing_all(a, b, actions.append)
+        actions.append((Op.FREE, a))
+    return _plan(name, n, actions)
+
+
+def min_peak(costs: StageCosts) -> Plan:
+    """The checkpoint subset whose plan (:func:`segments_plan`) has the least peak activation
+    memory, by an O(n^2) dynamic program over the next kept input (after Hong et al., 2025).
+
+    With K_j the bytes kept before segment j = [a, b), reversing it peaks at
+    K_j + max_i (x_{a+1} + .. + x_i + tape_i) over i in [a, b), and the forward sweep through it at
+    K_j + x_j + x_{j+1} (x_a not counted twice); G(p) = x_p + min_q max(peak of [p, q), G(q))."""
+    n, x, tape = costs.n, costs.state_bytes, costs.tape_bytes
+    inf = math.inf
+    g: list[float] = [inf] * (n + 1)
+    nxt: list[int] = [n] * (n + 1)
+    for p in range(n - 1, -1, -1):
+        best_val, best_q = inf, n
+        inner = 0  # x_{p+1} + .. + x_{q-1}
+        seg = 0  # max over i in [p, q) of (x_{p+1} + .. + x_i + tape_i)
+        fwd = 0  # max over j in [p, q-1) of the forward sweep's x_j + x_{j+1} (x_p is kept)
+        for q in range(p + 1, n + 1):
+            i = q - 1
+            seg = max(seg, inner + (x[i] if i > p else 0) + tape[i])
+            inner += x[i] if i > p else 0
+            if q == n:
+                val = seg
+            else:
+                fwd = max(fwd, (x[i] if i > p else 0) + x[q])
+                val = max(seg, fwd, g[q])
+            if val < best_val:
+                best_val, best_q = val, q
+        g[p] = x[p] + best_val
+        nxt[p] = best_q
+    bounds = [0]
+    while nxt[bounds[-1]] < n:
+        bounds.append(nxt[bounds[-1]])
+    return segments_plan(n, bounds, "min_peak")
+
+
 def plan_time(costs: StageCosts, plan: Plan) -> float:
     """Seconds of recomputation ``plan`` costs under ``costs``."""
     return sum(costs.advance_cost(i) for op, i in plan.actions if op == Op.ADVANCE)

@@ -22,7 +22,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.shm import map_segment
 
 from .channel import Channel
-from .plans import Op, Plan, StageCosts, optimal
+from .plans import Op, Plan, StageCosts
 from .stages import Boundary, StageRunner, as_boundary, boundary_bytes
 from .streaming import (
     TORCH_DTYPES,
@@ -75,16 +75,16 @@ class Trainer:
         preserve_rng: bool,
         zero_copy: bool | None,
         plan: Plan | None,
-        memory_budget: int | None = None,
+        plan_from_profile: Callable[[StageCosts], Plan] | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         if plan is not None and plan.n != len(runners):
             raise ValueError(f"the plan is for {plan.n} stages, the job has {len(runners)}")
-        if plan is None and memory_budget is None:
-            raise ValueError("give a plan, or a memory_budget to plan for after profiling")
+        if (plan is None) == (plan_from_profile is None):
+            raise ValueError("give either a plan or a planner to apply to the first step's profile")
         self.plan: Plan | None = plan
-        self.memory_budget = memory_budget
+        self._plan_from = plan_from_profile
         self.profile: StageCosts | None = None
         self.job = job
         self.device = device
@@ -252,14 +252,14 @@ class Trainer:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ---- profiling (schedule="optimal") ----------------------------------------------------------
+    # ---- profiling (schedules "optimal" and "min_peak") ----------------------------------------------------------
     def _plan_from_profile(self, inputs: Any) -> None:
         """Measure each stage once on ``inputs`` (forward time, input size, tape size) and plan.
 
         Runs inside a forked RNG and pushes nothing, so training afterwards is exactly what it
         would have been; a budget no plan fits is refused here, before any update."""
         n = len(self._runners)
-        assert self.memory_budget is not None
+        assert self._plan_from is not None
         self._prefetcher.start(self._step, list(range(n)))
         forward_s: list[float] = []
         state_bytes: list[int] = []
@@ -293,11 +293,11 @@ class Trainer:
             weight_bytes=weight_bytes,
             bandwidth=bandwidth,
         )
-        self.plan = optimal(self.profile, self.memory_budget)
+        self.plan = self._plan_from(self.profile)
         self._fetch_order = self.plan.fetch_order()
         log.info(
-            "schedule 'optimal' for a %d-byte budget: %d recomputed forwards, %d live inputs at most",
-            self.memory_budget,
+            "schedule %r from the profile: %d recomputed forwards, %d live inputs at most",
+            self.plan.name,
             self.plan.advances,
             self.plan.peak_states,
         )

@@ -253,3 +253,34 @@ def test_weight_traffic_counts_in_the_cost() -> None:
     assert [i for op, i in other.actions if op == Op.ADVANCE].count(2) == 2
     assert plan_time(light, optimal(light, 4, resolution=4)) <= plan_time(light, other)
     assert plan_time(heavy, plan) < plan_time(heavy, other)
+
+
+from wstream.client.plans import min_peak, segments_plan  # noqa: E402
+
+
+def test_min_peak_equals_exhaustive_search_over_checkpoint_subsets() -> None:
+    import itertools
+
+    rng = random.Random(99)
+    for _ in range(80):
+        n = rng.randint(1, 9)
+        costs = random_chain(rng, n)
+
+        def peak(plan) -> int:  # noqa: ANN001
+            return simulate(n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes).peak_bytes
+
+        brute = min(
+            peak(segments_plan(n, [0, *rest]))
+            for r in range(n)
+            for rest in itertools.combinations(range(1, n), r)
+        )
+        assert peak(min_peak(costs)) == brute, costs
+
+
+def test_min_peak_keeps_few_inputs_on_uniform_chains() -> None:
+    n = 100
+    costs = StageCosts(forward_s=(1.0,) * n, state_bytes=(1,) * n, tape_bytes=(1,) * n)
+    plan = min_peak(costs)
+    peak = simulate(n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes).peak_bytes
+    store = simulate(n, store_all(n).actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes).peak_bytes
+    assert peak <= 2 * math.isqrt(n) + 2 < store  # the sqrt(n) shape, found by the DP

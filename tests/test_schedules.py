@@ -33,7 +33,7 @@ def train(client: Client, name: str, n: int, dropout: bool, **trainer_kwargs) ->
         losses = [trainer.step(x, y, torch.nn.functional.mse_loss) for x, y in data]
         summary = trainer.plan_summary()
         stats = trainer.stats()
-    profiling = n if trainer_kwargs.get("schedule") == "optimal" else 0  # one fetch per stage, once
+    profiling = n if trainer_kwargs.get("schedule") in ("optimal", "min_peak") else 0  # one fetch per stage
     assert stats.fetches == STEPS * len(trainer.plan.fetch_order()) + profiling
     return job.state_dict(), summary, losses
 
@@ -95,6 +95,16 @@ def test_optimal_schedule_profiles_then_trains_bit_identically_within_its_budget
     assert summary["schedule"] == "optimal"
     assert n - 1 < summary["recomputed_forwards"]  # it had to recompute to fit
     assert summary["peak_activation_bytes_measured"] <= budget
+
+
+def test_min_peak_schedule_trains_bit_identically_with_less_memory(client: Client) -> None:
+    n = 16
+    want, base, want_losses = train(client, "mp-base", n, True)
+    got, summary, losses = train(client, "mp", n, True, schedule="min_peak")
+    assert losses == want_losses
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert summary["schedule"] == "min_peak"
+    assert summary["peak_activation_bytes_measured"] < base["peak_activation_bytes_measured"] / 2
 
 
 def test_a_budget_no_plan_fits_is_refused_before_training_with_the_least_that_works(client: Client) -> None:
