@@ -19,7 +19,7 @@ from wstream.protocol.frames import copy_frames_into, tensor_frames
 from wstream.protocol.layout import describe_mismatch, numel_of
 
 from .channel import Channel
-from .plans import PLANNERS, Plan, StageCosts, min_peak, optimal
+from .plans import PLANNERS, Plan, StageCosts, auto, min_peak, optimal
 from .stages import StageRunner, flatten, skeleton_of, spec_of
 from .trainer import Trainer
 
@@ -183,8 +183,9 @@ class Job:
         ``"sqrt_recursive"``, ``"dnc"`` (bisection) or ``"revolve"`` (binomial, with ``slots`` kept
         stage inputs; default ceil(log2 n)), or ``"optimal"`` with ``memory_budget`` (bytes or
         "64MiB"): the least recomputation time within that much activation memory, planned from a
-        profile of the first batch, or ``"min_peak"``: the kept subset of least peak memory, from the
-        same profile. Gradients are the same for every plan.
+        profile of the first batch; ``"auto"`` with ``memory_budget``: the fastest of all planners'
+        plans that fits, by the same profile (``plan_summary()["schedule"]`` says which); or
+        ``"min_peak"``: the kept subset of least peak memory. Gradients are the same for every plan.
         """
         if self._skeletons is None:
             raise StateError(
@@ -192,19 +193,19 @@ class Job:
                 "(modules built under torch.device('meta') are enough)"
             )
         runners = [StageRunner(i, sk, spec) for i, (sk, spec) in enumerate(zip(self._skeletons, self.specs))]
-        profiled = ("optimal", "min_peak")
+        profiled = ("optimal", "min_peak", "auto")
         if schedule not in PLANNERS and schedule not in profiled:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted([*PLANNERS, *profiled])}")
         if slots is not None and schedule != "revolve":
             raise ValueError(f"slots= applies to schedule='revolve', not {schedule!r}")
         budget = parse_size(memory_budget) if memory_budget is not None else None
-        if (budget is not None) != (schedule == "optimal"):
-            raise ValueError("memory_budget= goes with schedule='optimal' (and that schedule needs it)")
+        if (budget is not None) != (schedule in ("optimal", "auto")):
+            raise ValueError("memory_budget= goes with schedule='optimal' or 'auto' (and they need it)")
         plan = PLANNERS[schedule](len(runners), slots) if schedule in PLANNERS else None
         from_profile: Callable[[StageCosts], Plan] | None = None
-        if schedule == "optimal":
+        if schedule in ("optimal", "auto"):
             assert budget is not None
-            from_profile = functools.partial(optimal, budget_bytes=budget)
+            from_profile = functools.partial(optimal if schedule == "optimal" else auto, budget_bytes=budget)
         elif schedule == "min_peak":
             from_profile = min_peak
         return Trainer(

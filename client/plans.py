@@ -539,6 +539,30 @@ def min_peak(costs: StageCosts) -> Plan:
     return segments_plan(n, bounds, "min_peak")
 
 
+def auto(costs: StageCosts, budget_bytes: int) -> Plan:
+    """The fastest plan, by the cost model, among every planner's whose activation memory fits
+    ``budget_bytes`` (checked exactly with :func:`simulate`). Named ``auto(<chosen>)``."""
+    n = costs.n
+    need = min_budget(costs)
+    if budget_bytes < need:
+        raise PlanError(f"a budget of {budget_bytes} bytes cannot hold this chain: the least any plan needs is {need} bytes")
+    candidates = [store_all(n), sqrt_segments(n), sqrt_segments(n, recursive=True), divide_and_conquer(n), min_peak(costs)]
+    candidates += [revolve(n, k) for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if k < n]
+    try:
+        candidates.append(optimal(costs, budget_bytes))
+    except PlanError:
+        pass  # rounding to memory units can lose a bound-hugging budget; the others still compete
+    fits = []
+    for plan in candidates:
+        peak = simulate(n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes).peak_bytes
+        if peak <= budget_bytes:
+            fits.append((plan_time(costs, plan), plan.advances, peak, plan.name, plan))
+    if not fits:
+        raise PlanError(f"no plan fits {budget_bytes} bytes (the least any plan needs is {need} bytes)")
+    best = min(fits, key=lambda f: f[:4])[-1]
+    return Plan(f"auto({best.name})", n, best.actions, best.advances, best.peak_slots, best.peak_states)
+
+
 def plan_time(costs: StageCosts, plan: Plan) -> float:
     """Seconds of recomputation ``plan`` costs under ``costs``."""
     return sum(costs.advance_cost(i) for op, i in plan.actions if op == Op.ADVANCE)

@@ -284,3 +284,22 @@ def test_min_peak_keeps_few_inputs_on_uniform_chains() -> None:
     peak = simulate(n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes).peak_bytes
     store = simulate(n, store_all(n).actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes).peak_bytes
     assert peak <= 2 * math.isqrt(n) + 2 < store  # the sqrt(n) shape, found by the DP
+
+
+def test_auto_picks_the_fastest_plan_that_fits() -> None:
+    from wstream.client.plans import auto
+
+    rng = random.Random(5)
+    for _ in range(30):
+        n = rng.randint(1, 12)
+        costs = random_chain(rng, n)
+        low = min_budget(costs)
+        for budget in (low, low + 4, 10**6):
+            plan = auto(costs, budget)
+            sim = simulate(n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes)
+            assert sim.peak_bytes <= budget
+            assert plan.name.startswith("auto(")
+            if budget == 10**6:  # everything fits: nothing beats keeping every input
+                assert plan_time(costs, plan) == pytest.approx(plan_time(costs, store_all(n)))
+            if n <= 6:  # and never slower than the proven optimum (it is among the candidates)
+                assert plan_time(costs, plan) == pytest.approx(exhaustive_min_time(costs, budget))

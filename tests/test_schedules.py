@@ -33,7 +33,7 @@ def train(client: Client, name: str, n: int, dropout: bool, **trainer_kwargs) ->
         losses = [trainer.step(x, y, torch.nn.functional.mse_loss) for x, y in data]
         summary = trainer.plan_summary()
         stats = trainer.stats()
-    profiling = n if trainer_kwargs.get("schedule") in ("optimal", "min_peak") else 0  # one fetch per stage
+    profiling = n if trainer_kwargs.get("schedule") in ("optimal", "min_peak", "auto") else 0  # one fetch per stage
     assert stats.fetches == STEPS * len(trainer.plan.fetch_order()) + profiling
     return job.state_dict(), summary, losses
 
@@ -105,6 +105,14 @@ def test_min_peak_schedule_trains_bit_identically_with_less_memory(client: Clien
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert summary["schedule"] == "min_peak"
     assert summary["peak_activation_bytes_measured"] < base["peak_activation_bytes_measured"] / 2
+
+
+def test_auto_says_what_it_chose(client: Client) -> None:
+    n = 16
+    want, _, _ = train(client, "auto-base", n, False)
+    got, summary, _ = train(client, "auto", n, False, schedule="auto", memory_budget=12 * 4 * WIDTH * 4)
+    assert summary["schedule"].startswith("auto(") and summary["schedule"] != "auto(store_all)"
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_a_budget_no_plan_fits_is_refused_before_training_with_the_least_that_works(client: Client) -> None:
