@@ -19,7 +19,7 @@ from wstream.protocol.frames import copy_frames_into, tensor_frames
 from wstream.protocol.layout import describe_mismatch, numel_of
 
 from .channel import Channel
-from .plans import PLANNERS, Plan, StageCosts, auto, min_peak, optimal
+from .plans import PLANNERS, Plan, StageCosts, auto, min_peak, offload, optimal
 from .stages import StageRunner, flatten, skeleton_of, spec_of
 from .trainer import Trainer
 
@@ -185,7 +185,9 @@ class Job:
         "64MiB"): the least recomputation time within that much activation memory, planned from a
         profile of the first batch; ``"auto"`` with ``memory_budget``: the fastest of all planners'
         plans that fits, by the same profile (``plan_summary()["schedule"]`` says which); or
-        ``"min_peak"``: the kept subset of least peak memory. Gradients are the same for every plan.
+        ``"min_peak"``: the kept subset of least peak memory; or ``"offload"`` with ``memory_budget``:
+        every k-th stage input goes to host memory as fast as the copy keeps up (k from the
+        profile), Revolve within segments. Gradients are the same for every plan.
         """
         if self._skeletons is None:
             raise StateError(
@@ -193,19 +195,21 @@ class Job:
                 "(modules built under torch.device('meta') are enough)"
             )
         runners = [StageRunner(i, sk, spec) for i, (sk, spec) in enumerate(zip(self._skeletons, self.specs))]
-        profiled = ("optimal", "min_peak", "auto")
+        profiled = ("optimal", "min_peak", "auto", "offload")
         if schedule not in PLANNERS and schedule not in profiled:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted([*PLANNERS, *profiled])}")
         if slots is not None and schedule != "revolve":
             raise ValueError(f"slots= applies to schedule='revolve', not {schedule!r}")
         budget = parse_size(memory_budget) if memory_budget is not None else None
-        if (budget is not None) != (schedule in ("optimal", "auto")):
-            raise ValueError("memory_budget= goes with schedule='optimal' or 'auto' (and they need it)")
+        budgeted = ("optimal", "auto", "offload")
+        if (budget is not None) != (schedule in budgeted):
+            raise ValueError(f"memory_budget= goes with schedule in {budgeted} (and they need it)")
         plan = PLANNERS[schedule](len(runners), slots) if schedule in PLANNERS else None
         from_profile: Callable[[StageCosts], Plan] | None = None
-        if schedule in ("optimal", "auto"):
+        if schedule in budgeted:
             assert budget is not None
-            from_profile = functools.partial(optimal if schedule == "optimal" else auto, budget_bytes=budget)
+            planner = {"optimal": optimal, "auto": auto, "offload": offload}[schedule]
+            from_profile = functools.partial(planner, budget_bytes=budget)
         elif schedule == "min_peak":
             from_profile = min_peak
         return Trainer(

@@ -9,6 +9,10 @@ A chain is ``x_{i+1} = F_i(x_i)`` for stages ``0 .. n-1``. A plan is a list of a
 * ``FREE i``     -- drop the kept x_i.
 * ``BACKWARD i`` -- run F_i with autograd from the current state x_i, backpropagate dx_{i+1} (the
   loss for i = n-1) into dx_i and the stage's parameter gradient; the current state is dropped.
+* ``OFFLOAD i``  -- copy the current state x_i to host memory (asynchronously on a GPU); the
+  device keeps nothing of it unless it is also kept there.
+* ``PREFETCH i`` -- copy the host copy of x_i back; it becomes a device-kept state (RESTORE-able).
+* ``FREE_HOST i`` -- drop the host copy of x_i.
 
 Cost model (Griewank and Walther's, as in ../shared/REFERENCES.md): ``slots`` counts kept states,
 the one holding x_0 included; one stage's tape is live at a time; each stage runs once with
@@ -34,6 +38,9 @@ class Op(enum.IntEnum):
     RESTORE = 2
     FREE = 3
     BACKWARD = 4
+    OFFLOAD = 5
+    PREFETCH = 6
+    FREE_HOST = 7
 
 
 Action = tuple[Op, int]
@@ -72,6 +79,8 @@ class Simulation:
     peak_slots: int
     peak_states: int
     peak_bytes: int
+    peak_host_bytes: int = 0
+    """Most bytes of offloaded states held in host memory at once."""
     """Most activation bytes live at once: kept states + the current state (+ one tape)."""
 
 
@@ -89,10 +98,11 @@ def simulate(
     sb = state_bytes if state_bytes is not None else [1] * n
     tb = tape_bytes if tape_bytes is not None else [0] * n
     kept: set[int] = set()
+    host: set[int] = set()
     current: int | None = 0
     next_backward = n - 1
-    advances = peak_slots = peak_states = peak_bytes = 0
-    kept_bytes = 0
+    advances = peak_slots = peak_states = peak_bytes = peak_host = 0
+    kept_bytes = host_bytes = 0
 
     def live(extra: int = 0) -> int:
         cur = sb[current] if current is not None and current not in kept and current < n else 0
@@ -125,6 +135,24 @@ def simulate(
                 raise PlanError(f"{where}: x_{i} is not kept")
             kept.remove(i)
             kept_bytes -= sb[i]
+        elif op == Op.OFFLOAD:
+            if current != i:
+                raise PlanError(f"{where}: the current state is {current}, not {i}")
+            if i not in host:
+                host.add(i)
+                host_bytes += sb[i]
+                peak_host = max(peak_host, host_bytes)
+        elif op == Op.PREFETCH:
+            if i not in host:
+                raise PlanError(f"{where}: x_{i} is not in host memory")
+            if i not in kept:
+                kept.add(i)
+                kept_bytes += sb[i]
+        elif op == Op.FREE_HOST:
+            if i not in host:
+                raise PlanError(f"{where}: x_{i} is not in host memory")
+            host.remove(i)
+            host_bytes -= sb[i]
         elif op == Op.BACKWARD:
             if i != next_backward:
                 raise PlanError(f"{where}: the next stage to reverse is {next_backward}")
@@ -138,7 +166,7 @@ def simulate(
         peak_bytes = max(peak_bytes, live())
     if next_backward != -1:
         raise PlanError(f"the plan ends with stages 0..{next_backward} not reversed")
-    return Simulation(advances, peak_slots, peak_states, peak_bytes)
+    return Simulation(advances, peak_slots, peak_states, peak_bytes, peak_host)
 
 
 def _plan(name: str, n: int, actions: list[Action]) -> Plan:
@@ -363,6 +391,8 @@ class StageCosts:
     tape_bytes: tuple[int, ...]
     weight_bytes: tuple[int, ...] = ()
     bandwidth: float = 0.0
+    host_bandwidth: float = 0.0
+    """Bytes/s of copying a stage input to host memory and back (for ``offload``)."""
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
@@ -561,6 +591,64 @@ def auto(costs: StageCosts, budget_bytes: int) -> Plan:
         raise PlanError(f"no plan fits {budget_bytes} bytes (the least any plan needs is {need} bytes)")
     best = min(fits, key=lambda f: f[:4])[-1]
     return Plan(f"auto({best.name})", n, best.actions, best.advances, best.peak_slots, best.peak_states)
+
+
+# ---- asynchronous multistage checkpointing: offload to host memory --------------------------------
+def offload_spacing(costs: StageCosts, bandwidth: float) -> int:
+    """The smallest k such that copying one stage input to the host (at ``bandwidth`` bytes/s)
+    takes no longer than computing k stages: offloading every k-th input keeps up with compute."""
+    if bandwidth <= 0:
+        raise PlanError(f"offload needs a host transfer bandwidth > 0 bytes/s, got {bandwidth}")
+    per_stage = sum(costs.forward_s) / costs.n
+    copy = max(costs.state_bytes) / bandwidth
+    return max(1, math.ceil(copy / per_stage - 1e-9)) if per_stage > 0 else 1
+
+
+def offload(
+    costs: StageCosts, budget_bytes: int, bandwidth: float | None = None, *, spacing: int | None = None
+) -> Plan:
+    """Asynchronous multistage checkpointing (after Kukreja, Hueckelheim and Gorman, 2018).
+
+    Forward: one sweep that offloads every ``spacing``-th input to host memory (by default as
+    often as the transfer keeps up with compute: :func:`offload_spacing`). Backward: segment by
+    segment from the last, the next segment's start is prefetched ahead while the current one is
+    reversed with Revolve in the device memory the budget leaves. The device holds one segment's
+    checkpoints; recomputation per stage depends on the spacing and the slots only, so it is the
+    same for any n."""
+    n = costs.n
+    bw = bandwidth if bandwidth is not None else costs.host_bandwidth
+    k = spacing if spacing is not None else offload_spacing(costs, bw)
+    if k < 1:
+        raise PlanError(f"spacing must be >= 1, got {k}")
+    unit = max(costs.state_bytes)
+    # device: the segment's kept inputs, the prefetched next start, the current input and a
+    # next input or tape
+    slots = (budget_bytes - max(max(costs.tape_bytes), unit) - unit) // unit - 1
+    if slots < 1:
+        need = 3 * unit + max(max(costs.tape_bytes), unit)
+        raise PlanError(
+            f"a budget of {budget_bytes} bytes cannot hold the offload plan: it needs at least {need} bytes "
+            "(a kept input, a prefetched one, the current one and a tape)"
+        )
+    starts = list(range(0, n, k))
+    actions: list[Action] = []
+    for j, s0 in enumerate(starts):  # the forward sweep, offloading segment starts
+        actions.append((Op.OFFLOAD, s0))
+        end = starts[j + 1] if j + 1 < len(starts) else None
+        if end is not None:
+            actions.extend((Op.ADVANCE, i) for i in range(s0, end))
+    last = len(starts) - 1
+    actions.append((Op.SNAPSHOT, starts[last]))
+    for j in range(last, -1, -1):
+        s0 = starts[j]
+        e0 = starts[j + 1] if j + 1 < len(starts) else n
+        if j > 0:
+            actions.append((Op.PREFETCH, starts[j - 1]))  # overlaps this segment's reversal
+        _revolve_emit(s0, e0, min(slots, max(1, e0 - s0)), actions.append)
+        actions += [(Op.FREE, s0), (Op.FREE_HOST, s0)]
+        if j > 0:
+            actions.append((Op.RESTORE, starts[j - 1]))
+    return _plan("offload", n, actions)
 
 
 def plan_time(costs: StageCosts, plan: Plan) -> float:

@@ -266,6 +266,7 @@ class Trainer:
         tape_bytes: list[int] = []
         devices = [self.device] if self.device.type == "cuda" else []
         current = as_boundary(inputs)
+        host_s = 0.0
         t_fetch = time.perf_counter()
         try:
             with torch.random.fork_rng(devices=devices):
@@ -278,13 +279,16 @@ class Trainer:
                     forward_s.append(time.perf_counter() - t0)
                     tape_bytes.append(self._tape_bytes(i, fetched.weights, current))
                     self._prefetcher.release(fetched)
+                    t0 = time.perf_counter()
+                    _to_device(current, torch.device("cpu"))
+                    host_s += time.perf_counter() - t0
                     current = as_boundary(out)
         except BaseException:
             self._prefetcher.reset()
             raise
         elapsed = time.perf_counter() - t_fetch
         weight_bytes = tuple(k * self._sc.published_dtype.itemsize for k in self._sc.numels)
-        fetch_s = max(elapsed - sum(forward_s), 1e-9)
+        fetch_s = max(elapsed - sum(forward_s) - host_s, 1e-9)
         bandwidth = 0.0 if self.zero_copy else sum(weight_bytes) / fetch_s
         self.profile = StageCosts(
             forward_s=tuple(forward_s),
@@ -292,6 +296,7 @@ class Trainer:
             tape_bytes=tuple(tape_bytes),
             weight_bytes=weight_bytes,
             bandwidth=bandwidth,
+            host_bandwidth=sum(state_bytes) / max(host_s, 1e-9),
         )
         self.plan = self._plan_from(self.profile)
         self._fetch_order = self.plan.fetch_order()
@@ -336,6 +341,14 @@ class Trainer:
             run.current = (i, run.kept[i])
         elif op == Op.FREE:
             del run.kept[i]
+        elif op == Op.OFFLOAD:
+            assert run.current is not None and run.current[0] == i
+            run.host[i] = _to_device(run.current[1], torch.device("cpu"))
+        elif op == Op.PREFETCH:
+            run.kept[i] = _to_device(run.host[i], self.device)
+            run.account()
+        elif op == Op.FREE_HOST:
+            del run.host[i]
         else:
             assert run.current is not None and run.current[0] == i
             self._backward_stage(run, i, targets, loss_fn)
@@ -414,11 +427,12 @@ class Trainer:
 class _PlanRun:
     """The executor's state during one step."""
 
-    __slots__ = ("current", "kept", "rng", "grad_out", "loss", "pushed", "peak_bytes")
+    __slots__ = ("current", "kept", "host", "rng", "grad_out", "loss", "pushed", "peak_bytes")
 
     def __init__(self, inputs: Any) -> None:
         self.current: tuple[int, Boundary] | None = (0, as_boundary(inputs))
         self.kept: dict[int, Boundary] = {}
+        self.host: dict[int, Boundary] = {}  # offloaded inputs (a copy, also on a CPU worker)
         self.rng: dict[int, Any] = {}
         self.grad_out: list[torch.Tensor | None] | None = None
         self.loss = 0.0
@@ -430,6 +444,11 @@ class _PlanRun:
         if self.current is not None and not any(self.current[1] is b for b in self.kept.values()):
             live += boundary_bytes(self.current[1])
         self.peak_bytes = max(self.peak_bytes, live)
+
+
+def _to_device(b: Boundary, device: torch.device) -> Boundary:
+    """A copy of a boundary's tensors on ``device`` (synchronous; GPU copy streams: issue 4)."""
+    return tuple(t.to(device, copy=True) if isinstance(t, torch.Tensor) else t for t in b)
 
 
 def _wants_grad(x: Any) -> bool:

@@ -303,3 +303,24 @@ def test_auto_picks_the_fastest_plan_that_fits() -> None:
                 assert plan_time(costs, plan) == pytest.approx(plan_time(costs, store_all(n)))
             if n <= 6:  # and never slower than the proven optimum (it is among the candidates)
                 assert plan_time(costs, plan) == pytest.approx(exhaustive_min_time(costs, budget))
+
+
+def test_offload_overhead_is_constant_in_n_and_device_memory_bounded() -> None:
+    from wstream.client.plans import offload, offload_spacing
+
+    per_stage = []
+    for n in (64, 256, 1024, 4096):
+        costs = StageCosts(forward_s=(1.0,) * n, state_bytes=(4,) * n, tape_bytes=(4,) * n)
+        assert offload_spacing(costs, bandwidth=1.0) == 4  # a 4-byte copy takes 4 stages
+        plan = offload(costs, 32, 1.0)
+        sim = simulate(n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes)
+        assert sim.peak_bytes <= 32  # the device budget, whatever n
+        assert sim.peak_host_bytes == 4 * math.ceil(n / 4)  # every 4th input on the host
+        per_stage.append(plan.advances / n)
+    assert max(per_stage) <= 2.0  # bounded by a constant (k = 4, 4 device slots) ...
+    assert max(per_stage[1:]) - min(per_stage[1:]) < 0.02  # ... and flat in n past the edge effect
+    # a faster link offloads more often and recomputes less
+    costs = StageCosts(forward_s=(1.0,) * 256, state_bytes=(4,) * 256, tape_bytes=(4,) * 256)
+    assert offload(costs, 32, 4.0).advances < offload(costs, 32, 1.0).advances
+    with pytest.raises(PlanError, match="needs at least 16 bytes"):
+        offload(costs, 15, 1.0)

@@ -33,7 +33,7 @@ def train(client: Client, name: str, n: int, dropout: bool, **trainer_kwargs) ->
         losses = [trainer.step(x, y, torch.nn.functional.mse_loss) for x, y in data]
         summary = trainer.plan_summary()
         stats = trainer.stats()
-    profiling = n if trainer_kwargs.get("schedule") in ("optimal", "min_peak", "auto") else 0  # one fetch per stage
+    profiling = n if trainer_kwargs.get("schedule") in ("optimal", "min_peak", "auto", "offload") else 0
     assert stats.fetches == STEPS * len(trainer.plan.fetch_order()) + profiling
     return job.state_dict(), summary, losses
 
@@ -112,6 +112,15 @@ def test_auto_says_what_it_chose(client: Client) -> None:
     want, _, _ = train(client, "auto-base", n, False)
     got, summary, _ = train(client, "auto", n, False, schedule="auto", memory_budget=12 * 4 * WIDTH * 4)
     assert summary["schedule"].startswith("auto(") and summary["schedule"] != "auto(store_all)"
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_offload_schedule_trains_bit_identically(client: Client) -> None:
+    n = 16
+    want, _, want_losses = train(client, "off-base", n, True)
+    got, summary, losses = train(client, "off", n, True, schedule="offload", memory_budget=8 * 4 * WIDTH * 4)
+    assert summary["schedule"] == "offload"
+    assert losses == want_losses
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
