@@ -6,7 +6,7 @@ Part 2 (training on this CPU): step time of each plan over store_all on a chain 
 big enough to time, next to the ratio the plan's forward/backward counts predict
 (forward = 1, backward = 2 units; every BACKWARD re-runs its stage with autograd).
 
-    python bench/plans.py [--max-n 100000] [--stages 16] [--width 768] [--steps 4]
+    python bench/plans.py [--max-n 100000] [--stages 16] [--width 768] [--steps 4] [--budget-mib 16]
 """
 
 from __future__ import annotations
@@ -86,7 +86,18 @@ def timed_steps(args: argparse.Namespace) -> None:
         return [nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width)) for _ in range(n)]
 
     x, y = torch.randn(args.batch, width), torch.randn(args.batch, width)
-    cases = [("store_all", {}), ("sqrt", {}), ("dnc", {}), ("revolve", {"slots": 4}), ("revolve", {"slots": 2})]
+    budget = f"{args.budget_mib}MiB"
+    cases = [
+        ("store_all", {}),
+        ("sqrt", {}),
+        ("dnc", {}),
+        ("revolve", {"slots": 4}),
+        ("revolve", {"slots": 2}),
+        ("min_peak", {}),
+        ("optimal", {"memory_budget": budget}),
+        ("auto", {"memory_budget": budget}),
+        ("offload", {"memory_budget": budget}),
+    ]
     with server("--memory-limit", "16GiB") as address, Client(address) as client:
         trainers = []
         for k, (schedule, kw) in enumerate(cases):
@@ -94,7 +105,7 @@ def timed_steps(args: argparse.Namespace) -> None:
             trainers.append(job.trainer(schedule=schedule, **kw))
         times: list[list[float]] = [[] for _ in cases]
         for tr in trainers:
-            tr.step(x, y, torch.nn.functional.mse_loss)  # warm-up
+            tr.step(x, y, torch.nn.functional.mse_loss)  # warm-up (and the profiling pass)
         for _ in range(args.steps):  # interleaved, so drift hits every plan alike
             for k, tr in enumerate(trainers):
                 t0 = time.perf_counter()
@@ -103,14 +114,16 @@ def timed_steps(args: argparse.Namespace) -> None:
         base = statistics.median(times[0])
         base_units = units(trainers[0].plan)
         print(f"\n{n} stages of width {width}, batch {args.batch}: store_all {base * 1e3:.0f} ms/step")
-        print(f"{'plan':<14} {'recomputed':>10} {'peak states':>11} {'measured':>9} {'theory':>7} {'off by':>7}")
+        print(f"{'plan':<22} {'recomputed':>10} {'peak states':>11} {'act. MiB':>8} {'measured':>9} {'theory':>7} {'off by':>7}")
         for (schedule, kw), tr, ts in zip(cases, trainers, times):
-            label = schedule + (f"({kw['slots']})" if kw else "")
+            label = tr.plan.name + (f"({kw['slots']})" if "slots" in kw else "")
+            label += f" <= {args.budget_mib} MiB" if "memory_budget" in kw else ""
             measured = statistics.median(ts) / base
             theory = units(tr.plan) / base_units
+            mib = tr.plan_summary()["peak_activation_bytes_measured"] / 2**20
             print(
-                f"{label:<14} {tr.plan.advances:>10} {tr.plan.peak_states:>11} {measured:>9.2f} {theory:>7.2f} "
-                f"{(measured / theory - 1) * 100:>+6.1f}%"
+                f"{label:<22} {tr.plan.advances:>10} {tr.plan.peak_states:>11} {mib:>8.1f} {measured:>9.2f} "
+                f"{theory:>7.2f} {(measured / theory - 1) * 100:>+6.1f}%"
             )
         for tr in trainers:
             tr.close()
@@ -123,6 +136,7 @@ def main() -> None:
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--budget-mib", type=int, default=16, help="memory budget of the budgeted schedules")
     args = p.parse_args()
     print(f"machine: {machine()}")
     rows = depth_table(args.max_n)
