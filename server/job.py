@@ -147,8 +147,15 @@ def stage_bytes(numel: int, optimizer: m.OptimizerSpec, dtype: str, double_buffe
     return _align(numel * 4), private
 
 
-ARENA_STEP = 64 * 2**20
-"""The published segment grows by max(a quarter of its size, 64 MiB): few remaps, little slack."""
+SEGMENT_START = 2**20
+SEGMENT_DOUBLING_LIMIT = 64 * 2**20
+
+
+def grown_capacity(capacity: int, needed: int) -> int:
+    """The next size of a job's published segment: doubling up to 64 MiB, then +25%, and at
+    least ``needed``. Few remaps (each keeps older views alive), at most 25% slack on big jobs."""
+    step = capacity if capacity < SEGMENT_DOUBLING_LIMIT else capacity // 4
+    return max(needed, capacity + step)
 
 
 class Job:
@@ -175,9 +182,9 @@ class Job:
         self.world_size: int | None = None  # set by the first join; see Join
         self.started = False  # the start barrier opened
         self.max_stage_numel = 0
-        self.published_path = create_segment(ARENA_STEP)
+        self.published_path = create_segment(SEGMENT_START)
         self.published_bytes = 0  # bytes in use
-        self._capacity = ARENA_STEP
+        self._capacity = SEGMENT_START
         self._mapping = map_segment(self.published_path, self._capacity)
 
     # ---- creation --------------------------------------------------------------------------------
@@ -199,7 +206,7 @@ class Job:
         self.memory.check(pub + priv, f"job {self.name!r} stage {msg.index}")
         offset = self.published_bytes
         if offset + pub > self._capacity:
-            capacity = max(offset + pub, self._capacity + max(self._capacity // 4, ARENA_STEP))
+            capacity = grown_capacity(self._capacity, offset + pub)
             grow_segment(self.published_path, capacity)
             self._capacity = capacity
             self._mapping = map_segment(self.published_path, capacity)  # older views keep older maps

@@ -21,12 +21,14 @@ from wstream.client.plans import (
 )
 
 
-def exhaustive_min_advances(n: int, slots: int) -> int:
-    """The fewest ADVANCEs of any valid plan with at most ``slots`` kept states, by Dijkstra over
-    every reachable (kept, current, next stage to reverse) state. Independent of the planners."""
+def exhaustive_search(n: int, advance_cost, fits) -> float:  # noqa: ANN001
+    """The least total ADVANCE cost of any valid plan, by Dijkstra over every reachable
+    (kept, current, next stage to reverse) state; independent of the planners. ``fits(kept,
+    current, extra)`` says whether a state plus ``extra`` (None: a snapshot is being added) is
+    allowed; ``advance_cost(i)`` prices ADVANCE i."""
     start = (frozenset(), 0, n - 1)
-    best = {start: 0}
-    heap = [(0, 0, start)]
+    best = {start: 0.0}
+    heap = [(0.0, 0, start)]
     tie = 0
     while heap:
         cost, _, state = heapq.heappop(heap)
@@ -36,22 +38,27 @@ def exhaustive_min_advances(n: int, slots: int) -> int:
         if cost > best[state]:
             continue
         moves = []
-        if cur is not None and cur < nb:
-            moves.append((1, (kept, cur + 1, nb)))  # advance
-        if cur is not None and cur == nb:
-            moves.append((0, (kept, None, nb - 1)))  # backward
-        if cur is not None and cur not in kept and len(kept) < slots:
-            moves.append((0, (kept | {cur}, cur, nb)))  # snapshot
+        if cur is not None and cur < nb and fits(kept, cur, ("next", cur + 1)):
+            moves.append((advance_cost(cur), (kept, cur + 1, nb)))
+        if cur is not None and cur == nb and fits(kept, cur, ("tape", cur)):
+            moves.append((0.0, (kept, None, nb - 1)))
+        if cur is not None and cur not in kept and fits(kept | {cur}, cur, None):
+            moves.append((0.0, (kept | {cur}, cur, nb)))
         for k in kept:
-            if k <= nb:
-                moves.append((0, (kept, k, nb)))  # restore
-            moves.append((0, (kept - {k}, cur, nb)))  # free
+            if k <= nb and fits(kept, k, ("none", k)):
+                moves.append((0.0, (kept, k, nb)))
+            moves.append((0.0, (kept - {k}, cur, nb)))
         for dc, nxt in moves:
-            if cost + dc < best.get(nxt, math.inf):
+            if cost + dc < best.get(nxt, math.inf) - 1e-12:
                 best[nxt] = cost + dc
                 tie += 1
                 heapq.heappush(heap, (cost + dc, tie, nxt))
-    raise AssertionError("no plan found")
+    return math.inf
+
+
+def exhaustive_min_advances(n: int, slots: int) -> int:
+    """The fewest ADVANCEs of any plan keeping at most ``slots`` states (Griewank and Walther)."""
+    return int(exhaustive_search(n, lambda i: 1.0, lambda kept, cur, extra: len(kept) <= slots))
 
 
 def test_revolve_reaches_the_closed_form_for_every_n_up_to_300_and_slots_up_to_12() -> None:
@@ -151,41 +158,16 @@ from wstream.client.plans import StageCosts, min_budget, optimal, plan_time  # n
 
 
 def exhaustive_min_time(costs: StageCosts, budget: int) -> float:
-    """Least recomputation time of any valid plan whose memory (as simulate() counts it) stays
-    within ``budget``: Dijkstra over every (kept, current, next to reverse) state."""
-    n, x, tape = costs.n, costs.state_bytes, costs.tape_bytes
+    """Least recomputation time of any plan whose memory, as simulate() counts it, fits ``budget``."""
+    x, tape = costs.state_bytes, costs.tape_bytes
 
-    def live(kept: frozenset, cur) -> int:  # noqa: ANN001
-        return sum(x[k] for k in kept) + (x[cur] if cur is not None and cur not in kept else 0)
+    def fits(kept, cur, extra) -> bool:  # noqa: ANN001
+        live = sum(x[k] for k in kept) + (x[cur] if cur is not None and cur not in kept else 0)
+        if extra is not None:
+            live += {"next": x, "tape": tape}.get(extra[0], [0] * costs.n)[extra[1]]
+        return live <= budget
 
-    start = (frozenset(), 0, n - 1)
-    best = {start: 0.0}
-    heap = [(0.0, 0, start)]
-    tie = 0
-    while heap:
-        cost, _, state = heapq.heappop(heap)
-        kept, cur, nb = state
-        if nb == -1:
-            return cost
-        if cost > best[state]:
-            continue
-        moves = []
-        if cur is not None and cur < nb and live(kept, cur) + x[cur + 1] <= budget:
-            moves.append((costs.advance_cost(cur), (kept, cur + 1, nb)))
-        if cur is not None and cur == nb and live(kept, cur) + tape[cur] <= budget:
-            moves.append((0.0, (kept, None, nb - 1)))
-        if cur is not None and cur not in kept:
-            moves.append((0.0, (kept | {cur}, cur, nb)))
-        for k in kept:
-            if k <= nb and live(kept, k) <= budget:
-                moves.append((0.0, (kept, k, nb)))
-            moves.append((0.0, (kept - {k}, cur, nb)))
-        for dc, nxt in moves:
-            if cost + dc < best.get(nxt, math.inf) - 1e-12:
-                best[nxt] = cost + dc
-                tie += 1
-                heapq.heappush(heap, (cost + dc, tie, nxt))
-    return math.inf
+    return exhaustive_search(costs.n, costs.advance_cost, fits)
 
 
 def random_chain(rng: random.Random, n: int) -> StageCosts:

@@ -195,3 +195,17 @@ def test_sizes() -> None:
         parse_size("lots")
     assert format_bytes(1536) == "1.50 KiB"
     assert format_bytes(10) == "10 B"
+
+
+def test_published_segment_growth_doubles_then_adds_a_quarter() -> None:
+    from wstream.server.job import SEGMENT_DOUBLING_LIMIT, SEGMENT_START, grown_capacity
+
+    cap, sizes = SEGMENT_START, []
+    while cap < 1 << 34:
+        cap = grown_capacity(cap, cap + 1)
+        sizes.append(cap)
+    assert sizes[:2] == [2 * SEGMENT_START, 4 * SEGMENT_START]
+    big = [b for a, b in zip(sizes, sizes[1:]) if a >= SEGMENT_DOUBLING_LIMIT]
+    assert all(b == a + a // 4 for a, b in zip([s for s in sizes if s >= SEGMENT_DOUBLING_LIMIT], big))
+    assert len(sizes) < 40  # 16 GiB in few remaps
+    assert grown_capacity(SEGMENT_START, 10**9) == 10**9  # one big stage: exactly what it needs
