@@ -39,14 +39,19 @@ class StageOptimizer:
             )
         else:  # pragma: no cover - the schema admits no other kind
             raise TypeError(f"unsupported optimizer spec {spec!r}")
+        self._scales: dict[int, torch.Tensor] = {}
 
     def step(self, grads: list[torch.Tensor]) -> None:
-        """Apply one update with the mean of ``grads`` (summed in place into ``grads[0]``)."""
+        """Apply one update with the mean of ``grads``: summed in place into ``grads[0]``, and
+        divided by their number inside the fused kernel (its ``grad_scale`` input, which AMP uses
+        to unscale), which saves a pass over memory."""
         grad = grads[0]
         for other in grads[1:]:
             grad.add_(other)
-        if len(grads) > 1:
-            grad.div_(len(grads))
+        scale = self._scales.get(len(grads)) if len(grads) > 1 else None
+        if len(grads) > 1 and scale is None:
+            scale = self._scales[len(grads)] = torch.tensor(float(len(grads)))
+        self._opt.grad_scale = scale  # type: ignore[attr-defined]
         self.master.grad = grad
         try:
             self._opt.step()

@@ -209,3 +209,27 @@ def test_published_segment_growth_doubles_then_adds_a_quarter() -> None:
     assert all(b == a + a // 4 for a, b in zip([s for s in sizes if s >= SEGMENT_DOUBLING_LIMIT], big))
     assert len(sizes) < 40  # 16 GiB in few remaps
     assert grown_capacity(SEGMENT_START, 10**9) == 10**9  # one big stage: exactly what it needs
+
+
+def test_server_update_takes_the_mean_of_worker_gradients() -> None:
+    """The mean is folded into the fused kernel's grad_scale; it must equal (g1 + g2) / 2."""
+    import torch
+
+    from wstream.protocol import SGD, AdamW
+    from wstream.server.optimizer import StageOptimizer
+
+    for spec, ref_cls in ((SGD(lr=0.1, momentum=0.9), torch.optim.SGD), (AdamW(lr=0.1), torch.optim.AdamW)):
+        kwargs = {"lr": 0.1, "momentum": 0.9} if ref_cls is torch.optim.SGD else {"lr": 0.1}
+        master = torch.randn(1000)
+        ref_param = master.clone()
+        opt = StageOptimizer(spec, master)
+        ref = ref_cls([ref_param], **kwargs)
+        for _ in range(3):
+            g1, g2, g3 = torch.randn(1000), torch.randn(1000), torch.randn(1000)
+            opt.step([g1.clone(), g2.clone(), g3.clone()])
+            ref_param.grad = (g1 + g2 + g3) / 3
+            ref.step()
+            opt.step([g1.clone()])  # and a single worker: no scaling at all
+            ref_param.grad = g1
+            ref.step()
+        assert (master - ref_param).abs().max().item() < 1e-6
