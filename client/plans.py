@@ -105,7 +105,7 @@ def simulate(
     kept_bytes = host_bytes = 0
 
     def live(extra: int = 0) -> int:
-        cur = sb[current] if current is not None and current not in kept and current < n else 0
+        cur = sb[min(current, n - 1)] if current is not None and current not in kept else 0
         return kept_bytes + cur + extra
 
     for k, (op, i) in enumerate(actions):
@@ -115,9 +115,11 @@ def simulate(
         if op == Op.ADVANCE:
             if current != i:
                 raise PlanError(f"{where}: the current state is {current}, not {i}")
-            if i >= next_backward:
+            if i > next_backward or (i == next_backward and next_backward != n - 1):
                 raise PlanError(f"{where}: stage {i} is at or past the next stage to reverse ({next_backward})")
-            peak_bytes = max(peak_bytes, live(sb[i + 1]))
+            # ADVANCE n-1 (to the chain's output) is allowed before any backward: a chain whose
+            # length is learned while running computes x_n before it knows it is the last
+            peak_bytes = max(peak_bytes, live(sb[i + 1] if i + 1 < n else sb[i]))
             current = i + 1
             advances += 1
         elif op == Op.SNAPSHOT:
@@ -253,26 +255,9 @@ def divide_and_conquer(n: int) -> Plan:
     """Bisection: keep the midpoint, reverse the right half, then the left. For n = 2^k it costs
     (n/2) log2 n advances with log2 n + 1 slots."""
     _check_n(n)
-    actions: list[Action] = []
-    emit = actions.append
-
-    def reverse(a: int, b: int) -> None:
-        # current state x_a, kept by the caller
-        if b - a == 1:
-            emit((Op.BACKWARD, a))
-            return
-        mid = (a + b) // 2
-        for i in range(a, mid):
-            emit((Op.ADVANCE, i))
-        emit((Op.SNAPSHOT, mid))
-        reverse(mid, b)
-        emit((Op.FREE, mid))
-        emit((Op.RESTORE, a))
-        reverse(a, mid)
-
-    emit((Op.SNAPSHOT, 0))
-    reverse(0, n)
-    emit((Op.FREE, 0))
+    actions: list[Action] = [(Op.SNAPSHOT, 0)]
+    _bisect(0, n, actions.append)
+    actions.append((Op.FREE, 0))
     return _plan("dnc", n, actions)
 
 
@@ -364,6 +349,66 @@ def revolve_cost_dp(n: int, slots: int) -> int:
         return min(k + p(length - k, s - 1) + p(k, s) for k in range(1, length))
 
     return p(n, slots)
+
+
+class OnlineBisection:
+    """Bisection checkpointing for a chain whose length is learned while it runs (Siskind and
+    Pearlmutter): the forward keeps x_i at every power of two, so O(log i) inputs are live while
+    running; once the chain ends at n, :meth:`finish` reverses the segments between kept inputs,
+    last first, each by bisection. O(log n) memory, O(n log n) recomputation, and one more
+    forward than an offline plan (x_n is computed before the chain is known to end)."""
+
+    def __init__(self) -> None:
+        self.position = 0
+        self._kept = [0]
+        self.actions: list[Action] = [(Op.SNAPSHOT, 0)]
+
+    def advance(self) -> list[Action]:
+        """The actions that take the current state from x_i to x_{i+1}."""
+        i = self.position
+        acts: list[Action] = [(Op.ADVANCE, i)]
+        self.position = i + 1
+        if self.position & (self.position - 1) == 0:  # a power of two
+            acts.append((Op.SNAPSHOT, self.position))
+            self._kept.append(self.position)
+        self.actions += acts
+        return acts
+
+    def finish(self) -> list[Action]:
+        """The backward actions, now that the chain has ``position`` stages. Also validates the
+        whole plan with :func:`simulate`."""
+        n = self.position
+        if n < 1:
+            raise PlanError("the chain ended before its first stage: run the loop at least once")
+        acts: list[Action] = []
+        kept = [k for k in self._kept if k < n]
+        if self._kept[-1] == n:  # x_n itself was kept: it is the output, not a stage input
+            acts.append((Op.FREE, n))
+        bounds = [*kept, n]
+        for j in range(len(kept) - 1, -1, -1):
+            a, b = bounds[j], bounds[j + 1]
+            acts.append((Op.RESTORE, a))
+            _bisect(a, b, acts.append)
+            acts.append((Op.FREE, a))
+        self.actions += acts
+        # validate without the keep/drop of x_n: it turned out to be the output, not an input
+        simulate(n, [a for a in self.actions if a[1] != n or a[0] == Op.ADVANCE])
+        return acts
+
+
+def _bisect(a: int, b: int, emit: Callable[[Action], None]) -> None:
+    """Reverse [a, b) by bisection from the kept current state x_a."""
+    if b - a == 1:
+        emit((Op.BACKWARD, a))
+        return
+    mid = (a + b) // 2
+    for i in range(a, mid):
+        emit((Op.ADVANCE, i))
+    emit((Op.SNAPSHOT, mid))
+    _bisect(mid, b, emit)
+    emit((Op.FREE, mid))
+    emit((Op.RESTORE, a))
+    _bisect(a, mid, emit)
 
 
 PLANNERS = {

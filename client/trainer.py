@@ -22,7 +22,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.shm import map_segment
 
 from .channel import Channel
-from .plans import Op, Plan, StageCosts
+from .plans import OnlineBisection, Op, Plan, StageCosts
 from .stages import Boundary, StageRunner, as_boundary, boundary_bytes
 from .streaming import (
     TORCH_DTYPES,
@@ -167,6 +167,7 @@ class Trainer:
         self._heartbeat = HeartbeatThread(self._sc, interval_s=max(0.05, attached.lease_s / 3))
         self._steps_done = 0
         self._peak_boundary = 0
+        self.last_loop_steps = 0
         self._fetch_order = self.plan.fetch_order() if self.plan is not None else []
 
     # ---- public ------------------------------------------------------------------------------------
@@ -186,7 +187,7 @@ class Trainer:
             self._plan_from_profile(inputs)
         assert self.plan is not None
         self._prefetcher.start(self._step, self._fetch_order)
-        run = _PlanRun(inputs)
+        run = _PlanRun(inputs, last=len(self._runners) - 1)
         try:
             for op, i in self.plan.actions:
                 self._execute(run, op, i, targets, loss_fn)
@@ -194,6 +195,56 @@ class Trainer:
         except BaseException:
             self._abort_step(run.pushed)
             raise
+        self._peak_boundary = max(self._peak_boundary, run.peak_bytes)
+        self._step += 1
+        self._steps_done += 1
+        return run.loss
+
+    def step_loop(
+        self,
+        inputs: Any,
+        targets: Any,
+        loss_fn: LossFn,
+        *,
+        halt: Callable[..., bool],
+        max_steps: int,
+    ) -> float:
+        """One optimizer step of a recurrent job: its one stage (the loop body) is applied to
+        ``inputs`` until ``halt(*x)`` is true after an application, or ``max_steps`` times; the
+        data decides how many. The length is learned while running, so the plan is online
+        bisection (O(log n) live states, O(n log n) recomputation); the body's gradient is summed
+        over its applications and pushed once. ``self.last_loop_steps`` says how many ran."""
+        if self._closed:
+            raise StateError("this trainer is closed")
+        if len(self._runners) != 1:
+            raise StateError(f"step_loop trains a job of one stage (the loop body); this job has {len(self._runners)}")
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        self._prefetcher.start(self._step, [0])
+        fetched = self._prefetcher.get(0)  # the body's weights serve every application
+        run = _PlanRun(inputs, loop_weights=fetched.weights)
+        planner = OnlineBisection()
+        try:
+            self._execute(run, *planner.actions[0], targets, loss_fn)
+            while True:
+                for op, i in planner.advance():
+                    self._execute(run, op, i, targets, loss_fn)
+                assert run.current is not None
+                with torch.no_grad():
+                    if planner.position >= max_steps or halt(*run.current[1]):
+                        break
+            run.last = planner.position - 1
+            for op, i in planner.finish():
+                self._execute(run, op, i, targets, loss_fn)
+            assert run.loop_grads is not None
+            self._pusher.push(0, self._step, self._runners[0].spec, run.loop_grads)
+            run.pushed = True
+            self._prefetcher.release(fetched)
+            self._pusher.drain()
+        except BaseException:
+            self._abort_step(run.pushed)
+            raise
+        self.last_loop_steps = planner.position
         self._peak_boundary = max(self._peak_boundary, run.peak_bytes)
         self._step += 1
         self._steps_done += 1
@@ -327,10 +378,12 @@ class Trainer:
     def _execute(self, run: _PlanRun, op: Op, i: int, targets: Any, loss_fn: LossFn) -> None:
         if op == Op.ADVANCE:
             assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
-            fetched = self._prefetcher.get(i)
+            fetched = self._prefetcher.get(i) if run.loop_weights is None else None
+            weights = fetched.weights if fetched is not None else run.loop_weights
             with torch.no_grad(), self._stage_rng(run, i):
-                out = self._runners[i](fetched.weights, run.current[1])
-            self._prefetcher.release(fetched)
+                out = self._runners[0 if fetched is None else i](weights, run.current[1])
+            if fetched is not None:
+                self._prefetcher.release(fetched)
             run.current = (i + 1, as_boundary(out))
             run.account()
         elif op == Op.SNAPSHOT:
@@ -341,6 +394,7 @@ class Trainer:
             run.current = (i, run.kept[i])
         elif op == Op.FREE:
             del run.kept[i]
+            run.account()
         elif op == Op.OFFLOAD:
             assert run.current is not None and run.current[0] == i
             run.host[i] = _to_device(run.current[1], torch.device("cpu"))
@@ -356,16 +410,15 @@ class Trainer:
     def _backward_stage(self, run: _PlanRun, i: int, targets: Any, loss_fn: LossFn) -> None:
         """Re-run stage i with autograd from the current state, backpropagate, push its gradient."""
         assert run.current is not None
-        n = len(self._runners)
-        fetched = self._prefetcher.get(i)
-        runner = self._runners[i]
-        params = runner.leaves(fetched.weights)
+        fetched = self._prefetcher.get(i) if run.loop_weights is None else None
+        runner = self._runners[i if fetched is not None else 0]
+        params = runner.leaves(fetched.weights if fetched is not None else run.loop_weights)
         inputs = tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in run.current[1])
         run.current = None
         with self._stage_rng(run, i), torch.enable_grad():
             out = runner.call_with(params, inputs)
         grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        if i == n - 1:
+        if i == run.last:
             loss = loss_fn(out, targets)
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
@@ -385,6 +438,9 @@ class Trainer:
         it = iter(grads[len(leaves) :])
         run.grad_out = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
         del out, roots, root_grads, grads, leaves, params
+        if fetched is None:  # a loop body: sum over its applications, push once at the end
+            run.add_loop_grads(param_grads)
+            return
         self._pusher.push(i, self._step, runner.spec, param_grads)
         run.pushed = True
         self._prefetcher.release(fetched)
@@ -427,9 +483,14 @@ class Trainer:
 class _PlanRun:
     """The executor's state during one step."""
 
-    __slots__ = ("current", "kept", "host", "rng", "grad_out", "loss", "pushed", "peak_bytes")
+    __slots__ = (
+        "current", "kept", "host", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last", "loop_weights", "loop_grads"
+    )
 
-    def __init__(self, inputs: Any) -> None:
+    def __init__(self, inputs: Any, *, last: int = -1, loop_weights: torch.Tensor | None = None) -> None:
+        self.last = last  # the position whose BACKWARD computes the loss
+        self.loop_weights = loop_weights  # a loop body's weights, the same for every position
+        self.loop_grads: list[torch.Tensor | None] | None = None
         self.current: tuple[int, Boundary] | None = (0, as_boundary(inputs))
         self.kept: dict[int, Boundary] = {}
         self.host: dict[int, Boundary] = {}  # offloaded inputs (a copy, also on a CPU worker)
@@ -438,6 +499,15 @@ class _PlanRun:
         self.loss = 0.0
         self.pushed = False
         self.peak_bytes = 0
+
+    def add_loop_grads(self, grads: list[torch.Tensor | None]) -> None:
+        if self.loop_grads is None:
+            self.loop_grads = list(grads)
+            return
+        for k, g in enumerate(grads):
+            if g is not None:
+                acc = self.loop_grads[k]
+                self.loop_grads[k] = g if acc is None else acc.add_(g)
 
     def account(self) -> None:
         live = sum(boundary_bytes(b) for b in self.kept.values())

@@ -1,0 +1,107 @@
+"""A recurrent job whose number of steps the data decides: online bisection checkpointing."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from wstream.client import AdamW, Client
+from wstream.client.plans import OnlineBisection, Op, divide_and_conquer, simulate
+
+WIDTH = 6
+
+
+def halt(x: torch.Tensor) -> bool:
+    return bool(x.abs().mean() < 0.05)
+
+
+def body() -> nn.Module:
+    torch.manual_seed(0)
+    lin = nn.Linear(WIDTH, WIDTH, bias=False)
+    with torch.no_grad():
+        lin.weight.mul_(0.9)  # contracting towards 0: the larger |x|, the more steps to halt
+    return nn.Sequential(lin, nn.Tanh())
+
+
+def reference_steps(model: nn.Module, data, max_steps: int) -> tuple[list[int], list[float]]:  # noqa: ANN001
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lengths, losses = [], []
+    for x, y in data:
+        opt.zero_grad()
+        h, k = x, 0
+        while True:
+            h, k = model(h), k + 1
+            if k >= max_steps or halt(h):
+                break
+        loss = nn.functional.mse_loss(h, y)
+        loss.backward()
+        opt.step()
+        lengths.append(k)
+        losses.append(loss.item())
+    return lengths, losses
+
+
+def test_online_bisection_keeps_log_n_states_and_costs_one_forward_more_than_offline() -> None:
+    for n in (1, 2, 3, 7, 16, 100, 1000):
+        ob = OnlineBisection()
+        kept_while_running = 0
+        for _ in range(n):  # the planner never sees n until finish()
+            ob.advance()
+            kept_while_running = max(kept_while_running, len(ob._kept))
+        ob.finish()
+        sim = simulate(n, [a for a in ob.actions if a[1] != n or a[0] == Op.ADVANCE])
+        assert kept_while_running <= math.floor(math.log2(n)) + 2
+        assert sim.peak_states <= 2 * math.ceil(math.log2(n + 1)) + 2
+        assert sim.advances == divide_and_conquer(n).advances + 1
+    ob = OnlineBisection()
+    with pytest.raises(Exception, match="at least once"):
+        ob.finish()
+
+
+def test_loop_job_trains_like_plain_pytorch_with_data_dependent_lengths(client: Client) -> None:
+    model = body()
+    ref = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(4, WIDTH, generator=g) * s, torch.randn(4, WIDTH, generator=g) * 0.01) for s in (0.3, 20.0, 3.0)]
+    job = client.create_job("loop", [model], optimizer=AdamW(lr=1e-2), token="t")
+    lengths, losses = [], []
+    with job.trainer() as trainer:
+        for x, y in data:
+            losses.append(trainer.step_loop(x, y, nn.functional.mse_loss, halt=halt, max_steps=64))
+            lengths.append(trainer.last_loop_steps)
+        peak = trainer.stats().peak_boundary_bytes
+    want_lengths, want_losses = reference_steps(ref, data, 64)
+    assert lengths == want_lengths and len(set(lengths)) > 1  # the data decided, differently per batch
+    assert losses == pytest.approx(want_losses, rel=1e-6)
+    got, want = job.state_dict(), {f"0.{k}": v for k, v in ref.state_dict().items()}
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
+    state = 4 * WIDTH * 4
+    assert peak <= (2 * math.ceil(math.log2(max(lengths) + 1)) + 2) * state  # O(log n), not n
+
+
+def test_step_loop_needs_a_one_stage_job(client: Client) -> None:
+    job = client.create_job("two", [nn.Linear(2, 2), nn.Linear(2, 2)], token="t")
+    with job.trainer() as trainer:
+        with pytest.raises(Exception, match="one stage"):
+            trainer.step_loop(torch.zeros(1, 2), torch.zeros(1, 2), nn.functional.mse_loss, halt=halt, max_steps=3)
+
+
+def test_a_200_step_loop_keeps_log_n_inputs(client: Client) -> None:
+    model = body()
+    ref = copy.deepcopy(model)
+    x, y = torch.randn(4, WIDTH), torch.zeros(4, WIDTH)
+    job = client.create_job("long-loop", [model], optimizer=AdamW(lr=1e-2), token="t")
+    with job.trainer() as trainer:
+        loss = trainer.step_loop(x, y, nn.functional.mse_loss, halt=lambda h: False, max_steps=200)
+        assert trainer.last_loop_steps == 200
+        peak = trainer.stats().peak_boundary_bytes
+    state = 4 * WIDTH * 4
+    assert peak <= (2 * math.ceil(math.log2(201)) + 2) * state < 200 * state / 5
+    want_lengths, want_losses = reference_steps(ref, [(x, y)], 200)
+    assert want_lengths == [200] and loss == pytest.approx(want_losses[0], rel=1e-5)
+    got, want = job.state_dict(), {f"0.{k}": v for k, v in ref.state_dict().items()}
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
