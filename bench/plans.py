@@ -12,7 +12,6 @@ big enough to time, next to the ratio the plan's forward/backward counts predict
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from pathlib import Path

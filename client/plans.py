@@ -112,9 +112,9 @@ def simulate(
         where = f"action {k} ({op.name} {i})"
         if not 0 <= i < n:
             raise PlanError(f"{where}: stage {i} is outside the chain of {n}")
+        if op in (Op.ADVANCE, Op.SNAPSHOT, Op.OFFLOAD, Op.BACKWARD) and current != i:
+            raise PlanError(f"{where}: the current state is {current}, not {i}")
         if op == Op.ADVANCE:
-            if current != i:
-                raise PlanError(f"{where}: the current state is {current}, not {i}")
             if i > next_backward or (i == next_backward and next_backward != n - 1):
                 raise PlanError(f"{where}: stage {i} is at or past the next stage to reverse ({next_backward})")
             # ADVANCE n-1 (to the chain's output) is allowed before any backward: a chain whose
@@ -123,8 +123,6 @@ def simulate(
             current = i + 1
             advances += 1
         elif op == Op.SNAPSHOT:
-            if current != i:
-                raise PlanError(f"{where}: the current state is {current}, not {i}")
             if i not in kept:
                 kept.add(i)
                 kept_bytes += sb[i]
@@ -138,8 +136,6 @@ def simulate(
             kept.remove(i)
             kept_bytes -= sb[i]
         elif op == Op.OFFLOAD:
-            if current != i:
-                raise PlanError(f"{where}: the current state is {current}, not {i}")
             if i not in host:
                 host.add(i)
                 host_bytes += sb[i]
@@ -158,8 +154,6 @@ def simulate(
         elif op == Op.BACKWARD:
             if i != next_backward:
                 raise PlanError(f"{where}: the next stage to reverse is {next_backward}")
-            if current != i:
-                raise PlanError(f"{where}: the current state is {current}, not {i}")
             peak_bytes = max(peak_bytes, live(tb[i]))
             next_backward -= 1
             current = None
@@ -477,7 +471,6 @@ def optimal(costs: StageCosts, budget_bytes: int, *, resolution: int = 256) -> P
     memory x_a leaves, then [a, k) (the structure of Beaumont et al.'s DP without the "keep the
     whole tape" option, which this executor does not have). Memory is counted in units of
     budget/``resolution``, rounding sizes up, so the plan always fits. O(n^3 * resolution)."""
-    n = costs.n
     need = min_budget(costs)
     if budget_bytes < need:
         raise PlanError(

@@ -11,7 +11,6 @@ from __future__ import annotations
 import math
 from typing import Annotated, ClassVar, Literal, Union
 
-import msgspec
 from msgspec import Meta, Struct
 
 PROTOCOL_VERSION = 1
