@@ -97,6 +97,9 @@ class Trainer:
         try:
             self._connect(shm, grad_slots, world_size, prefetch, zero_copy)
         except BaseException:
+            if hasattr(self, "worker_id"):  # joined already: don't leave a worker others wait for
+                with contextlib.suppress(WstreamError):
+                    self._chan.request(m.Leave(session=self.session), m.Ok, timeout_s=5.0)
             self._chan.close()
             raise
         client._trainers.add(self)
@@ -130,6 +133,10 @@ class Trainer:
                         f"({exc}); is the server on another host? use shm=False"
                     ) from None
         self.shm = published is not None
+        cpu_shm = self.shm and self.device.type == "cpu"
+        if zero_copy and not cpu_shm:
+            raise StateError("zero_copy=True needs a CPU device and shared memory (shm)")
+        self.zero_copy = cpu_shm if zero_copy is None else zero_copy
         joined, _ = self._chan.request(
             m.Join(session=self.session, shm=self.shm, grad_slots=grad_slots, world_size=world_size), m.Joined
         )
@@ -144,10 +151,6 @@ class Trainer:
                 for k in range(joined.grad_slots)
             ]
         pub_dtype = TORCH_DTYPES[attached.published_dtype]
-        cpu_shm = self.shm and self.device.type == "cpu"
-        if zero_copy and not cpu_shm:
-            raise StateError("zero_copy=True needs a CPU device and shared memory (shm)")
-        self.zero_copy = cpu_shm if zero_copy is None else zero_copy
         self._sc = StreamContext(
             ctx=client.ctx,
             address=client.address,

@@ -76,6 +76,15 @@ def test_memory_follows_the_plan(client: Client) -> None:
     assert dnc["peak_activation_bytes_measured"] <= (6 + 1) * state  # log2(64) + 1 live states
 
 
+def test_zero_copy_without_shared_memory_is_refused_before_joining(client: Client) -> None:
+    from wstream.client import StateError
+
+    job = client.create_job("zc", chain(2, dropout=False), token="t")
+    with pytest.raises(StateError, match="zero_copy=True needs"):
+        job.trainer(shm=False, zero_copy=True)
+    assert client.status().jobs[-1].workers == []  # no phantom worker for others to wait on
+
+
 def test_unknown_schedule_and_misplaced_slots_are_refused(client: Client) -> None:
     job = client.create_job("bad-plan", chain(3, dropout=False), token="t")
     with pytest.raises(ValueError, match="unknown schedule 'fast'"):
