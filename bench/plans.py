@@ -21,27 +21,51 @@ from torch import nn
 
 from common import machine, server
 from wstream.client import AdamW, Client
-from wstream.client.plans import divide_and_conquer, revolve, sqrt_segments, store_all
+from wstream.client.plans import (
+    StageCosts,
+    divide_and_conquer,
+    min_peak,
+    offload,
+    optimal,
+    revolve,
+    simulate,
+    sqrt_segments,
+    store_all,
+)
+
+
+def uniform(n: int) -> StageCosts:
+    """n equal tiny stages: unit time, unit input, unit tape (for the cost-based planners)."""
+    return StageCosts(forward_s=(1.0,) * n, state_bytes=(1,) * n, tape_bytes=(1,) * n)
 
 OUT = Path(__file__).parent / "out"
 
 
 def depth_table(max_n: int) -> dict[str, list[tuple[int, int, int]]]:
     ns = [n for n in (10, 30, 100, 300, 1000, 3000, 10_000, 30_000, 100_000) if n <= max_n]
+    # (planner, largest n it is run at: the DPs are O(n^2) and O(n^3 * units) in Python)
     planners = {
-        "store_all": store_all,
-        "sqrt": sqrt_segments,
-        "dnc": divide_and_conquer,
-        "revolve(8)": lambda n: revolve(n, 8),
+        "store_all": (store_all, None),
+        "sqrt": (sqrt_segments, None),
+        "dnc": (divide_and_conquer, None),
+        "revolve(8)": (lambda n: revolve(n, 8), None),
+        "min_peak": (lambda n: min_peak(uniform(n)), 3000),
+        "optimal(12 B)": (lambda n: optimal(uniform(n), 12), 100),
+        "offload(12 B, k=4)": (lambda n: offload(uniform(n), 12, 0.25), None),
     }
     rows: dict[str, list[tuple[int, int, int]]] = {name: [] for name in planners}
-    print(f"{'n':>8} " + " ".join(f"{name + ' recompute / peak':>30}" for name in planners))
+    print("recomputed forwards / peak live stage inputs; offload also keeps n/4 inputs in host memory")
+    print(f"{'n':>8} " + " ".join(f"{name:>24}" for name in planners))
     for n in ns:
         cells = []
-        for name, plan_of in planners.items():
+        for name, (plan_of, limit) in planners.items():
+            if limit is not None and n > limit:
+                cells.append(f"{'-':>24}")
+                continue
             plan = plan_of(n)
-            rows[name].append((n, plan.advances, plan.peak_states))
-            cells.append(f"{plan.advances:>20,} / {plan.peak_states:>7,}")
+            peak = simulate(n, plan.actions).peak_states
+            rows[name].append((n, plan.advances, peak))
+            cells.append(f"{plan.advances:>14,} / {peak:>7,}")
         print(f"{n:>8,} " + " ".join(cells))
     return rows
 
