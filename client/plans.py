@@ -114,6 +114,10 @@ def simulate(
             raise PlanError(f"{where}: stage {i} is outside the chain of {n}")
         if op in (Op.ADVANCE, Op.SNAPSHOT, Op.OFFLOAD, Op.BACKWARD) and current != i:
             raise PlanError(f"{where}: the current state is {current}, not {i}")
+        if op in (Op.RESTORE, Op.FREE) and i not in kept:
+            raise PlanError(f"{where}: x_{i} is not kept")
+        if op in (Op.PREFETCH, Op.FREE_HOST) and i not in host:
+            raise PlanError(f"{where}: x_{i} is not in host memory")
         if op == Op.ADVANCE:
             if i > next_backward or (i == next_backward and next_backward != n - 1):
                 raise PlanError(f"{where}: stage {i} is at or past the next stage to reverse ({next_backward})")
@@ -127,12 +131,8 @@ def simulate(
                 kept.add(i)
                 kept_bytes += sb[i]
         elif op == Op.RESTORE:
-            if i not in kept:
-                raise PlanError(f"{where}: x_{i} is not kept")
             current = i
         elif op == Op.FREE:
-            if i not in kept:
-                raise PlanError(f"{where}: x_{i} is not kept")
             kept.remove(i)
             kept_bytes -= sb[i]
         elif op == Op.OFFLOAD:
@@ -141,14 +141,10 @@ def simulate(
                 host_bytes += sb[i]
                 peak_host = max(peak_host, host_bytes)
         elif op == Op.PREFETCH:
-            if i not in host:
-                raise PlanError(f"{where}: x_{i} is not in host memory")
             if i not in kept:
                 kept.add(i)
                 kept_bytes += sb[i]
         elif op == Op.FREE_HOST:
-            if i not in host:
-                raise PlanError(f"{where}: x_{i} is not in host memory")
             host.remove(i)
             host_bytes -= sb[i]
         elif op == Op.BACKWARD:

@@ -38,7 +38,7 @@ from wstream.protocol import (
 )
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, frames_nbytes, tensor_frames
-from wstream.protocol.layout import validate_stage
+from wstream.protocol.layout import numel_of, validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
@@ -296,7 +296,7 @@ class Job:
         return m.JobInfo(
             name=self.name,
             stages=len(self.stages),
-            params=sum(sum(int(torch.Size(p.shape).numel()) for p in s.spec.params) for s in self.stages),
+            params=sum(numel_of(p.shape) for s in self.stages for p in s.spec.params),
             step=self.step,
             ready=self.ready,
             optimizer=type(self.optimizer_spec).__name__,
