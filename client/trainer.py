@@ -22,6 +22,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.shm import map_segment
 
 from .channel import Channel
+from .offload import HostMover, PendingMove
 from .plans import OnlineBisection, Op, Plan, StageCosts
 from .stages import Boundary, StageRunner, as_boundary, boundary_bytes
 from .streaming import (
@@ -172,6 +173,7 @@ class Trainer:
         self._peak_boundary = 0
         self.last_loop_steps = 0
         self._fetch_order = self.plan.fetch_order() if self.plan is not None else []
+        self._mover: HostMover | None = None
 
     # ---- public ------------------------------------------------------------------------------------
     @property
@@ -293,6 +295,8 @@ class Trainer:
         self._closed = True
         self._heartbeat.close()
         self._prefetcher.close()
+        if self._mover is not None:
+            self._mover.close()
         try:
             self._chan.request(m.Leave(session=self.session), m.Ok, timeout_s=min(5.0, self._chan.timeout_s))
         except WstreamError as exc:
@@ -394,21 +398,29 @@ class Trainer:
             run.kept[i] = run.current[1]
             run.account()
         elif op == Op.RESTORE:
+            if i in run.arriving:  # a PREFETCH still in flight: the compute waits for it here
+                run.kept[i] = run.arriving.pop(i).result()
             run.current = (i, run.kept[i])
         elif op == Op.FREE:
-            del run.kept[i]
+            if run.kept.pop(i, None) is None:
+                del run.arriving[i]
             run.account()
         elif op == Op.OFFLOAD:
             assert run.current is not None and run.current[0] == i
-            run.host[i] = _to_device(run.current[1], torch.device("cpu"))
+            run.host[i] = self._host_mover().to_host(run.current[1])
         elif op == Op.PREFETCH:
-            run.kept[i] = _to_device(run.host[i], self.device)
+            run.arriving[i] = self._host_mover().to_device(run.host[i])
             run.account()
         elif op == Op.FREE_HOST:
-            del run.host[i]
+            run.host.pop(i).result()  # never drop memory a copy may still be writing
         else:
             assert run.current is not None and run.current[0] == i
             self._backward_stage(run, i, targets, loss_fn)
+
+    def _host_mover(self) -> HostMover:
+        if self._mover is None:
+            self._mover = HostMover(self.device)
+        return self._mover
 
     def _backward_stage(self, run: _PlanRun, i: int, targets: Any, loss_fn: LossFn) -> None:
         """Re-run stage i with autograd from the current state, backpropagate, push its gradient."""
@@ -487,7 +499,7 @@ class _PlanRun:
     """The executor's state during one step."""
 
     __slots__ = (
-        "current", "kept", "host", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last", "loop_weights", "loop_grads"
+        "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last", "loop_weights", "loop_grads"
     )
 
     def __init__(self, inputs: Any, *, last: int = -1, loop_weights: torch.Tensor | None = None) -> None:
@@ -496,7 +508,8 @@ class _PlanRun:
         self.loop_grads: list[torch.Tensor | None] | None = None
         self.current: tuple[int, Boundary] | None = (0, as_boundary(inputs))
         self.kept: dict[int, Boundary] = {}
-        self.host: dict[int, Boundary] = {}  # offloaded inputs (a copy, also on a CPU worker)
+        self.host: dict[int, PendingMove] = {}  # offloaded inputs (a copy, also on a CPU worker)
+        self.arriving: dict[int, PendingMove] = {}  # inputs being prefetched back from the host
         self.rng: dict[int, Any] = {}
         self.grad_out: list[torch.Tensor | None] | None = None
         self.loss = 0.0
@@ -513,14 +526,14 @@ class _PlanRun:
                 self.loop_grads[k] = g if acc is None else acc.add_(g)
 
     def account(self) -> None:
-        live = sum(boundary_bytes(b) for b in self.kept.values())
+        live = sum(boundary_bytes(b) for b in self.kept.values()) + sum(p.nbytes for p in self.arriving.values())
         if self.current is not None and not any(self.current[1] is b for b in self.kept.values()):
             live += boundary_bytes(self.current[1])
         self.peak_bytes = max(self.peak_bytes, live)
 
 
 def _to_device(b: Boundary, device: torch.device) -> Boundary:
-    """A copy of a boundary's tensors on ``device`` (synchronous; GPU copy streams: issue 4)."""
+    """A synchronous copy of a boundary's tensors on ``device`` (the profile times it)."""
     return tuple(t.to(device, copy=True) if isinstance(t, torch.Tensor) else t for t in b)
 
 
