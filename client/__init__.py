@@ -20,6 +20,7 @@ from wstream.protocol import (
     MemoryLimitError,
     ProtocolError,
     ServerUnavailable,
+    SessionExpiredError,
     StaleStepError,
     StateError,
     UnknownJobError,
@@ -27,7 +28,7 @@ from wstream.protocol import (
 )
 
 from .client import Client, Job, wait_for_server
-from .trainer import Trainer, TrainerStats
+from .trainer import Resynced, Trainer, TrainerStats
 
 __all__ = [
     "SGD",
@@ -40,7 +41,9 @@ __all__ = [
     "LayoutError",
     "MemoryLimitError",
     "ProtocolError",
+    "Resynced",
     "ServerUnavailable",
+    "SessionExpiredError",
     "StaleStepError",
     "StateError",
     "Trainer",

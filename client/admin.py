@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from typing import Any
 
 import msgspec
 
@@ -38,6 +40,41 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token(args: argparse.Namespace) -> str:
+    if args.token_file:
+        with open(args.token_file) as f:
+            return f.read().strip()
+    token = os.environ.get("WSTREAM_TOKEN")
+    if not token:
+        raise SystemExit("wstream: give the job's token with --token-file FILE or $WSTREAM_TOKEN")
+    return token
+
+
+def _save(args: argparse.Namespace) -> int:
+    with Client(args.server, timeout=args.timeout, wait_timeout=args.wait) as client:
+        job = client.attach_job(args.job, token=_token(args))
+        step, path = job.save(timeout=args.wait)
+    print(f"job {args.job!r}: snapshot of step {step} written to {path}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    with Client(args.server, timeout=args.timeout) as client:
+        job = client.attach_job(args.job, token=_token(args))
+        job.export(args.out)
+    print(f"job {args.job!r}: weights written to {args.out}")
+    return 0
+
+
+def _job_command(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
+    c = sub.add_parser(name, help=help)
+    c.add_argument("job", help="the job's name")
+    c.add_argument("--server", default="tcp://127.0.0.1:5555", help="server endpoint (default %(default)s)")
+    c.add_argument("--token-file", help="file holding the job's token (default: $WSTREAM_TOKEN)")
+    c.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+    return c
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wstream", description="Inspect and manage a wstream-server.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -46,6 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the raw status as JSON")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
     s.set_defaults(func=_status)
+    c = _job_command(sub, "save", "snapshot a job on the server's store now (its next consistent step)")
+    c.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the snapshot to be durable")
+    c.set_defaults(func=_save)
+    c = _job_command(sub, "export", "write a job's current weights to a plain safetensors file")
+    c.add_argument("--out", required=True, help="the .safetensors file to write")
+    c.set_defaults(func=_export)
     return p
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
@@ -87,7 +88,7 @@ class Client:
                 skeletons.append(skeleton_of(module))
                 if bar is not None:
                     bar.update(sum(numel_of(p.shape) for p in spec.params))
-            sealed, _ = self._chan.request(m.Seal(session=session), m.Attached)
+            sealed, _ = self._chan.request(m.Seal(session=session), m.Attached, timeout_s=self.wait_timeout_s)
         except BaseException:
             try:  # leave nothing half-made on the server
                 self._chan.request(m.DropJob(session=session), m.Ok, timeout_s=5.0)
@@ -167,6 +168,7 @@ class Job:
         schedule: str = "store_all",
         slots: int | None = None,
         memory_budget: int | str | None = None,
+        reconnect_s: float = 300.0,
     ) -> Trainer:
         """Join the job as a data-parallel worker.
 
@@ -188,6 +190,8 @@ class Job:
         ``"min_peak"``: the kept subset of least peak memory; or ``"offload"`` with ``memory_budget``:
         every k-th stage input goes to host memory as fast as the copy keeps up (k from the
         profile), Revolve within segments. Gradients are the same for every plan.
+        ``reconnect_s``: when the server restarts (from its snapshots) or detaches this worker, the
+        trainer attaches and joins again, retrying with backoff for this long (0: raise at once).
         """
         if self._skeletons is None:
             raise StateError(
@@ -224,6 +228,7 @@ class Job:
             zero_copy=zero_copy,
             plan=plan,
             plan_from_profile=from_profile,
+            reconnect_s=reconnect_s,
         )
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -237,6 +242,22 @@ class Job:
                 n = numel_of(p.shape)
                 out[f"{i}.{p.name}"] = flat[p.offset : p.offset + n].view(p.shape).clone()
         return out
+
+    def save(self, timeout: float | None = None) -> tuple[int, str]:
+        """Snapshot the job on the server's store; returns (step, directory) once it is durable.
+
+        The snapshot is of the job's next consistent step (at once when no step is under way)."""
+        reply, _ = self.client._chan.request(
+            m.Save(session=self.session), m.Saved, timeout_s=timeout or self.client.wait_timeout_s
+        )
+        return reply.step, reply.path
+
+    def export(self, path: str | os.PathLike[str]) -> None:
+        """Write the job's current fp32 weights to a plain safetensors file (names as
+        :meth:`state_dict`), for use outside wstream."""
+        from safetensors.torch import save_file
+
+        save_file(self.state_dict(), os.fspath(path), metadata={"job": self.name})
 
     def drop(self) -> None:
         """Delete the job from the server, freeing its memory (workers get errors afterwards)."""

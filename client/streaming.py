@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import queue
 import threading
 import time
@@ -50,6 +51,7 @@ class WeightRing:
         self._cond = threading.Condition()
         self.resident = 0
         self.peak = 0
+        self.waits = 0  # acquires that found the ring full (compute held every buffer)
 
     @property
     def capacity(self) -> int:
@@ -61,6 +63,8 @@ class WeightRing:
 
     def acquire(self, stop: threading.Event) -> int:
         with self._cond:
+            if not self._free:
+                self.waits += 1
             while not self._free:
                 if stop.is_set():
                     raise InterruptedError("weight ring wait interrupted by shutdown")
@@ -90,11 +94,44 @@ class Fetched:
     weights: torch.Tensor  # flat view of the ring buffer, the stage's numel long
 
 
+class LatencyWindow:
+    """The last ``capacity`` latency samples (seconds), for percentiles; ``count`` is all ever seen.
+
+    Appends come from one thread and reads from another: ``deque.append`` and ``list(deque)`` are
+    atomic in CPython, so a reader sees a consistent (possibly one sample old) window."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self._samples: deque[float] = deque(maxlen=capacity)
+        self.count = 0
+
+    def record(self, seconds: float) -> None:
+        self._samples.append(seconds)
+        self.count += 1
+
+    def samples(self) -> list[float]:
+        return list(self._samples)
+
+    def quantile(self, q: float) -> float:
+        """Nearest-rank ``q``-quantile (0 < q <= 1) of the window; NaN when it is empty."""
+        if not 0.0 < q <= 1.0:
+            raise ValueError(f"q must be in (0, 1], got {q}")
+        data = sorted(self._samples)
+        if not data:
+            return math.nan
+        return data[max(0, math.ceil(q * len(data)) - 1)]
+
+
 @dataclass(slots=True)
 class StreamStats:
     fetches: int = 0
     bytes_fetched: int = 0
     fetch_wait_s: float = 0.0  # time compute waited for weights
+    # Round trip of each fetch: request sent -> weights reply taken off the socket by the prefetch
+    # thread. A fetch during whose round trip the thread waited for a free ring buffer is left out
+    # (counted in ``fetch_latency_skipped``): its reply sat in the socket while compute held the
+    # ring, so the time would measure the worker's compute, not the server.
+    fetch_latency: LatencyWindow = field(default_factory=LatencyWindow)
+    fetch_latency_skipped: int = 0
     pushes: int = 0
     bytes_pushed: int = 0
     push_wait_s: float = 0.0  # time compute waited for a free gradient slot or the final acks
@@ -210,18 +247,31 @@ class Prefetcher:
         ahead = self._ring.capacity
         sent: deque[tuple[int, int]] = deque()  # (request id, stage) in order
         replies: dict[int, tuple[m.Message, list[zmq.Frame]]] = {}
+        sent_at: dict[int, tuple[float, int]] = {}  # request id -> (send time, ring waits then)
         nxt = 0
         while nxt < len(order) or sent:
             while nxt < len(order) and len(sent) < ahead:
-                sent.append((chan.send(m.Fetch(session=sc.session, stage=order[nxt], step=step)), order[nxt]))
+                rid = chan.send(m.Fetch(session=sc.session, stage=order[nxt], step=step))
+                sent_at[rid] = (time.perf_counter(), self._ring.waits)
+                sent.append((rid, order[nxt]))
                 nxt += 1
             rid, stage = sent[0]
             while rid not in replies:
                 reply, data = chan.recv(timeout_s=sc.wait_timeout_s, stop=stop)
                 replies[reply.id] = (reply, data)
+                self._record_latency(reply, sent_at.pop(reply.id, None))
             sent.popleft()
             reply, data = replies.pop(rid)
             self._ready.put(self._copy_in(stage, raise_or_narrow(reply, m.Weights), data, stop))
+
+    def _record_latency(self, reply: m.Message, sent: tuple[float, int] | None) -> None:
+        if sent is None or not isinstance(reply, m.Weights):
+            return
+        t_sent, waits = sent
+        if self._ring.waits != waits:
+            self.stats.fetch_latency_skipped += 1
+        else:
+            self.stats.fetch_latency.record(time.perf_counter() - t_sent)
 
     def _copy_in(self, stage: int, reply: m.Weights, data: list[zmq.Frame], stop: threading.Event) -> Fetched:
         sc = self._sc
@@ -314,16 +364,17 @@ class GradientPusher:
 class HeartbeatThread:
     """Keeps the worker's lease alive; on failure records the error and sets ``abort``."""
 
-    def __init__(self, sc: StreamContext, interval_s: float) -> None:
+    def __init__(self, sc: StreamContext, interval_s: float, timeout_s: float | None = None) -> None:
         self._sc = sc
         self._interval = interval_s
+        self._timeout_s = sc.timeout_s if timeout_s is None else timeout_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wstream-heartbeat", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         sc = self._sc
-        chan = Channel(sc.ctx, sc.address, timeout_s=sc.timeout_s)
+        chan = Channel(sc.ctx, sc.address, timeout_s=self._timeout_s)
         try:
             while not self._stop.wait(self._interval):
                 try:

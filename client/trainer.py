@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from wstream.protocol import StateError, WstreamError
+from wstream.protocol import ServerUnavailable, SessionExpiredError, StateError, WstreamError
 from wstream.protocol import messages as m
 from wstream.protocol.shm import map_segment
 
@@ -29,6 +29,7 @@ from .streaming import (
     TORCH_DTYPES,
     GradientPusher,
     HeartbeatThread,
+    LatencyWindow,
     Prefetcher,
     StreamContext,
     WeightRing,
@@ -40,6 +41,17 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class Resynced(Exception):
+    """A step was interrupted (the server restarted from a snapshot, or this worker was detached)
+    and the trainer reconnected to a job at another step: train ``step`` next, with its data.
+    :meth:`Trainer.fit` handles this itself."""
+
+    def __init__(self, interrupted: int, step: int) -> None:
+        super().__init__(f"step {interrupted} was interrupted; the job is at step {step} now")
+        self.interrupted = interrupted
+        self.step = step
 
 
 @dataclass(slots=True)
@@ -58,6 +70,11 @@ class TrainerStats:
     bytes_pushed: int
     push_wait_s: float
     peak_boundary_bytes: int
+    fetch_latency: LatencyWindow
+    """Round trips of recent fetches (request sent -> weights reply read), for percentiles."""
+    fetch_latency_skipped: int
+    """Fetches left out of ``fetch_latency``: their reply waited for a ring buffer compute held."""
+    reconnects: int
 
 
 class Trainer:
@@ -77,6 +94,7 @@ class Trainer:
         zero_copy: bool | None,
         plan: Plan | None,
         plan_from_profile: Callable[[StageCosts], Plan] | None = None,
+        reconnect_s: float = 300.0,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
@@ -93,10 +111,18 @@ class Trainer:
         self.preserve_rng = preserve_rng
         self._runners = runners
         self._closed = False
+        self.reconnect_s = reconnect_s
+        self.reconnects = 0
+        self._connect_args = (shm, grad_slots, world_size, prefetch, zero_copy)
+        self._steps_done = 0
+        self._peak_boundary = 0
+        self.last_loop_steps = 0
+        self._fetch_order = self.plan.fetch_order() if self.plan is not None else []
+        self._mover: HostMover | None = None
         client = job.client
         self._chan = Channel(client.ctx, client.address, timeout_s=client.timeout_s)
         try:
-            self._connect(shm, grad_slots, world_size, prefetch, zero_copy)
+            self._connect(*self._connect_args)
         except BaseException:
             if hasattr(self, "worker_id"):  # joined already: don't leave a worker others wait for
                 with contextlib.suppress(WstreamError):
@@ -168,12 +194,45 @@ class Trainer:
         )
         self._prefetcher = Prefetcher(self._sc, self._ring)
         self._pusher = GradientPusher(self._sc, grad_views, joined.grad_slots)
-        self._heartbeat = HeartbeatThread(self._sc, interval_s=max(0.05, attached.lease_s / 3))
-        self._steps_done = 0
-        self._peak_boundary = 0
-        self.last_loop_steps = 0
-        self._fetch_order = self.plan.fetch_order() if self.plan is not None else []
-        self._mover: HostMover | None = None
+        self._heartbeat = HeartbeatThread(
+            self._sc, interval_s=max(0.05, attached.lease_s / 3), timeout_s=min(client.timeout_s, max(1.0, attached.lease_s))
+        )
+
+    def _recover(self, cause: WstreamError) -> None:
+        """Reconnect after the server restarted or this worker was detached: a new session and
+        worker, retried with backoff for up to ``reconnect_s`` seconds."""
+        log.warning("worker %d of job %r lost its connection (%s); reconnecting", self.worker_id, self.job.name, cause)
+        self._heartbeat.close()
+        self._prefetcher.close()
+        self._pusher.close()
+        old_session = self.session
+        self._chan.close()
+        client = self.job.client
+        with contextlib.suppress(WstreamError):  # if the server is alive, drop the old worker at once
+            probe = Channel(client.ctx, client.address, timeout_s=1.0)
+            try:
+                probe.request(m.Leave(session=old_session), m.Ok)
+            finally:
+                probe.close()
+        deadline = time.monotonic() + self.reconnect_s
+        delay = 0.05
+        while True:
+            self._chan = Channel(client.ctx, client.address, timeout_s=min(client.timeout_s, 5.0))
+            try:
+                self._connect(*self._connect_args)
+                break
+            except (ServerUnavailable, SessionExpiredError) as exc:
+                self._chan.close()
+                if time.monotonic() + delay > deadline:
+                    self._closed = True
+                    raise ServerUnavailable(
+                        f"could not reconnect to job {self.job.name!r} within {self.reconnect_s:g} s: {exc}"
+                    ) from cause
+                time.sleep(delay)
+                delay = min(2 * delay, 2.0)
+        self._chan.timeout_s = client.timeout_s
+        self.reconnects += 1
+        log.warning("worker %d rejoined job %r at step %d", self.worker_id, self.job.name, self._step)
 
     # ---- public ------------------------------------------------------------------------------------
     @property
@@ -188,6 +247,48 @@ class Trainer:
         """
         if self._closed:
             raise StateError("this trainer is closed")
+        return self._recovering(lambda: self._step_once(inputs, targets, loss_fn))
+
+    def _recovering(self, run: Callable[[], float]) -> float:
+        """``run()`` a step; when the connection is lost reconnect, and retry the step if the job
+        is still at it, or raise :class:`Resynced` when it is at another step now."""
+        step = self._step
+        while True:
+            try:
+                return run()
+            except (ServerUnavailable, SessionExpiredError) as exc:
+                if self.reconnect_s <= 0 or self._closed:
+                    raise
+                self._recover(exc)
+            if self._step != step:
+                raise Resynced(step, self._step)
+
+    def fit(
+        self,
+        batch_of: Callable[[int], tuple[Any, Any]],
+        loss_fn: LossFn,
+        *,
+        steps: int,
+        on_step: Callable[[int, float], None] | None = None,
+    ) -> dict[int, float]:
+        """Train until the job reaches step ``steps``; ``batch_of(t)`` gives the inputs and targets
+        of step t. Steps interrupted by a server restart or a detach are trained again from the
+        job's step (so with deterministic data a recovered run ends with the weights of an
+        uninterrupted one). Returns the loss of every step this worker completed."""
+        losses: dict[int, float] = {}
+        while self._step < steps:
+            t = self._step
+            inputs, targets = batch_of(t)
+            try:
+                losses[t] = self.step(inputs, targets, loss_fn)
+            except Resynced as r:
+                log.warning("%s; going on from there", r)
+                continue
+            if on_step is not None:
+                on_step(t, losses[t])
+        return losses
+
+    def _step_once(self, inputs: Any, targets: Any, loss_fn: LossFn) -> float:
         if self.plan is None:
             self._plan_from_profile(inputs)
         assert self.plan is not None
@@ -197,6 +298,9 @@ class Trainer:
             for op, i in self.plan.actions:
                 self._execute(run, op, i, targets, loss_fn)
             self._pusher.drain()
+        except (ServerUnavailable, SessionExpiredError):
+            self._abort_step(run.pushed, recoverable=self.reconnect_s > 0)
+            raise
         except BaseException:
             self._abort_step(run.pushed)
             raise
@@ -286,6 +390,9 @@ class Trainer:
             bytes_pushed=pu.bytes_pushed,
             push_wait_s=pu.push_wait_s,
             peak_boundary_bytes=self._peak_boundary,
+            fetch_latency=pf.fetch_latency,
+            fetch_latency_skipped=pf.fetch_latency_skipped,
+            reconnects=self.reconnects,
         )
 
     def close(self) -> None:
@@ -391,26 +498,19 @@ class Trainer:
                 out = self._runners[0 if fetched is None else i](weights, run.current[1])
             if fetched is not None:
                 self._prefetcher.release(fetched)
-            run.current = (i + 1, as_boundary(out))
-            run.account()
+            run.set_current(i + 1, as_boundary(out))
         elif op == Op.SNAPSHOT:
             assert run.current is not None and run.current[0] == i
-            run.kept[i] = run.current[1]
-            run.account()
+            run.keep(i)
         elif op == Op.RESTORE:
-            if i in run.arriving:  # a PREFETCH still in flight: the compute waits for it here
-                run.kept[i] = run.arriving.pop(i).result()
-            run.current = (i, run.kept[i])
+            run.restore(i)
         elif op == Op.FREE:
-            if run.kept.pop(i, None) is None:
-                del run.arriving[i]
-            run.account()
+            run.free(i)
         elif op == Op.OFFLOAD:
             assert run.current is not None and run.current[0] == i
             run.host[i] = self._host_mover().to_host(run.current[1])
         elif op == Op.PREFETCH:
-            run.arriving[i] = self._host_mover().to_device(run.host[i])
-            run.account()
+            run.arrive(i, self._host_mover().to_device(run.host[i]))
         elif op == Op.FREE_HOST:
             run.host.pop(i).result()  # never drop memory a copy may still be writing
         else:
@@ -429,7 +529,7 @@ class Trainer:
         runner = self._runners[i if fetched is not None else 0]
         params = runner.leaves(fetched.weights if fetched is not None else run.loop_weights)
         inputs = tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in run.current[1])
-        run.current = None
+        run.drop_current()
         with self._stage_rng(run, i), torch.enable_grad():
             out = runner.call_with(params, inputs)
         grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -460,8 +560,11 @@ class Trainer:
         run.pushed = True
         self._prefetcher.release(fetched)
 
-    def _abort_step(self, pushed_any: bool) -> None:
+    def _abort_step(self, pushed_any: bool, *, recoverable: bool = False) -> None:
         self._prefetcher.reset()
+        if recoverable:  # the caller reconnects: the server discards this worker's step
+            self._pusher.forget_outstanding()
+            return
         if pushed_any:
             self._pusher.forget_outstanding()
             self._closed = True
@@ -496,17 +599,19 @@ class Trainer:
 
 
 class _PlanRun:
-    """The executor's state during one step."""
+    """The executor's state during one step. Live bytes are counted incrementally (O(1) per
+    action: a 10,000-stage chain makes tens of thousands of actions per step)."""
 
     __slots__ = (
-        "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last", "loop_weights", "loop_grads"
+        "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last",
+        "loop_weights", "loop_grads", "_kept_bytes", "_arriving_bytes", "_current_bytes", "_current_kept",
     )
 
     def __init__(self, inputs: Any, *, last: int = -1, loop_weights: torch.Tensor | None = None) -> None:
         self.last = last  # the position whose BACKWARD computes the loss
         self.loop_weights = loop_weights  # a loop body's weights, the same for every position
         self.loop_grads: list[torch.Tensor | None] | None = None
-        self.current: tuple[int, Boundary] | None = (0, as_boundary(inputs))
+        self.current: tuple[int, Boundary] | None = None
         self.kept: dict[int, Boundary] = {}
         self.host: dict[int, PendingMove] = {}  # offloaded inputs (a copy, also on a CPU worker)
         self.arriving: dict[int, PendingMove] = {}  # inputs being prefetched back from the host
@@ -515,6 +620,53 @@ class _PlanRun:
         self.loss = 0.0
         self.pushed = False
         self.peak_bytes = 0
+        self._kept_bytes = 0
+        self._arriving_bytes = 0
+        self._current_bytes = 0
+        self._current_kept: int | None = None  # the kept index ``current`` is, if it is one
+        self.set_current(0, as_boundary(inputs))
+
+    def set_current(self, index: int, b: Boundary) -> None:
+        self.current = (index, b)
+        self._current_bytes = boundary_bytes(b)
+        self._current_kept = None
+        self._account()
+
+    def drop_current(self) -> None:
+        self.current = None
+        self._current_bytes = 0
+        self._current_kept = None
+
+    def keep(self, i: int) -> None:
+        assert self.current is not None
+        self.kept[i] = self.current[1]
+        self._kept_bytes += self._current_bytes
+        self._current_kept = i
+        self._account()
+
+    def restore(self, i: int) -> None:
+        if i in self.arriving:  # a PREFETCH still in flight: the compute waits for it here
+            pending = self.arriving.pop(i)
+            self._arriving_bytes -= pending.nbytes
+            self.kept[i] = pending.result()
+            self._kept_bytes += boundary_bytes(self.kept[i])
+        self.current = (i, self.kept[i])
+        self._current_bytes = boundary_bytes(self.kept[i])
+        self._current_kept = i
+
+    def free(self, i: int) -> None:
+        if i in self.kept:
+            self._kept_bytes -= boundary_bytes(self.kept.pop(i))
+            if self._current_kept == i:
+                self._current_kept = None  # still the current input: counted as that now
+        else:
+            self._arriving_bytes -= self.arriving.pop(i).nbytes
+        self._account()
+
+    def arrive(self, i: int, pending: PendingMove) -> None:
+        self.arriving[i] = pending
+        self._arriving_bytes += pending.nbytes
+        self._account()
 
     def add_loop_grads(self, grads: list[torch.Tensor | None]) -> None:
         if self.loop_grads is None:
@@ -525,10 +677,10 @@ class _PlanRun:
                 acc = self.loop_grads[k]
                 self.loop_grads[k] = g if acc is None else acc.add_(g)
 
-    def account(self) -> None:
-        live = sum(boundary_bytes(b) for b in self.kept.values()) + sum(p.nbytes for p in self.arriving.values())
-        if self.current is not None and not any(self.current[1] is b for b in self.kept.values()):
-            live += boundary_bytes(self.current[1])
+    def _account(self) -> None:
+        live = self._kept_bytes + self._arriving_bytes
+        if self.current is not None and self._current_kept is None:
+            live += self._current_bytes
         self.peak_bytes = max(self.peak_bytes, live)
 
 

@@ -6,6 +6,7 @@
 from .codec import check_frames, decode_reply, decode_request, encode, expect, peek_id
 from .errors import (
     AuthError,
+    SessionExpiredError,
     ErrorCode,
     GradientError,
     InternalError,
@@ -31,6 +32,7 @@ __all__ = [
     "SGD",
     "AdamW",
     "AuthError",
+    "SessionExpiredError",
     "ErrorCode",
     "GradientError",
     "InternalError",

@@ -14,7 +14,8 @@ class ErrorCode(str, enum.Enum):
     BAD_MESSAGE = "bad_message"  # not msgpack, wrong field types, out-of-range values
     UNKNOWN_OP = "unknown_op"
     VERSION_MISMATCH = "version_mismatch"
-    AUTH_FAILED = "auth_failed"  # wrong token, unknown or expired session
+    AUTH_FAILED = "auth_failed"  # wrong token or proof
+    SESSION_EXPIRED = "session_expired"  # unknown session: its lease ended, or the server restarted
     UNKNOWN_JOB = "unknown_job"
     JOB_EXISTS = "job_exists"
     MEMORY_LIMIT = "memory_limit"
@@ -58,6 +59,12 @@ class VersionMismatchError(ProtocolError):
 
 class AuthError(WstreamError):
     code = ErrorCode.AUTH_FAILED
+
+
+class SessionExpiredError(AuthError):
+    """The server does not know this session (any more): attach again. A trainer does so itself."""
+
+    code = ErrorCode.SESSION_EXPIRED
 
 
 class UnknownJobError(WstreamError):
@@ -111,6 +118,7 @@ _BY_CODE: dict[ErrorCode, type[WstreamError]] = {
         UnknownOpError,
         VersionMismatchError,
         AuthError,
+        SessionExpiredError,
         UnknownJobError,
         JobExistsError,
         MemoryLimitError,

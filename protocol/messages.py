@@ -194,7 +194,14 @@ class Status(Message, tag="status"):
     pass
 
 
-Request = Union[CreateJob, AddStage, Seal, Attach, Join, Fetch, Push, Pull, Heartbeat, Leave, DropJob, Status]
+class Save(Message, tag="save"):
+    """Write a snapshot of the session's job at its next consistent step (at once when it is
+    idle); answered with ``saved`` once the snapshot is durable on disk."""
+
+    session: SessionId
+
+
+Request = Union[CreateJob, AddStage, Seal, Attach, Join, Fetch, Push, Pull, Heartbeat, Leave, DropJob, Status, Save]
 
 
 # -- replies (server -> client)
@@ -249,6 +256,11 @@ class Ok(Message, tag="ok"):
     pass
 
 
+class Saved(Message, tag="saved"):
+    step: Step
+    path: str
+
+
 class WorkerInfo(Struct, frozen=True, kw_only=True):
     id: int
     shm: bool
@@ -268,6 +280,8 @@ class JobInfo(Struct, frozen=True, kw_only=True):
     workers: list[WorkerInfo]
     updates: int
     optimizer_s: float
+    last_snapshot: int | None = None
+    """The step of the job's newest snapshot on disk (None: none yet, or no store)."""
 
 
 class StatusReply(Message, tag="status_reply"):
@@ -284,7 +298,7 @@ class Error(Message, tag="error"):
     message: str
 
 
-Reply = Union[Attached, Joined, Weights, Pushed, Master, Ok, StatusReply, Error]
+Reply = Union[Attached, Joined, Weights, Pushed, Master, Ok, Saved, StatusReply, Error]
 
 
 def op_of(cls: type[Message]) -> str:
@@ -295,9 +309,10 @@ def op_of(cls: type[Message]) -> str:
 
 
 REQUEST_TYPES: dict[str, type[Message]] = {
-    op_of(c): c for c in (CreateJob, AddStage, Seal, Attach, Join, Fetch, Push, Pull, Heartbeat, Leave, DropJob, Status)
+    op_of(c): c
+    for c in (CreateJob, AddStage, Seal, Attach, Join, Fetch, Push, Pull, Heartbeat, Leave, DropJob, Status, Save)
 }
 REPLY_TYPES: dict[str, type[Message]] = {
-    op_of(c): c for c in (Attached, Joined, Weights, Pushed, Master, Ok, StatusReply, Error)
+    op_of(c): c for c in (Attached, Joined, Weights, Pushed, Master, Ok, Saved, StatusReply, Error)
 }
 

@@ -31,7 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help=f"bytes all jobs may hold, e.g. 64GiB (default 80%% of RAM: {format_bytes(default_memory_limit())})",
     )
-    p.add_argument("--store", metavar="DIR", help="directory for snapshots and exports")
+    p.add_argument("--store", metavar="DIR", help="directory for snapshots; jobs found there are resumed at start")
+    p.add_argument(
+        "--snapshot-every", type=int, default=0, metavar="N",
+        help="snapshot each job every N steps (needs --store; 0: at creation, on 'wstream save' and at shutdown)",
+    )
+    p.add_argument("--keep-snapshots", type=int, default=3, metavar="K", help="snapshots kept per job (default 3)")
     p.add_argument("--lease", type=float, default=30.0, metavar="SECONDS", help="detach workers silent this long")
     p.add_argument("--optimizer-workers", type=int, default=1, metavar="N", help="threads running stage updates")
     p.add_argument("--torch-threads", type=int, default=None, metavar="N", help="torch intra-op threads")
@@ -45,6 +50,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "optimizer_workers": args.optimizer_workers,
         "torch_threads": args.torch_threads,
         "store": args.store,
+        "snapshot_every": args.snapshot_every,
+        "keep_snapshots": args.keep_snapshots,
     }
     if args.bind:
         kwargs["bind"] = args.bind

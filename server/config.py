@@ -24,6 +24,16 @@ class ServerConfig:
     store: str | None = None
     """Directory for snapshots and exports; created if missing. None: nothing is written to disk."""
 
+    snapshot_every: int = 0
+    """With a store: snapshot every job each time its step is a multiple of this (0: only at
+    creation, on ``wstream save`` and at shutdown)."""
+
+    keep_snapshots: int = 3
+    """Snapshots kept per job (newest first); older ones are deleted after a new one is durable."""
+
+    snapshot_buffer: int = 512 * 2**20
+    """Bytes of stage copies a snapshot may hold while the disk catches up with training."""
+
     lease_s: float = 30.0
     """A worker silent for longer than this is detached and its unfinished step discarded."""
 
@@ -51,5 +61,11 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.optimizer_workers must be >= 1, got {self.optimizer_workers}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"ServerConfig.torch_threads must be >= 1, got {self.torch_threads}")
+        if self.snapshot_every < 0:
+            raise ValueError(f"ServerConfig.snapshot_every must be >= 0 steps, got {self.snapshot_every}")
+        if self.keep_snapshots < 1:
+            raise ValueError(f"ServerConfig.keep_snapshots must be >= 1, got {self.keep_snapshots}")
+        if self.snapshot_every and self.store is None:
+            raise ValueError("ServerConfig.snapshot_every needs a store directory to write to")
         if self.store is not None:
-            os.makedirs(self.store, exist_ok=True)
+            os.makedirs(self.store, exist_ok=True, mode=0o700)

@@ -21,8 +21,10 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
+import threading
 import time
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +45,7 @@ from wstream.protocol.shm import create_segment, grow_segment, map_segment, trun
 
 from .memory import MemoryAccount
 from .optimizer import StageOptimizer, state_bytes_per_element
+from .snapshot import JobRecord, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +113,19 @@ class StageState:
     pending: dict[int, PendingPush] = field(default_factory=dict)
     waiting_fetch: list[Deferred] = field(default_factory=list)
     waiting_pull: list[Deferred] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held by the optimizer while it changes the stage and by a snapshot capturing it."""
+
+    def capture(self) -> dict[str, torch.Tensor]:
+        """Copies of what a snapshot keeps of this stage (call with ``lock`` held)."""
+        out = {"master": self.master.clone()}
+        for k, v in self.optimizer.state_tensors().items():
+            out[f"opt.{k}"] = v.clone()
+        return out
+
+    @property
+    def state_nbytes(self) -> int:
+        return self.master.numel() * 4 + sum(v.numel() * v.element_size() for v in self.optimizer.state_tensors().values())
 
     @property
     def single_slot(self) -> bool:
@@ -131,10 +147,14 @@ class UpdateTask:
     def run(self) -> UpdateTask:
         t0 = time.perf_counter()
         st = self.stage
-        st.optimizer.step(self.grads)
-        target = st.slots[st.slot_for(st.version + 1)]
-        if target is not st.master:
-            target.copy_(st.master)
+        snap = self.job.snapshot
+        if snap is not None and snap.step == st.version:  # NOTE [Consistent snapshots], rule 2
+            snap.capture_before_update(st.index, st.lock, st.capture, st.state_nbytes)
+        with st.lock:
+            st.optimizer.step(self.grads)
+            target = st.slots[st.slot_for(st.version + 1)]
+            if target is not st.master:
+                target.copy_(st.master)
         self.seconds = time.perf_counter() - t0
         return self
 
@@ -161,17 +181,21 @@ def grown_capacity(capacity: int, needed: int) -> int:
 class Job:
     """A job: its stages in shared memory, its optimizer, its workers and sessions."""
 
-    def __init__(self, msg: m.CreateJob, memory: MemoryAccount) -> None:
-        self.name = msg.name
-        self._token = token_digest(msg.token)
-        self.optimizer_spec = msg.optimizer
-        self.dtype = msg.dtype
-        self.double_buffer = msg.double_buffer or msg.dtype != "float32"
-        self.published_dtype = msg.dtype if self.double_buffer else "float32"
+    def __init__(self, record: JobRecord, memory: MemoryAccount, total_numel: int | None = None) -> None:
+        self.name = record.name
+        self._token = record.token_digest
+        self.optimizer_spec = record.optimizer
+        self.dtype = record.dtype
+        self.double_buffer = record.double_buffer or record.dtype != "float32"
+        self.published_dtype = record.dtype if self.double_buffer else "float32"
         self.memory = memory
-        if msg.total_numel is not None:
-            pub, priv = stage_bytes(msg.total_numel, msg.optimizer, msg.dtype, self.double_buffer)
-            memory.check(pub + priv, f"job {msg.name!r}")
+        if total_numel is not None:
+            pub, priv = stage_bytes(total_numel, record.optimizer, record.dtype, self.double_buffer)
+            memory.check(pub + priv, f"job {record.name!r}")
+        self.snapshot: Snapshot | None = None  # the snapshot being written, if any
+        self.last_snapshot_step: int | None = None
+        self._versions: Counter[int] = Counter()  # stage version -> how many stages are at it
+        self._updating = 0
         self.reserved = 0
         self.stages: list[StageState] = []
         self.workers: dict[int, Worker] = {}
@@ -186,6 +210,42 @@ class Job:
         self.published_bytes = 0  # bytes in use
         self._capacity = SEGMENT_START
         self._mapping = map_segment(self.published_path, self._capacity)
+
+    @classmethod
+    def create(cls, msg: m.CreateJob, memory: MemoryAccount) -> Job:
+        record = JobRecord(msg.name, token_digest(msg.token), msg.optimizer, msg.dtype, msg.double_buffer, [])
+        return cls(record, memory, msg.total_numel)
+
+    @classmethod
+    def restore(
+        cls, record: JobRecord, step: int, stages: Iterable[tuple[int, dict[str, torch.Tensor]]], memory: MemoryAccount
+    ) -> Job:
+        """The job as a snapshot of ``step`` holds it: sealed, every stage at version ``step``."""
+        job = cls(record, memory, sum(s.numel for s in record.specs))
+        try:
+            for i, tensors in stages:
+                spec = record.specs[i]
+                master = tensors["master"]
+                if master.numel() != spec.numel or master.dtype != torch.float32:
+                    raise LayoutError(f"snapshot of job {record.name!r}: stage {i} master does not fit its layout")
+                st = job._append_stage(i, spec, lambda flat, src=master: flat.copy_(src))
+                st.optimizer.load_state_tensors({k[4:]: v for k, v in tensors.items() if k.startswith("opt.")})
+                st.version = step
+                published = st.slots[st.slot_for(step)]
+                if published is not st.master:
+                    published.copy_(st.master)
+            job._versions = Counter({step: len(job.stages)})
+            job.seal()
+        except BaseException:
+            job.close()
+            raise
+        job.last_snapshot_step = step
+        return job
+
+    def record(self) -> JobRecord:
+        return JobRecord(
+            self.name, self._token, self.optimizer_spec, self.dtype, self.double_buffer, [s.spec for s in self.stages]
+        )
 
     # ---- creation --------------------------------------------------------------------------------
     def add_stage(self, msg: m.AddStage, frames: list[zmq.Frame]) -> None:
@@ -202,15 +262,22 @@ class Job:
                 f"stage {msg.index}: got {got} bytes of weights, the layout needs "
                 f"{expected} ({numel} float32 elements)"
             )
+        self._append_stage(msg.index, msg.spec, lambda flat: copy_frames_into(flat, frames))
+        self._versions[0] += 1
+
+    def _append_stage(self, index: int, spec: m.StageSpec, fill: Callable[[torch.Tensor], object]) -> StageState:
+        """Reserve memory for stage ``index``, place it in the published segment, ``fill`` its
+        fp32 master (a flat tensor of ``spec.numel``) and set up its optimizer."""
+        numel = spec.numel
         pub, priv = stage_bytes(numel, self.optimizer_spec, self.dtype, self.double_buffer)
-        self.memory.check(pub + priv, f"job {self.name!r} stage {msg.index}")
+        self.memory.check(pub + priv, f"job {self.name!r} stage {index}")
         offset = self.published_bytes
         if offset + pub > self._capacity:
             capacity = grown_capacity(self._capacity, offset + pub)
             grow_segment(self.published_path, capacity)
             self._capacity = capacity
             self._mapping = map_segment(self.published_path, capacity)  # older views keep older maps
-        self.memory.reserve(pub + priv, f"job {self.name!r} stage {msg.index}")
+        self.memory.reserve(pub + priv, f"job {self.name!r} stage {index}")
         self.reserved += pub + priv
         self.published_bytes = offset + pub
         pub_dtype = DTYPES[self.published_dtype]
@@ -221,16 +288,17 @@ class Job:
         ]
         if self.double_buffer:
             master = torch.empty(numel, dtype=torch.float32)
-            copy_frames_into(master, frames)
+            fill(master)
             slots, offsets = (views[0], views[1]), (offset, offset + slot_nbytes)
             views[0].copy_(master)
         else:
             master = views[0]
-            copy_frames_into(master, frames)
+            fill(master)
             slots, offsets = (master, master), (offset, offset)
-        st = StageState(msg.index, msg.spec, master, slots, offsets, StageOptimizer(self.optimizer_spec, master))
+        st = StageState(index, spec, master, slots, offsets, StageOptimizer(self.optimizer_spec, master))
         self.stages.append(st)
         self.max_stage_numel = max(self.max_stage_numel, numel)
+        return st
 
     def seal(self) -> None:
         if self.sealed:
@@ -308,6 +376,7 @@ class Job:
             ],
             updates=self.updates,
             optimizer_s=self.optimizer_seconds,
+            last_snapshot=self.last_snapshot_step,
         )
 
     # ---- workers -----------------------------------------------------------------------------------
@@ -340,7 +409,9 @@ class Job:
             id=wid,
             session=session,
             shm=msg.shm,
-            first_step=max(s.version for s in self.stages),
+            # the first step no stage has begun to update: a step whose update started anywhere
+            # cannot be trained by a newcomer any more (its forward needs the old weights)
+            first_step=max(s.version + s.updating for s in self.stages),
             grad_path=path,
             grad_buffer=buf,
             slots=slots,
@@ -366,7 +437,7 @@ class Job:
         self.memory.release(w.reserved)
         w.reserved = 0
 
-    def remove_worker(self, worker_id: int, submit: Callable[[UpdateTask], None], reason: str) -> None:
+    def remove_worker(self, worker_id: int, submit: Callable[[UpdateTask], None], reason: str) -> list[Outgoing]:
         """Detach a worker: drop its unfinished pushes and start updates it was holding back."""
         w = self.workers.pop(worker_id, None)
         if w is None:
@@ -377,6 +448,7 @@ class Job:
                 st.pending.pop(worker_id, None)  # its gradient of an unfinished step is discarded
             self._maybe_update(st, submit)
         self._free_worker(w)
+        return self.skip_abandoned_step()
 
     def _expected(self, step: int) -> set[int]:
         return {w.id for w in self.workers.values() if w.first_step <= step}
@@ -448,12 +520,14 @@ class Job:
             return
         grads = [self.workers[wid].slots[p.slot][: st.spec.numel] for wid, p in sorted(st.pending.items())]
         st.updating = True
+        self._updating += 1
         submit(UpdateTask(self, st, grads))
 
     def finish_update(self, task: UpdateTask, error: BaseException | None) -> list[Outgoing]:
         """Called on the loop thread when an update completes: flip, free slots, answer waiters."""
         st = task.stage
         st.updating = False
+        self._updating -= 1
         out: list[Outgoing] = []
         pending = st.pending
         st.pending = {}
@@ -468,9 +542,22 @@ class Job:
                     Outgoing(p.identity, m.Error(id=p.request_id, code="internal", message=f"update failed: {error}"))
                 )
         if error is None:
-            st.version += 1
+            log.debug("job %r stage %d: step %d applied (workers %s)", self.name, st.index, st.version, sorted(pending))
+            self._set_version(st, st.version + 1)
             self.updates += 1
             self.optimizer_seconds += task.seconds
+        out.extend(self._answer_waiters(st))
+        return out
+
+    def _set_version(self, st: StageState, version: int) -> None:
+        self._versions[st.version] -= 1
+        if not self._versions[st.version]:
+            del self._versions[st.version]
+        st.version = version
+        self._versions[version] += 1
+
+    def _answer_waiters(self, st: StageState) -> list[Outgoing]:
+        out = []
         waiting = st.waiting_fetch
         st.waiting_fetch = []
         for d in waiting:
@@ -481,6 +568,30 @@ class Job:
         pulls = st.waiting_pull
         st.waiting_pull = []
         out.extend(self.pull_reply(st, d.identity, d.request_id) for d in pulls)
+        return out
+
+    def consistent_step(self) -> int | None:
+        """The step every stage is at, when all are at the same one and none is updating."""
+        if self._updating or len(self._versions) != 1 or not self.sealed:
+            return None
+        return next(iter(self._versions))
+
+    def skip_abandoned_step(self) -> list[Outgoing]:
+        """Close a step that no live worker will finish (every worker that was making it is gone):
+        the stages it had not reached keep their weights and optimizer state, and move on to the
+        step the others are at, so the job is consistent again and a new worker can start."""
+        top = max(self._versions, default=0)
+        out: list[Outgoing] = []
+        if len(self._versions) <= 1:
+            return out
+        for st in self.stages:
+            while st.version < top and not st.updating and not st.pending and not self._expected(st.version):
+                log.warning(
+                    "job %r: stage %d skips step %d (every worker making it left before its gradient came)",
+                    self.name, st.index, st.version,
+                )
+                self._set_version(st, st.version + 1)
+                out.extend(self._answer_waiters(st))
         return out
 
     def pull(self, msg: m.Pull, identity: bytes) -> Outgoing | None:

@@ -41,6 +41,15 @@ class StageOptimizer:
             raise TypeError(f"unsupported optimizer spec {spec!r}")
         self._scales: dict[int, torch.Tensor] = {}
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The optimizer's per-parameter state (live tensors: moments, step count)."""
+        return {k: v for k, v in self._opt.state.get(self.master, {}).items() if isinstance(v, torch.Tensor)}
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Restore state saved by :meth:`state_tensors` (from a snapshot)."""
+        if tensors:
+            self._opt.state[self.master] = {k: v.clone() for k, v in tensors.items()}
+
     def step(self, grads: list[torch.Tensor]) -> None:
         """Apply one update with the mean of ``grads``: summed in place into ``grads[0]``, and
         divided by their number inside the fused kernel (its ``grad_scale`` input, which AMP uses

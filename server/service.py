@@ -8,6 +8,7 @@ loop polls next to the socket. A message that fails to decode or validate is ans
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import queue
@@ -23,11 +24,13 @@ import zmq
 
 from wstream.protocol import (
     PROTOCOL_VERSION,
-    AuthError,
     InternalError,
     JobExistsError,
     MemoryLimitError,
+    NotReadyError,
     ProtocolError,
+    SessionExpiredError,
+    StateError,
     UnknownJobError,
     WstreamError,
     check_frames,
@@ -41,6 +44,7 @@ from wstream.protocol.shm import SegmentSpaceError, reap_stale_segments
 from .config import ServerConfig
 from .job import Job, Outgoing, UpdateTask
 from .memory import MemoryAccount
+from .snapshot import Snapshot, SnapshotError, SnapshotStore, Waiter
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +78,10 @@ class Server:
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         self._pool = ThreadPoolExecutor(max_workers=config.optimizer_workers, thread_name_prefix="wstream-opt")
+        self.store = SnapshotStore(config.store, config.keep_snapshots) if config.store is not None else None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wstream-snapshot")
+        self._snap_done: queue.SimpleQueue[tuple[Job, Snapshot, str | None, BaseException | None]] = queue.SimpleQueue()
+        self._save_waiters: dict[str, list[Waiter]] = {}
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
@@ -99,6 +107,7 @@ class Server:
             m.Leave: self._on_leave,
             m.DropJob: self._on_drop_job,
             m.Status: self._on_status,
+            m.Save: self._on_save,
         }
         self._last_seen: dict[bytes, float] = {}
 
@@ -106,6 +115,7 @@ class Server:
     def run(self) -> None:
         """Serve until stopped; then free every job and shared-memory segment."""
         reap_stale_segments()
+        self._restore_jobs()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stop())
@@ -131,6 +141,8 @@ class Server:
 
     def _shutdown(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        self._writer.shutdown(wait=True)
+        self._final_snapshots()
         for job in list(self.jobs.values()):
             job.close()
         self.jobs.clear()
@@ -224,13 +236,20 @@ class Server:
             try:
                 task, error = self._done.get_nowait()
             except queue.Empty:
-                return
+                break
             if error is not None:
                 log.error("update of job %r stage %d failed: %r", task.job.name, task.stage.index, error)
             if self.jobs.get(task.job.name) is not task.job:
                 continue  # the job was dropped meanwhile
             for out in task.job.finish_update(task, error):
                 self._send(out)
+            self._maybe_snapshot(task.job)
+        while True:
+            try:
+                job, snap, path, error = self._snap_done.get_nowait()
+            except queue.Empty:
+                return
+            self._snapshot_finished(job, snap, path, error)
 
     # ---- sessions ------------------------------------------------------------------------------
     def _new_session(self, job: Job) -> bytes:
@@ -246,14 +265,19 @@ class Server:
     def _session(self, sid: bytes) -> Session:
         s = self.sessions.get(sid)
         if s is None:
-            raise AuthError("unknown or expired session: attach to the job again")
+            raise SessionExpiredError(
+                "unknown or expired session (its lease ended, the job was dropped, or the server restarted): "
+                "attach to the job again"
+            )
         return s
 
     def _end_session(self, sid: bytes, reason: str) -> None:
         s = self.sessions.pop(sid, None)
         self._last_seen.pop(sid, None)
         if s is not None and s.worker is not None:
-            s.job.remove_worker(s.worker, self._submit, reason)
+            for out in s.job.remove_worker(s.worker, self._submit, reason):
+                self._send(out)
+            self._maybe_snapshot(s.job)
 
     def _expire_leases(self, now: float) -> None:
         lease = self.config.lease_s
@@ -267,7 +291,7 @@ class Server:
         if msg.name in self.jobs:
             raise JobExistsError(f"a job named {msg.name!r} already exists on this server")
         try:
-            job = Job(msg, self.memory)
+            job = Job.create(msg, self.memory)
         except SegmentSpaceError as exc:
             raise MemoryLimitError(str(exc)) from None
         self.jobs[msg.name] = job
@@ -293,7 +317,7 @@ class Server:
             raise MemoryLimitError(str(exc)) from None
         return Outgoing(identity, m.Ok(id=msg.id))
 
-    def _on_seal(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+    def _on_seal(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing | None:
         assert isinstance(msg, m.Seal)
         job = self._session(msg.session).job
         job.seal()
@@ -304,6 +328,11 @@ class Server:
             job.reserved,
             self.memory.free,
         )
+        if self.store is not None:  # answered once the job is durable: a crash cannot lose it after
+            reply = job.attached_reply(msg.session, self.config.lease_s, msg.id)
+            self._save_waiters.setdefault(job.name, []).append(Waiter(identity, msg.id, lambda *_: reply))
+            self._maybe_snapshot(job, reason="creation")
+            return None
         return Outgoing(identity, job.attached_reply(msg.session, self.config.lease_s, msg.id))
 
     def _on_join(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
@@ -363,6 +392,12 @@ class Server:
             self.sessions.pop(sid, None)
             self._last_seen.pop(sid, None)
         del self.jobs[job.name]
+        if job.snapshot is not None:
+            job.snapshot.cancel()
+        for w in self._save_waiters.pop(job.name, []):
+            self._error(w.identity, w.request_id, UnknownJobError(f"job {job.name!r} was dropped"))
+        if self.store is not None:  # after any write in progress: the writer runs one task at a time
+            self._writer.submit(self.store.delete_job, job.name)
         job.close()
         log.info("job %r dropped; %d bytes free", job.name, self.memory.free)
         return Outgoing(identity, m.Ok(id=msg.id))
@@ -378,3 +413,126 @@ class Server:
             jobs=[j.info() for j in self.jobs.values()],
         )
         return Outgoing(identity, reply)
+
+    def _on_save(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing | None:
+        assert isinstance(msg, m.Save)
+        job = self._session(msg.session).job
+        if self.store is None:
+            raise StateError("this server has no store: start it with --store DIR to save snapshots")
+        if not job.ready:
+            raise NotReadyError(f"job {job.name!r} is still uploading its weights")
+        reply = functools.partial(_saved, msg.id)
+        self._save_waiters.setdefault(job.name, []).append(Waiter(identity, msg.id, reply))
+        self._maybe_snapshot(job, reason="save request")
+        return None
+
+    # ---- snapshots (NOTE [Consistent snapshots while training goes on] in snapshot.py) ---------
+    def _restore_jobs(self) -> None:
+        """Resume every job of the store from its newest intact snapshot."""
+        if self.store is None:
+            return
+        self.store.remove_partial()
+        for name in self.store.jobs():
+            t0 = time.perf_counter()
+            try:
+                step, record, stages, path = self.store.load_latest(name)
+                job = Job.restore(record, step, stages, self.memory)
+            except (SnapshotError, WstreamError) as exc:
+                log.error("job %r not resumed: %s (its files are left in place)", name, exc)
+                continue
+            self.jobs[name] = job
+            log.info(
+                "job %r resumed at step %d from %s (%d stages, %.2f s)",
+                name, step, path, len(job.stages), time.perf_counter() - t0,
+            )
+
+    def _maybe_snapshot(self, job: Job, reason: str | None = None) -> None:
+        """Start a snapshot of ``job`` if one is due and the job is at a consistent step."""
+        if self.store is None or job.snapshot is not None or self.jobs.get(job.name) is not job:
+            return
+        step = job.consistent_step()
+        if step is None:
+            return
+        waiters = self._save_waiters.pop(job.name, [])
+        if step == job.last_snapshot_step:
+            path = str(self.store.snapshots(job.name)[0])
+            for w in waiters:  # nothing changed since: that snapshot is it
+                self._send(Outgoing(w.identity, w.reply(step, path)))
+            return
+        every = self.config.snapshot_every
+        if reason is None and waiters:
+            reason = "save request"
+        last = job.last_snapshot_step if job.last_snapshot_step is not None else -every
+        if reason is None and every and step >= last + every:
+            reason = f"every {every} steps"  # also when the step it was due at came during a write
+        if reason is None:
+            return
+        snap = Snapshot(job.record(), step, self.config.snapshot_buffer, reason, waiters=waiters)
+        job.snapshot = snap
+        self._writer.submit(self._write_snapshot, job, snap)
+
+    def _write_snapshot(self, job: Job, snap: Snapshot) -> None:
+        """On the writer thread; the result goes back to the loop."""
+        assert self.store is not None
+        path: str | None = None
+        error: BaseException | None = None
+        try:
+            written = self.store.write(snap, [(st.lock, st.capture) for st in job.stages])
+            path = str(written) if written is not None else None
+        except BaseException as exc:  # reported on the loop thread
+            error = exc
+        self._snap_done.put((job, snap, path, error))
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def _snapshot_finished(self, job: Job, snap: Snapshot, path: str | None, error: BaseException | None) -> None:
+        if job.snapshot is snap:
+            job.snapshot = None
+        seconds = time.monotonic() - snap.started
+        if error is not None:
+            log.error("snapshot of job %r at step %d failed: %r", job.name, snap.step, error)
+            for w in snap.waiters:
+                self._error(w.identity, w.request_id, InternalError(f"snapshot failed: {error}"))
+        elif path is not None:
+            job.last_snapshot_step = snap.step
+            log.info(
+                "job %r: snapshot of step %d (%s) written to %s: %d bytes in %.2f s",
+                job.name, snap.step, snap.reason, path, snap.bytes_written, seconds,
+            )
+            for w in snap.waiters:
+                self._send(Outgoing(w.identity, w.reply(snap.step, path)))
+        if self.jobs.get(job.name) is job:
+            self._maybe_snapshot(job)
+
+    def _final_snapshots(self) -> None:
+        """At shutdown, snapshot every job whose consistent state is newer than its last snapshot
+        (a job stopped in the middle of a step resumes from its last snapshot instead)."""
+        while True:  # the completions of writes that finished during shutdown
+            try:
+                job, snap, path, error = self._snap_done.get_nowait()
+            except queue.Empty:
+                break
+            if path is not None and error is None:
+                job.last_snapshot_step = snap.step
+        if self.store is None:
+            return
+        for job in self.jobs.values():
+            job.snapshot = None
+            step = job.consistent_step()
+            if step is None or step == job.last_snapshot_step:
+                if step is None:
+                    log.warning("job %r is in the middle of a step: it will resume from its last snapshot", job.name)
+                continue
+            snap = Snapshot(job.record(), step, self.config.snapshot_buffer, "shutdown")
+            try:
+                path = self.store.write(snap, [(st.lock, st.capture) for st in job.stages])
+                job.last_snapshot_step = step
+                log.info("job %r: snapshot of step %d written at shutdown to %s", job.name, step, path)
+            except OSError as exc:
+                log.error("job %r: the shutdown snapshot failed: %s", job.name, exc)
+
+
+def _saved(request_id: int, step: int, path: str) -> m.Message:
+    return m.Saved(id=request_id, step=step, path=path)

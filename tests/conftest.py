@@ -39,9 +39,10 @@ class ServerProcess:
             raise AssertionError(f"server did not exit within {timeout} s of signal {sig}\n{self.log()}") from None
 
 
-def start_server(tmp_path: Path, *extra: str, name: str = "server") -> ServerProcess:
-    sock = tmp_path / f"{name}.sock"
-    address = f"ipc://{sock}"
+def start_server(tmp_path: Path, *extra: str, name: str = "server", address: str | None = None) -> ServerProcess:
+    """A server subprocess; ``address`` (default: an ipc socket named after ``name``) lets a
+    restarted server listen where its clients look for it."""
+    address = address or f"ipc://{tmp_path / f'{name}.sock'}"
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(

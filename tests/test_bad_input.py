@@ -73,7 +73,7 @@ def test_every_bad_message_is_answered_while_another_job_trains(server: ServerPr
             (
                 "unknown session",
                 [msgpack.packb({"v": PROTOCOL_VERSION, "op": "heartbeat", "session": b"z" * 16})],
-                "auth_failed",
+                "session_expired",
                 "session",
             ),
             ("wrong token", [msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "victim", "token": "nope"})], "auth_failed", "wrong token"),

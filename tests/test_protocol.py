@@ -44,6 +44,7 @@ REQUESTS: list[m.Message] = [
     m.Leave(session=SID),
     m.DropJob(session=SID),
     m.Status(),
+    m.Save(session=SID),
 ]
 
 

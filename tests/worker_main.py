@@ -1,6 +1,8 @@
 """A worker process for tests: attach to a job, train some steps, report what happened as JSON.
 
 Usage: python worker_main.py ADDRESS JOB TOKEN MODEL STEPS RANK OUT.json [--frames] [--prefetch K]
+       [--data-offset D]  (batches of ``models.batch(model, step, D + RANK)``)
+       [--barrier DIR]  (after joining, touch DIR/ready-JOB-RANK and wait for DIR/go before training)
 """
 
 from __future__ import annotations
@@ -9,8 +11,9 @@ import argparse
 import json
 import os
 import sys
-
 import threading
+import time
+from pathlib import Path
 
 import torch
 
@@ -63,6 +66,8 @@ def main() -> None:
     p.add_argument("--copy", action="store_true", help="copy weights into the ring (no zero-copy)")
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--world-size", type=int, default=1)
+    p.add_argument("--data-offset", type=int, default=0, help="train on the batches of rank D + RANK")
+    p.add_argument("--barrier", help="directory: announce the join there and wait for its 'go' file")
     p.add_argument("--warmup-width", type=int, default=0, help="initialize torch's kernels before measuring")
     args = p.parse_args()
     torch.manual_seed(1234 + args.rank)
@@ -83,9 +88,13 @@ def main() -> None:
             world_size=args.world_size,
             zero_copy=False if args.copy else None,
         )
+        if args.barrier:  # lets a test start many jobs' workers training at the same moment
+            (Path(args.barrier) / f"ready-{args.job}-{args.rank}").touch()
+            while not (Path(args.barrier) / "go").exists():
+                time.sleep(0.01)
         losses = []
         for _ in range(args.steps):
-            x, y = models.batch(args.model, trainer.step_index, args.rank)
+            x, y = models.batch(args.model, trainer.step_index, args.data_offset + args.rank)
             losses.append(trainer.step(x, y, models.loss_fn))
         peak_anon = sampler.stop()
         stats = trainer.stats()
@@ -100,6 +109,9 @@ def main() -> None:
                 "ring_bytes": stats.ring_bytes,
                 "shm": trainer.shm,
                 "zero_copy": trainer.zero_copy,
+                "fetches": stats.fetches,
+                "fetch_latency_s": stats.fetch_latency.samples(),
+                "fetch_latency_skipped": stats.fetch_latency_skipped,
             },
             f,
         )

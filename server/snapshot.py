@@ -1,0 +1,333 @@
+"""Snapshots of a job's state on disk: one consistent step, written atomically, verified on load.
+
+Layout under the server's ``--store`` directory::
+
+    job-<name>/step-000000001200/manifest.json        the job's metadata and every file's sha256
+    job-<name>/step-000000001200/shard-00000.safetensors   "<stage>.master", "<stage>.opt.<key>"
+    job-<name>/.tmp-...                               a snapshot being written (removed at start)
+
+# NOTE [Consistent snapshots while training goes on]
+# 1. A snapshot of step t starts only when every stage is at version t and none is updating
+#    (``Job.consistent_step``): just after stage 0's update of step t-1, or at once on an idle job.
+# 2. From then on each stage's state of version t is *captured* (cloned) exactly once, before
+#    anything changes it: either by the writer thread, which walks the stages in the order backward
+#    updates them (last first), or by the update t -> t+1 itself, which captures first if the
+#    writer has not reached the stage yet. Both run under the stage's lock, so a capture never
+#    sees half an update.
+# 3. Captures made by updates wait for room when more than ``buffer_bytes`` of clones are waiting
+#    to be written (outside the stage lock, so the writer can always go on): the extra memory of a
+#    snapshot is bounded, and training slows to disk speed only when the disk cannot keep up.
+# 4. Files are written to a temporary directory, each fsynced; the manifest (with every file's
+#    sha256) last; then the directory is renamed into place and its parent fsynced. A crash at
+#    any moment leaves either the complete new snapshot or none of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from safetensors.torch import load_file
+from safetensors.torch import save as save_safetensors
+
+from wstream.protocol import messages as m
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+SHARD_BYTES = 256 * 2**20
+"""Stages are grouped into files of about this size (one file per stage would mean thousands of
+fsyncs for a deep model; one file for all would need the whole state in memory at once)."""
+
+
+class SnapshotError(Exception):
+    """A snapshot on disk cannot be used (missing file, wrong checksum, unreadable manifest)."""
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_file(path: Path, data: bytes | memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+@dataclass(slots=True)
+class JobRecord:
+    """What a snapshot stores besides tensors: enough to re-create the job after a restart."""
+
+    name: str
+    token_digest: bytes
+    optimizer: m.OptimizerSpec
+    dtype: str
+    double_buffer: bool
+    specs: list[m.StageSpec]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "token_sha256": self.token_digest.hex(),
+            "optimizer": msgspec.to_builtins(self.optimizer),
+            "dtype": self.dtype,
+            "double_buffer": self.double_buffer,
+            "stages": [msgspec.to_builtins(s) for s in self.specs],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> JobRecord:
+        return cls(
+            name=d["name"],
+            token_digest=bytes.fromhex(d["token_sha256"]),
+            optimizer=msgspec.convert(d["optimizer"], m.OptimizerSpec),  # type: ignore[arg-type]
+            dtype=d["dtype"],
+            double_buffer=bool(d["double_buffer"]),
+            specs=[msgspec.convert(s, m.StageSpec) for s in d["stages"]],
+        )
+
+
+@dataclass(slots=True, frozen=True)
+class Waiter:
+    """A request answered when a snapshot is durable: ``reply(step, path)`` makes the answer."""
+
+    identity: bytes
+    request_id: int
+    reply: Callable[[int, str], m.Message]
+
+
+@dataclass(slots=True)
+class Snapshot:
+    """One snapshot of one job in progress (see the NOTE above)."""
+
+    record: JobRecord
+    step: int
+    buffer_bytes: int
+    reason: str
+    started: float = field(default_factory=time.monotonic)
+    waiters: list[Waiter] = field(default_factory=list)  # requests answered once it is durable
+    captured: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)  # stages captured (by either side)
+    clone_bytes: int = 0
+    cancelled: bool = False
+    cond: threading.Condition = field(default_factory=threading.Condition)
+    path: Path | None = None
+    bytes_written: int = 0
+
+    def capture_before_update(self, index: int, lock: threading.Lock, capture: Callable[[], dict[str, torch.Tensor]],
+                              nbytes: int) -> None:
+        """Called by the update of ``index`` from version ``step``: capture first (rule 2)."""
+        with self.cond:
+            if index in self.done:
+                return
+            while self.clone_bytes + nbytes > self.buffer_bytes and self.clone_bytes > 0 and not self.cancelled:
+                self.cond.wait(timeout=1.0)  # rule 3: outside the stage lock
+        with lock, self.cond:
+            if index in self.done or self.cancelled:
+                return
+            self.captured[index] = capture()
+            self.done.add(index)
+            self.clone_bytes += nbytes
+
+    def take(self, index: int, lock: threading.Lock, capture: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """The writer's turn for ``index``: the clone an update made, or a capture now."""
+        with lock, self.cond:
+            if index in self.captured:
+                tensors = self.captured.pop(index)
+                return tensors
+            self.done.add(index)
+            return capture()
+
+    def release(self, tensors: dict[str, torch.Tensor], from_update: bool) -> None:
+        if not from_update:
+            return
+        with self.cond:
+            self.clone_bytes -= sum(t.numel() * t.element_size() for t in tensors.values())
+            self.cond.notify_all()
+
+    def cancel(self) -> None:
+        with self.cond:
+            self.cancelled = True
+            self.captured.clear()
+            self.clone_bytes = 0
+            self.cond.notify_all()
+
+
+class SnapshotStore:
+    """The snapshots of every job under one directory; keeps the newest ``keep`` per job."""
+
+    def __init__(self, root: str | Path, keep: int) -> None:
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1 snapshot per job, got {keep}")
+        self.root = Path(root)
+        self.keep = keep
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    def job_dir(self, name: str) -> Path:
+        return self.root / f"job-{name}"
+
+    def remove_partial(self) -> None:
+        """Delete temporary directories left by a crash in the middle of writing (rule 4)."""
+        for tmp in self.root.glob("job-*/.tmp-*"):
+            shutil.rmtree(tmp, ignore_errors=True)
+            log.info("removed an unfinished snapshot %s", tmp)
+
+    def jobs(self) -> list[str]:
+        return sorted(p.name[4:] for p in self.root.glob("job-*") if p.is_dir())
+
+    def snapshots(self, name: str) -> list[Path]:
+        """This job's complete snapshots, newest first."""
+        return sorted(self.job_dir(name).glob("step-*"), reverse=True)
+
+    def delete_job(self, name: str) -> None:
+        shutil.rmtree(self.job_dir(name), ignore_errors=True)
+
+    # ---- writing (the writer thread) ------------------------------------------------------------
+    def write(
+        self,
+        snap: Snapshot,
+        stages: list[tuple[threading.Lock, Callable[[], dict[str, torch.Tensor]]]],
+    ) -> Path | None:
+        """Write ``snap``; returns its directory, or None when it was cancelled (job dropped)."""
+        job_dir = self.job_dir(snap.record.name)
+        job_dir.mkdir(exist_ok=True, mode=0o700)
+        tmp = job_dir / f".tmp-step-{snap.step:012d}-{secrets.token_hex(4)}"
+        tmp.mkdir(mode=0o700)
+        try:
+            files = self._write_shards(snap, stages, tmp)
+            if files is None:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return None
+            manifest = {
+                "format": FORMAT,
+                "step": snap.step,
+                "created_unix": time.time(),
+                "job": snap.record.to_json(),
+                "files": files,
+            }
+            _write_file(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
+            _fsync_dir(tmp)
+            final = job_dir / f"step-{snap.step:012d}"
+            if final.exists():  # the same step saved twice (a save request on an idle job)
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(job_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        for old in self.snapshots(snap.record.name)[self.keep :]:
+            shutil.rmtree(old, ignore_errors=True)
+        return final
+
+    def _write_shards(
+        self, snap: Snapshot, stages: list[tuple[threading.Lock, Callable[[], dict[str, torch.Tensor]]]], tmp: Path
+    ) -> list[dict[str, Any]] | None:
+        files: list[dict[str, Any]] = []
+        shard: dict[str, torch.Tensor] = {}
+        shard_stages: list[int] = []
+        size = 0
+        for i in reversed(range(len(stages))):  # the order backward updates them (rule 2)
+            if snap.cancelled:
+                return None
+            lock, capture = stages[i]
+            from_update = i in snap.captured
+            tensors = snap.take(i, lock, capture)
+            for k, t in tensors.items():
+                shard[f"{i}.{k}"] = t
+            size += sum(t.numel() * t.element_size() for t in tensors.values())
+            shard_stages.append(i)
+            snap.release(tensors, from_update)
+            if size >= SHARD_BYTES or i == 0:
+                name = f"shard-{len(files):05d}.safetensors"
+                data = save_safetensors(shard, metadata={"step": str(snap.step)})
+                _write_file(tmp / name, data)
+                files.append({
+                    "name": name,
+                    "sha256": hashlib.sha256(data).hexdigest(),
+                    "bytes": len(data),
+                    "stages": sorted(shard_stages),
+                })
+                snap.bytes_written += len(data)
+                shard, shard_stages, size = {}, [], 0
+        return files
+
+    # ---- reading --------------------------------------------------------------------------------
+    def load_latest(self, name: str) -> tuple[int, JobRecord, Iterator[tuple[int, dict[str, torch.Tensor]]], Path]:
+        """The newest intact snapshot of job ``name``: (step, record, stage tensors, path).
+
+        Every file's checksum is verified before anything is returned; a damaged snapshot is
+        skipped (logged) for the next older one. Raises SnapshotError when none is intact."""
+        problems = []
+        for path in self.snapshots(name):
+            try:
+                step, record, shards = self._verify(path)
+            except SnapshotError as exc:
+                log.warning("snapshot %s is damaged (%s); trying an older one", path, exc)
+                problems.append(f"{path.name}: {exc}")
+                continue
+            return step, record, _stage_tensors(path, shards), path
+        raise SnapshotError(f"job {name!r} has no intact snapshot in {self.job_dir(name)}: {problems or 'none'}")
+
+    def _verify(self, path: Path) -> tuple[int, JobRecord, list[dict[str, Any]]]:
+        try:
+            manifest = json.loads((path / "manifest.json").read_bytes())
+            if manifest.get("format") != FORMAT:
+                raise SnapshotError(f"format {manifest.get('format')!r}, this server reads {FORMAT}")
+            record = JobRecord.from_json(manifest["job"])
+            step = int(manifest["step"])
+            shards = manifest["files"]
+            for f in shards:
+                if _file_sha256(path / f["name"]) != (f["bytes"], f["sha256"]):
+                    raise SnapshotError(f"{f['name']} does not match its size and checksum")
+        except SnapshotError:
+            raise
+        except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError) as exc:
+            raise SnapshotError(f"{type(exc).__name__}: {exc}") from None
+        covered = sorted(i for f in manifest["files"] for i in f["stages"])
+        if covered != list(range(len(record.specs))):
+            raise SnapshotError("the files do not hold every stage exactly once")
+        return step, record, shards
+
+
+def _file_sha256(path: Path) -> tuple[int, str]:
+    h = hashlib.sha256()
+    size = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(8 * 2**20):
+            h.update(chunk)
+            size += len(chunk)
+    return size, h.hexdigest()
+
+
+def _stage_tensors(path: Path, shards: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """(stage, {"master": ..., "opt.<key>": ...}) for every stage in stage order, one file in
+    memory at a time (files hold descending ranges of stages: the writer goes last to first)."""
+    for f in sorted(shards, key=lambda f: min(f["stages"])):
+        by_stage: dict[int, dict[str, torch.Tensor]] = {}
+        for key, t in load_file(path / f["name"]).items():
+            stage, _, name = key.partition(".")
+            by_stage.setdefault(int(stage), {})[name] = t
+        for i in sorted(by_stage):
+            yield i, by_stage.pop(i)

@@ -1,0 +1,183 @@
+"""A killed server resumes from its snapshots, and workers that die or stall leave the rest training.
+
+Kill moments are random (seeded: ``WSTREAM_CRASH_SEED``; ``WSTREAM_CRASHES`` sets how many server
+kills one run makes), chosen by waiting for a random step of progress, then a random delay.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import models
+from conftest import HERE, ServerProcess, start_server
+from test_equivalence import assert_weights_equal, reference_train
+from wstream.client import AdamW, Client, ServerUnavailable
+
+LR, WD = 3e-3, 0.05
+
+
+def spawn_worker(address: str, job: str, steps: int, rank: int, tmp_path: Path, *extra: str) -> subprocess.Popen[bytes]:
+    out = tmp_path / f"worker{rank}.json"
+    log = open(tmp_path / f"worker{rank}.log", "wb")
+    cmd = [sys.executable, str(HERE / "resilient_worker.py"), address, job, "t", "mixed", str(steps), str(rank), str(out), *extra]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    proc.log_path = log.name  # type: ignore[attr-defined]
+    log.close()
+    return proc
+
+
+def finish(proc: subprocess.Popen[bytes], tmp_path: Path, rank: int) -> dict:
+    try:
+        rc = proc.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    text = Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
+    assert rc == 0, f"worker {rank} exited with {rc}:\n{text}"
+    return json.loads((tmp_path / f"worker{rank}.json").read_text())
+
+
+def job_step(address: str, name: str) -> int | None:
+    try:
+        with Client(address, timeout=2) as c:
+            jobs = {j.name: j for j in c.status().jobs}
+    except ServerUnavailable:
+        return None
+    return jobs[name].step if name in jobs else None
+
+
+def wait_for_workers(address: str, name: str, count: int, deadline_s: float = 120.0) -> None:
+    """Poll until job ``name`` has exactly ``count`` workers attached."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        with Client(address, timeout=5) as c:
+            jobs = {j.name: j for j in c.status().jobs}
+        if len(jobs[name].workers) == count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"job {name!r} did not get to {count} workers within {deadline_s:g} s")
+
+
+def wait_for_step(address: str, name: str, step: int, deadline_s: float = 120.0) -> int:
+    """Poll the server's status until job ``name`` reaches ``step``; returns the step seen."""
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        seen = job_step(address, name)
+        if seen is not None and seen >= step:
+            return seen
+        time.sleep(0.02)
+    raise AssertionError(f"job {name!r} did not reach step {step} within {deadline_s:g} s (at {seen})")
+
+
+def assert_clean_log(srv: ServerProcess) -> None:
+    text = srv.log()
+    assert "Traceback" not in text and "internal error" not in text, text
+
+
+def test_server_killed_at_random_moments_resumes_to_the_weights_of_an_uninterrupted_run(tmp_path: Path) -> None:
+    rng = random.Random(int(os.environ.get("WSTREAM_CRASH_SEED", "1")))
+    crashes = int(os.environ.get("WSTREAM_CRASHES", "3"))
+    steps = 8 * (crashes + 1)
+    args = ("--memory-limit", "2GiB", "--store", str(tmp_path / "store"), "--snapshot-every", "1", "--lease", "3")
+    srv = start_server(tmp_path, *args, name="srv0")
+    address = srv.address
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    with Client(address, timeout=30) as c:
+        c.create_job("crash", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t")
+    worker = spawn_worker(address, "crash", steps, 0, tmp_path)
+    kill_steps = sorted(rng.sample(range(1, steps - 1), crashes))
+    resumed_at = []
+    try:
+        for k, at in enumerate(kill_steps):
+            wait_for_step(address, "crash", at)
+            time.sleep(rng.uniform(0, 0.05))  # a random moment within the step
+            srv.stop(signal.SIGKILL)
+            srv = start_server(tmp_path, *args, name=f"srv{k + 1}", address=address)
+            resumed_at.append(job_step(address, "crash"))
+        report = finish(worker, tmp_path, 0)
+        assert report["reconnects"] >= 1
+        if job_step(address, "crash") < steps:  # the last kill came after the worker finished:
+            report = finish(spawn_worker(address, "crash", steps, 1, tmp_path), tmp_path, 1)  # replay the rest
+        with Client(address, timeout=30) as c:
+            with torch.device("meta"):
+                skeleton = models.mixed()
+            job = c.attach_job("crash", token="t", stages=skeleton)
+            assert job_step(address, "crash") == steps
+            got = job.state_dict()
+        want = reference_train(start, lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=WD), "mixed", steps)
+        assert_weights_equal(got, want, atol=1e-6)
+        assert all(r is not None for r in resumed_at), resumed_at
+        print(f"server killed at steps {kill_steps}; resumed at {resumed_at}; {steps} steps")
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+        assert srv.stop() == 0
+        assert_clean_log(srv)
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_workers_killed_or_stopped_mid_step_leave_the_others_training(tmp_path: Path, workers: int) -> None:
+    """Every worker trains on the same batches, so the mean over whichever workers finish a step
+    is the single-worker gradient: with at least one survivor per step, the weights are those of
+    one worker training alone, whatever dies or stalls when."""
+    rng = random.Random(workers)
+    steps = 30
+    srv = start_server(tmp_path, "--memory-limit", "2GiB", "--lease", "1.5", "--log-level", "DEBUG", name="srv")
+    address = srv.address
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    with Client(address, timeout=30) as c:
+        c.create_job("dp", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t")
+    extra = ("--world-size", str(workers), "--same-data")
+    procs = {r: spawn_worker(address, "dp", steps, r, tmp_path, *extra) for r in range(workers)}
+    try:
+        wait_for_step(address, "dp", rng.randint(3, 6))
+        time.sleep(rng.uniform(0, 0.05))
+        procs[0].send_signal(signal.SIGKILL)  # dies in the middle of a step
+        procs[0].wait()
+        procs[workers] = spawn_worker(address, "dp", steps, workers, tmp_path, *extra)  # a replacement
+        reports = {}
+        if workers > 1:
+            wait_for_workers(address, "dp", workers)  # the dead one detached, the replacement in
+            joined_by = job_step(address, "dp")
+            assert joined_by is not None  # from joined_by + 1 on, every step is every live worker's
+            wait_for_step(address, "dp", max(joined_by + 2, rng.randint(10, 14)))
+            time.sleep(rng.uniform(0, 0.05))
+            procs[1].send_signal(signal.SIGSTOP)  # stalls past its lease: detached, the rest go on
+            stopped_at = job_step(address, "dp")
+            assert stopped_at is not None
+            wait_for_step(address, "dp", stopped_at + 3)  # impossible while it still counted
+            procs[1].send_signal(signal.SIGCONT)  # comes back: re-attaches at the current step
+        for r, proc in procs.items():
+            if r != 0:
+                reports[r] = finish(proc, tmp_path, r)
+        assert job_step(address, "dp") == steps
+        if workers > 1:
+            assert reports[1]["reconnects"] >= 1  # its session had expired
+            with Client(address, timeout=30) as c:
+                with torch.device("meta"):
+                    skeleton = models.mixed()
+                got = c.attach_job("dp", token="t", stages=skeleton).state_dict()
+            want = reference_train(start, lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=WD), "mixed", steps)
+            assert_weights_equal(got, want, atol=1e-5)
+        else:  # the lone worker's half-finished step: stages it had not reached skip that step
+            assert "detached" in srv.log()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+        assert srv.stop() == 0
+        assert_clean_log(srv)

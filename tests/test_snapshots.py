@@ -1,0 +1,153 @@
+"""Snapshots: consistent steps written atomically while training goes on, verified on load."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+import models
+from conftest import start_server
+from test_equivalence import assert_weights_equal, reference_train
+from wstream.client import AdamW, Client, UnknownJobError
+
+LR, WD = 3e-3, 0.05
+
+
+def adamw(p):  # noqa: ANN001, ANN201
+    return torch.optim.AdamW(p, lr=LR, weight_decay=WD)
+
+
+def snapshot_weights(path: Path) -> tuple[int, dict[str, torch.Tensor]]:
+    """(step, {"<stage>.<param>": tensor}) read straight from a snapshot directory."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    masters: dict[int, torch.Tensor] = {}
+    for f in manifest["files"]:
+        for key, t in load_file(path / f["name"]).items():
+            stage, _, name = key.partition(".")
+            if name == "master":
+                masters[int(stage)] = t
+    out = {}
+    for i, spec in enumerate(manifest["job"]["stages"]):
+        for name, shape, offset in spec["params"]:
+            n = int(torch.tensor(shape).prod().item()) if shape else 1
+            out[f"{i}.{name}"] = masters[i][offset : offset + n].view(shape)
+    return manifest["step"], out
+
+
+def train(address: str, name: str, steps: int) -> None:
+    with Client(address, timeout=30) as c:
+        with torch.device("meta"):
+            skeleton = models.mixed()
+        job = c.attach_job(name, token="t", stages=skeleton)
+        with job.trainer() as tr:
+            for s in range(steps):
+                tr.step(*models.batch("mixed", s), models.loss_fn)
+
+
+def test_every_snapshot_holds_exactly_one_step_while_training_goes_on(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    srv = start_server(tmp_path, "--store", str(store), "--snapshot-every", "1", "--keep-snapshots", "100")
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    with Client(srv.address, timeout=30) as c:
+        c.create_job("snap", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t")
+    train(srv.address, "snap", 8)
+    assert srv.stop() == 0
+    snaps = sorted((store / "job-snap").glob("step-*"))
+    assert len(snaps) >= 4, snaps  # at creation, at shutdown, and some every-step ones between
+    for path in snaps:
+        step, got = snapshot_weights(path)
+        want = reference_train(copy.deepcopy(start), adamw, "mixed", step)
+        assert_weights_equal(got, want, atol=1e-6)
+        opt_steps = {k: t for f in json.loads((path / "manifest.json").read_text())["files"]
+                     for k, t in load_file(path / f["name"]).items() if k.endswith(".opt.step")}
+        assert all(int(t.item()) == step for t in opt_steps.values()), (step, opt_steps)
+        for f in path.iterdir():
+            assert stat.S_IMODE(f.stat().st_mode) == 0o600, f
+    assert json.loads((snaps[-1] / "manifest.json").read_text())["step"] == 8  # the shutdown snapshot
+
+
+def test_save_keep_restart_and_a_damaged_snapshot_falls_back_to_an_older_one(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    args = ("--store", str(store), "--keep-snapshots", "2")
+    srv = start_server(tmp_path, *args, name="a")
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    with Client(srv.address, timeout=30) as c:
+        job = c.create_job("keep", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t")
+        train(srv.address, "keep", 3)
+        assert job.save() == (3, str(store / "job-keep" / "step-000000000003"))
+        assert job.save()[0] == 3  # nothing changed: the same snapshot
+    train(srv.address, "keep", 2)  # steps 3, 4 (a new trainer starts at the job's step)
+    with Client(srv.address, timeout=30) as c:
+        assert c.attach_job("keep", token="t").save()[0] == 5
+    assert [p.name for p in sorted((store / "job-keep").glob("step-*"))] == ["step-000000000003", "step-000000000005"]
+    srv.stop(signal.SIGKILL)
+    newest = store / "job-keep" / "step-000000000005"
+    shard = next(newest.glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-3] ^= 0xFF  # one flipped bit in the weights
+    shard.write_bytes(bytes(data))
+    srv = start_server(tmp_path, *args, name="b", address=srv.address)
+    with Client(srv.address, timeout=30) as c:
+        assert {j.name: j.step for j in c.status().jobs} == {"keep": 3}
+        with torch.device("meta"):
+            skeleton = models.mixed()
+        got = c.attach_job("keep", token="t", stages=skeleton).state_dict()
+    assert_weights_equal(got, reference_train(copy.deepcopy(start), adamw, "mixed", 3), atol=1e-6)
+    assert srv.stop() == 0
+    assert "is damaged" in srv.log() and "does not match" in srv.log()
+
+
+def test_export_and_the_admin_commands(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    srv = start_server(tmp_path, "--store", str(store))
+    with Client(srv.address, timeout=30) as c:
+        job = c.create_job("exp", models.mixed(), optimizer=AdamW(lr=LR), token="t")
+        train(srv.address, "exp", 2)
+        want = job.state_dict()
+    token_file = tmp_path / "token"
+    token_file.write_text("t\n")
+    os.chmod(token_file, 0o600)
+    out = tmp_path / "model.safetensors"
+    base = [sys.executable, "-m", "wstream.client.admin"]
+    common = ["--server", srv.address, "--token-file", str(token_file)]
+    r = subprocess.run([*base, "export", "exp", *common, "--out", str(out)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    got = load_file(out)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    r = subprocess.run([*base, "save", "exp", *common], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "snapshot of step 2" in r.stdout, r.stdout + r.stderr
+    bad = tmp_path / "bad"
+    bad.write_text("wrong")
+    r = subprocess.run([*base, "save", "exp", "--server", srv.address, "--token-file", str(bad)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "wrong token" in r.stderr
+    assert srv.stop() == 0
+
+
+def test_a_dropped_job_stays_dropped_after_a_restart(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    srv = start_server(tmp_path, "--store", str(store), name="a")
+    with Client(srv.address, timeout=30) as c:
+        c.create_job("gone", models.mixed(), optimizer=AdamW(lr=LR), token="t").drop()
+        c.create_job("kept", models.mixed(), optimizer=AdamW(lr=LR), token="t")
+    srv.stop(signal.SIGKILL)
+    srv = start_server(tmp_path, "--store", str(store), name="b", address=srv.address)
+    with Client(srv.address, timeout=30) as c:
+        assert [j.name for j in c.status().jobs] == ["kept"]
+        try:
+            c.attach_job("gone", token="t")
+            raise AssertionError("a dropped job came back")
+        except UnknownJobError:
+            pass
+    assert srv.stop() == 0
