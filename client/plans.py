@@ -25,9 +25,11 @@ Nothing here imports torch: planners are pure functions and plans are checked by
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import math
-from collections.abc import Callable, Sequence
+import sys
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -488,62 +490,73 @@ def optimal(costs: StageCosts, budget_bytes: int, *, resolution: int = 256) -> P
     )
 
 
-def _optimal_in_units(costs: StageCosts, budget_bytes: int, unit: int, need: int) -> Plan:
-    n = costs.n
-    x = [-(-b // unit) for b in costs.state_bytes]
-    tape = [-(-b // unit) for b in costs.tape_bytes]
-    budget = budget_bytes // unit
-    c = [costs.advance_cost(i) for i in range(n)]
-    prefix = [0.0]
-    for v in c:
-        prefix.append(prefix[-1] + v)
-    inf = math.inf
+class _ReverseDP:
+    """The dynamic program behind :func:`optimal` (and the segments of :func:`offload`): the least
+    recomputation time to reverse [a, b) from the kept x_a within ``mem`` units of memory (x_a's
+    included), either directly (b = a + 1) or by advancing to some k, keeping x_k, reversing
+    [k, b) with the memory x_a leaves, then [a, k). Sizes are rounded up to ``unit`` bytes."""
 
-    @lru_cache(maxsize=None)
-    def best(a: int, b: int, mem: int) -> tuple[float, int]:
-        """(cost, split) to reverse [a, b) with x_a kept in ``mem`` units (x_a's included);
-        split 0 means reverse directly."""
+    def __init__(self, costs: StageCosts, unit: int) -> None:
+        self.x = [-(-b // unit) for b in costs.state_bytes]
+        self.tape = [-(-b // unit) for b in costs.tape_bytes]
+        self.prefix = [0.0]
+        for i in range(costs.n):
+            self.prefix.append(self.prefix[-1] + costs.advance_cost(i))
+        self.best = lru_cache(maxsize=None)(self._best)
+
+    def _best(self, a: int, b: int, mem: int) -> tuple[float, int]:
+        """(cost, split); split 0 means reverse directly."""
+        x, tape = self.x, self.tape
         if b - a == 1:
-            return (0.0, 0) if x[a] + tape[a] <= mem else (inf, -1)
-        top: tuple[float, int] = (inf, -1)
+            return (0.0, 0) if x[a] + tape[a] <= mem else (math.inf, -1)
+        top: tuple[float, int] = (math.inf, -1)
         peak = x[a] + x[a + 1]  # advancing from x_a (kept and current) to x_{a+1}
         for k in range(a + 1, b):
             if k > a + 1:
                 peak = max(peak, x[a] + x[k - 1] + x[k])
             if peak > mem:
                 break
-            right = best(k, b, mem - x[a])[0]
-            if right == inf:
+            right = self.best(k, b, mem - x[a])[0]
+            if right == math.inf:
                 continue
-            left = best(a, k, mem)[0]
-            total = prefix[k] - prefix[a] + right + left
+            left = self.best(a, k, mem)[0]
+            total = self.prefix[k] - self.prefix[a] + right + left
             if total < top[0]:
                 top = (total, k)
         return top
 
-    def emit(a: int, b: int, mem: int, out: list[Action]) -> None:
-        _, k = best(a, b, mem)
+    def emit(self, a: int, b: int, mem: int, out: list[Action]) -> None:
+        _, k = self.best(a, b, mem)
         if k == 0:
             out.append((Op.BACKWARD, a))
             return
         out.extend((Op.ADVANCE, i) for i in range(a, k))
         out.append((Op.SNAPSHOT, k))
-        emit(k, b, mem - x[a], out)
+        self.emit(k, b, mem - self.x[a], out)
         out += [(Op.FREE, k), (Op.RESTORE, a)]
-        emit(a, k, mem, out)
+        self.emit(a, k, mem, out)
 
-    import sys
 
+@contextlib.contextmanager
+def _deep_recursion(n: int) -> Iterator[None]:
     old = sys.getrecursionlimit()
     sys.setrecursionlimit(max(old, 10 * n + 1000))
     try:
-        if best(0, n, budget)[0] == inf:  # rounding up to units lost the last few bytes
-            raise PlanError(f"no plan fits {budget_bytes} bytes in units of {unit} bytes (the least is {need})")
-        actions: list[Action] = [(Op.SNAPSHOT, 0)]
-        emit(0, n, budget, actions)
-        actions.append((Op.FREE, 0))
+        yield
     finally:
         sys.setrecursionlimit(old)
+
+
+def _optimal_in_units(costs: StageCosts, budget_bytes: int, unit: int, need: int) -> Plan:
+    n = costs.n
+    dp = _ReverseDP(costs, unit)
+    budget = budget_bytes // unit
+    with _deep_recursion(n):
+        if dp.best(0, n, budget)[0] == math.inf:  # rounding up to units lost the last few bytes
+            raise PlanError(f"no plan fits {budget_bytes} bytes in units of {unit} bytes (the least is {need})")
+        actions: list[Action] = [(Op.SNAPSHOT, 0)]
+        dp.emit(0, n, budget, actions)
+        actions.append((Op.FREE, 0))
     return _plan("optimal", n, actions)
 
 
@@ -630,58 +643,89 @@ def auto(costs: StageCosts, budget_bytes: int) -> Plan:
 # ---- asynchronous multistage checkpointing: offload to host memory --------------------------------
 def offload_spacing(costs: StageCosts, bandwidth: float) -> int:
     """The smallest k such that copying one stage input to the host (at ``bandwidth`` bytes/s)
-    takes no longer than computing k stages: offloading every k-th input keeps up with compute."""
+    takes no longer than running k stages (each the longer of its forward and its weight fetch):
+    offloading every k-th input keeps up with compute."""
     if bandwidth <= 0:
         raise PlanError(f"offload needs a host transfer bandwidth > 0 bytes/s, got {bandwidth}")
-    per_stage = sum(costs.forward_s) / costs.n
+    per_stage = sum(max(costs.forward_s[i], costs.advance_cost(i) - costs.forward_s[i]) for i in range(costs.n))
+    per_stage /= costs.n
     copy = max(costs.state_bytes) / bandwidth
     return max(1, math.ceil(copy / per_stage - 1e-9)) if per_stage > 0 else 1
 
 
+def _reverse_need(costs: StageCosts, a: int, b: int) -> int:
+    """:func:`min_budget` of the sub-chain [a, b) (x_a kept throughout)."""
+    x, tape = costs.state_bytes, costs.tape_bytes
+    need = x[a] + tape[a] if b - a == 1 else max(x[a] + tape[a], x[a] + x[a + 1])
+    for j in range(a + 1, b):
+        need = max(need, x[a] + x[j] + tape[j])
+        if j + 1 < b:
+            need = max(need, x[a] + x[j] + x[j + 1])
+    return need
+
+
 def offload(
-    costs: StageCosts, budget_bytes: int, bandwidth: float | None = None, *, spacing: int | None = None
+    costs: StageCosts,
+    budget_bytes: int,
+    bandwidth: float | None = None,
+    *,
+    spacing: int | None = None,
+    resolution: int = 256,
 ) -> Plan:
     """Asynchronous multistage checkpointing (after Kukreja, Hueckelheim and Gorman, 2018).
 
     Forward: one sweep that offloads every ``spacing``-th input to host memory (by default as
     often as the transfer keeps up with compute: :func:`offload_spacing`). Backward: segment by
     segment from the last, the next segment's start is prefetched ahead while the current one is
-    reversed with Revolve in the device memory the budget leaves. The device holds one segment's
-    checkpoints; recomputation per stage depends on the spacing and the slots only, so it is the
-    same for any n."""
+    reversed in the device memory the budget leaves, by the dynamic program of :func:`optimal`
+    (least recomputation time, weight fetches included; on equal stages it recomputes as Revolve
+    does). Recomputation per stage depends on the spacing and the budget only, so it is the same
+    for any n."""
     n = costs.n
     bw = bandwidth if bandwidth is not None else costs.host_bandwidth
     k = spacing if spacing is not None else offload_spacing(costs, bw)
     if k < 1:
         raise PlanError(f"spacing must be >= 1, got {k}")
-    unit = max(costs.state_bytes)
-    # device: the segment's kept inputs, the prefetched next start, the current input and a
-    # next input or tape
-    slots = (budget_bytes - max(max(costs.tape_bytes), unit) - unit) // unit - 1
-    if slots < 1:
-        need = 3 * unit + max(max(costs.tape_bytes), unit)
+    starts = list(range(0, n, k))
+    ends = [*starts[1:], n]
+    x = costs.state_bytes
+    # device memory: during the forward sweep the current and next inputs and the source of an
+    # offload still copying; in backward a segment's reversal plus the next start arriving
+    need = max(x[i] + x[i + 1] + x[s] for s, e in zip(starts, ends) for i in range(s, min(e, n - 1))) if n > 1 else 0
+    for j, (s0, e0) in enumerate(zip(starts, ends)):
+        need = max(need, _reverse_need(costs, s0, e0) + (x[starts[j - 1]] if j > 0 else 0))
+    if budget_bytes < need:
         raise PlanError(
             f"a budget of {budget_bytes} bytes cannot hold the offload plan: it needs at least {need} bytes "
-            "(a kept input, a prefetched one, the current one and a tape)"
+            "(a segment's start, the current input and the next or a tape, and the next segment's start)"
         )
-    starts = list(range(0, n, k))
+    sizes = [*costs.state_bytes, *costs.tape_bytes]
+    exact = math.gcd(*sizes) if any(sizes) else 1
+    unit = exact if exact and budget_bytes // exact <= 16 * resolution else max(1, budget_bytes // (16 * resolution))
+    dp = _ReverseDP(costs, unit)
+    budget = budget_bytes // unit
     actions: list[Action] = []
     for j, s0 in enumerate(starts):  # the forward sweep, offloading segment starts
         actions.append((Op.OFFLOAD, s0))
-        end = starts[j + 1] if j + 1 < len(starts) else None
-        if end is not None:
-            actions.extend((Op.ADVANCE, i) for i in range(s0, end))
+        if j + 1 < len(starts):
+            actions.extend((Op.ADVANCE, i) for i in range(s0, ends[j]))
     last = len(starts) - 1
     actions.append((Op.SNAPSHOT, starts[last]))
-    for j in range(last, -1, -1):
-        s0 = starts[j]
-        e0 = starts[j + 1] if j + 1 < len(starts) else n
-        if j > 0:
-            actions.append((Op.PREFETCH, starts[j - 1]))  # overlaps this segment's reversal
-        _revolve_emit(s0, e0, min(slots, max(1, e0 - s0)), actions.append)
-        actions += [(Op.FREE, s0), (Op.FREE_HOST, s0)]
-        if j > 0:
-            actions.append((Op.RESTORE, starts[j - 1]))
+    with _deep_recursion(k):
+        for j in range(last, -1, -1):
+            s0, e0 = starts[j], ends[j]
+            mem = budget
+            if j > 0:
+                actions.append((Op.PREFETCH, starts[j - 1]))  # overlaps this segment's reversal
+                mem -= dp.x[starts[j - 1]]
+            if dp.best(s0, e0, mem)[0] == math.inf:
+                raise PlanError(
+                    f"no offload plan fits {budget_bytes} bytes in units of {unit} bytes (the least is {need})"
+                )
+            dp.emit(s0, e0, mem, actions)
+            actions += [(Op.FREE, s0), (Op.FREE_HOST, s0)]
+            if j > 0:
+                actions.append((Op.RESTORE, starts[j - 1]))
     return _plan("offload", n, actions)
 
 

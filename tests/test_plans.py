@@ -306,3 +306,32 @@ def test_offload_overhead_is_constant_in_n_and_device_memory_bounded() -> None:
     assert offload(costs, 32, 4.0).advances < offload(costs, 32, 1.0).advances
     with pytest.raises(PlanError, match="needs at least 16 bytes"):
         offload(costs, 15, 1.0)
+
+
+def test_offload_prices_weight_fetches_and_fits_its_budget_on_random_chains() -> None:
+    from wstream.client.plans import offload
+
+    rng = random.Random(7)
+    cheaper = 0
+    for _ in range(40):
+        n = rng.randint(2, 40)
+        fwd = tuple(rng.choice((1.0, 2.0, 3.0)) for _ in range(n))
+        xs = tuple(rng.choice((2, 4)) for _ in range(n))
+        tapes = tuple(rng.choice((2, 4)) for _ in range(n))
+        weights = tuple(rng.choice((0, 0, 40)) for _ in range(n))  # some stages cost a big fetch
+        priced = StageCosts(forward_s=fwd, state_bytes=xs, tape_bytes=tapes, weight_bytes=weights, bandwidth=4.0)
+        blind = StageCosts(forward_s=fwd, state_bytes=xs, tape_bytes=tapes)
+        budget = rng.randint(14, 24)  # tight: segments must recompute
+        k = rng.randint(2, 10)
+        try:
+            plan = offload(priced, budget, spacing=k)
+        except PlanError as exc:
+            assert "needs at least" in str(exc)
+            continue
+        sim = simulate(n, plan.actions, state_bytes=xs, tape_bytes=tapes)
+        assert sim.peak_bytes <= budget
+        # counting fetches never makes the plan slower under the costs that include them ...
+        blind_time = plan_time(priced, offload(blind, budget, spacing=k))
+        assert plan_time(priced, plan) <= blind_time + 1e-9
+        cheaper += plan_time(priced, plan) < blind_time - 1e-9
+    assert cheaper >= 5  # ... and often makes it faster (a planner blind to fetches would tie)
