@@ -89,7 +89,9 @@ def test_server_killed_at_random_moments_resumes_to_the_weights_of_an_uninterrup
     rng = random.Random(int(os.environ.get("WSTREAM_CRASH_SEED", "1")))
     crashes = int(os.environ.get("WSTREAM_CRASHES", "3"))
     steps = 8 * (crashes + 1)
-    args = ("--memory-limit", "2GiB", "--store", str(tmp_path / "store"), "--snapshot-every", "1", "--lease", "3")
+    keep = os.environ.get("WSTREAM_KEEP_SNAPSHOTS", "3")
+    args = ("--memory-limit", "2GiB", "--store", str(tmp_path / "store"), "--snapshot-every", "1", "--lease", "3",
+            "--keep-snapshots", keep)
     srv = start_server(tmp_path, *args, name="srv0")
     address = srv.address
     stages = models.mixed()
@@ -109,7 +111,8 @@ def test_server_killed_at_random_moments_resumes_to_the_weights_of_an_uninterrup
         report = finish(worker, tmp_path, 0)
         assert report["reconnects"] >= 1
         if job_step(address, "crash") < steps:  # the last kill came after the worker finished:
-            report = finish(spawn_worker(address, "crash", steps, 1, tmp_path), tmp_path, 1)  # replay the rest
+            # replay the rest with a fresh worker on the same data (rank 1, rank 0's batches)
+            report = finish(spawn_worker(address, "crash", steps, 1, tmp_path, "--same-data"), tmp_path, 1)
         with Client(address, timeout=30) as c:
             with torch.device("meta"):
                 skeleton = models.mixed()
