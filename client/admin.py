@@ -50,11 +50,37 @@ def _token(args: argparse.Namespace) -> str:
     return token
 
 
+def _admin_secret(args: argparse.Namespace) -> str | None:
+    if not args.admin_secret_file:
+        return None
+    with open(args.admin_secret_file) as f:
+        return f.read().strip()
+
+
 def _save(args: argparse.Namespace) -> int:
-    with Client(args.server, timeout=args.timeout, wait_timeout=args.wait) as client:
-        job = client.attach_job(args.job, token=_token(args))
-        step, path = job.save(timeout=args.wait)
+    secret = _admin_secret(args)
+    with Client(args.server, admin_secret=secret, timeout=args.timeout, wait_timeout=args.wait) as client:
+        token = None if secret is not None else _token(args)
+        step, path = client.save_job(args.job, token=token, timeout=args.wait)
     print(f"job {args.job!r}: snapshot of step {step} written to {path}")
+    return 0
+
+
+def _drop(args: argparse.Namespace) -> int:
+    secret = _admin_secret(args)
+    with Client(args.server, admin_secret=secret, timeout=args.timeout) as client:
+        client.drop_job(args.job, token=None if secret is not None else _token(args))
+    print(f"job {args.job!r} dropped")
+    return 0
+
+
+def _shutdown(args: argparse.Namespace) -> int:
+    secret = _admin_secret(args)
+    if secret is None:
+        raise SystemExit("wstream: shutdown needs the server's admin secret: --admin-secret-file FILE")
+    with Client(args.server, admin_secret=secret, timeout=args.timeout) as client:
+        client.shutdown()
+    print(f"server {args.server} is shutting down")
     return 0
 
 
@@ -66,11 +92,16 @@ def _export(args: argparse.Namespace) -> int:
     return 0
 
 
-def _job_command(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
+_ADMIN_HELP = "file holding the server's admin secret (needed where the server has one; the job token is not used then)"
+
+
+def _job_command(sub: Any, name: str, help: str, *, admin: bool = False) -> argparse.ArgumentParser:
     c = sub.add_parser(name, help=help)
     c.add_argument("job", help="the job's name")
     c.add_argument("--server", default="tcp://127.0.0.1:5555", help="server endpoint (default %(default)s)")
     c.add_argument("--token-file", help="file holding the job's token (default: $WSTREAM_TOKEN)")
+    if admin:
+        c.add_argument("--admin-secret-file", help=_ADMIN_HELP)
     c.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     return c
 
@@ -83,12 +114,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true", help="print the raw status as JSON")
     s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
     s.set_defaults(func=_status)
-    c = _job_command(sub, "save", "snapshot a job on the server's store now (its next consistent step)")
+    c = _job_command(sub, "save", "snapshot a job on the server's store now (its next consistent step)", admin=True)
     c.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the snapshot to be durable")
     c.set_defaults(func=_save)
     c = _job_command(sub, "export", "write a job's current weights to a plain safetensors file")
     c.add_argument("--out", required=True, help="the .safetensors file to write")
     c.set_defaults(func=_export)
+    c = _job_command(sub, "drop", "delete a job from the server (and its snapshots)", admin=True)
+    c.set_defaults(func=_drop)
+    d = sub.add_parser("shutdown", help="stop the server cleanly, as SIGTERM does (needs the admin secret)")
+    d.add_argument("--server", default="tcp://127.0.0.1:5555", help="server endpoint (default %(default)s)")
+    d.add_argument("--admin-secret-file", required=True, help="file holding the server's admin secret")
+    d.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
+    d.set_defaults(func=_shutdown)
     return p
 
 

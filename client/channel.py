@@ -4,21 +4,28 @@ ZeroMQ sockets are not thread-safe, so each thread that talks to the server (the
 prefetch thread, the heartbeat thread, the gradient pusher) owns one :class:`Channel`. Every wait
 has a deadline; a server that does not answer in time makes the channel *broken*, raising
 :class:`ServerUnavailable` at once on every later call.
+
+A channel signs the session requests it sends with its ``signer`` (NOTE [Signed requests] in
+``wstream.protocol.auth``): every channel of one session shares one :class:`SessionSigner`, whose
+counter keeps ``seq`` unique across them.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import zmq
 
-from wstream.protocol import ServerUnavailable, decode_reply, encode, error_from_code
+from wstream.protocol import AuthError, ServerUnavailable, decode_reply, encode, error_from_code
 from wstream.protocol import messages as m
+from wstream.protocol.auth import SessionSigner, admin_proof, attach_proof, secret_key, session_key
 
 log = logging.getLogger(__name__)
 
@@ -27,12 +34,39 @@ R = TypeVar("R", bound=m.Message)
 _POLL_SLICE_MS = 100
 
 
+class Signer(Protocol):
+    def sign(self, message: m.Message) -> m.Message:
+        """``message`` with ``seq`` and ``mac`` set (unchanged when it carries no session)."""
+        ...
+
+
+class Keyring:
+    """Signs with the signer of each message's own session: for a channel that serves several
+    sessions (the client's own, used by every :class:`Job` handle). Holds its signers weakly: a
+    session's key goes when the last handle on it does."""
+
+    def __init__(self) -> None:
+        self._signers: weakref.WeakValueDictionary[bytes, SessionSigner] = weakref.WeakValueDictionary()
+
+    def add(self, signer: SessionSigner) -> None:
+        self._signers[signer.session] = signer
+
+    def sign(self, message: m.Message) -> m.Message:
+        if not isinstance(message, m.SessionMessage):
+            return message
+        signer = self._signers.get(message.session)
+        return message if signer is None else signer.sign(message)  # unknown: the server refuses it
+
+
 class Channel:
     """One DEALER socket with request ids, reply matching and deadlines. One thread only."""
 
-    def __init__(self, ctx: zmq.Context[Any], address: str, *, timeout_s: float) -> None:
+    def __init__(
+        self, ctx: zmq.Context[Any], address: str, *, timeout_s: float, signer: Signer | None = None
+    ) -> None:
         self.address = address
         self.timeout_s = timeout_s
+        self.signer = signer
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.linger = 0
         self._sock.connect(address)
@@ -47,11 +81,18 @@ class Channel:
             raise ServerUnavailable(self._broken)
 
     def send(self, msg: m.Message, frames: Sequence[object] = (), *, copy: bool = True) -> int:
-        """Send ``msg`` with a fresh request id; return the id."""
+        """Send ``msg`` with a fresh request id (signed, with its frame count, when it belongs to a
+        session); return the id."""
         self._check()
         rid = self._next_id
         self._next_id += 1
-        header = encode(msgspec.structs.replace(msg, id=rid))
+        if "nframes" in msg.__struct_fields__:
+            msg = msgspec.structs.replace(msg, id=rid, nframes=len(frames))  # type: ignore[call-arg]
+        else:
+            msg = msgspec.structs.replace(msg, id=rid)
+        if self.signer is not None:
+            msg = self.signer.sign(msg)
+        header = encode(msg)
         self._sock.send_multipart([header, *frames], copy=copy)
         return rid
 
@@ -104,3 +145,43 @@ def raise_or_narrow(reply: m.Message, reply_type: type[R]) -> R:
 
         raise ProtocolError(f"expected a {reply_type.__name__} reply, got {type(reply).__name__}")
     return reply
+
+
+def client_nonce() -> bytes:
+    return os.urandom(32)
+
+
+def challenge(chan: Channel) -> bytes:
+    """A fresh single-use nonce from the server (``hello``)."""
+    reply, _ = chan.request(m.Hello(), m.Challenge)
+    return reply.nonce
+
+
+def attach_session(chan: Channel, name: str, token: str) -> tuple[m.Attached, SessionSigner]:
+    """Attach to job ``name`` by challenge-response (the token is not sent); return the reply and
+    the signer of the new session."""
+    key = secret_key(token)
+    for attempt in (0, 1):
+        nonce, mine = challenge(chan), client_nonce()
+        try:
+            attached, _ = chan.request(
+                m.Attach(name=name, nonce=nonce, client_nonce=mine, proof=attach_proof(key, name, nonce, mine)),
+                m.Attached,
+            )
+        except AuthError as exc:
+            # a nonce lost in a server restart between 'hello' and 'attach': one more try
+            if attempt or "nonce" not in exc.message:
+                raise
+            continue
+        return attached, SessionSigner(attached.session, session_key(key, nonce, mine))
+    raise AssertionError("unreachable")
+
+
+def admin_session(chan: Channel, secret: str) -> SessionSigner:
+    """Open an admin session with the server's admin secret (not sent); return its signer."""
+    key = secret_key(secret)
+    nonce, mine = challenge(chan), client_nonce()
+    reply, _ = chan.request(
+        m.AdminAttach(nonce=nonce, client_nonce=mine, proof=admin_proof(key, nonce, mine)), m.AdminAttached
+    )
+    return SessionSigner(reply.session, session_key(key, nonce, mine))

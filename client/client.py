@@ -8,23 +8,35 @@ import os
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import zmq
 from torch import nn
 
-from wstream.protocol import LayoutError, ServerUnavailable, StageSpec, StateError, WstreamError, parse_size
+from wstream.protocol import (
+    LayoutError,
+    ServerUnavailable,
+    SessionExpiredError,
+    StageSpec,
+    StateError,
+    WstreamError,
+    parse_size,
+)
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, tensor_frames
 from wstream.protocol.layout import describe_mismatch, numel_of
 
-from .channel import Channel
+from wstream.protocol.auth import SessionSigner, secret_key, session_key
+
+from .channel import Channel, Keyring, admin_session, attach_session, challenge, client_nonce
 from .plans import PLANNERS, Plan, StageCosts, auto, min_peak, offload, optimal
 from .stages import StageRunner, flatten, skeleton_of, spec_of
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+R = TypeVar("R", bound=m.Message)
 
 
 class Client:
@@ -32,16 +44,28 @@ class Client:
 
     ``timeout`` bounds ordinary requests; ``wait_timeout`` bounds waits that depend on other workers
     (weights of the next step, acknowledgement of an update), which can legitimately take longer.
+    ``admin_secret``: the server's admin secret (``--admin-secret-file``), for :meth:`drop_job`,
+    :meth:`save_job` and :meth:`shutdown`; it is never sent, only proven.
     """
 
-    def __init__(self, address: str, *, timeout: float = 60.0, wait_timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        address: str,
+        *,
+        admin_secret: str | None = None,
+        timeout: float = 60.0,
+        wait_timeout: float = 600.0,
+    ) -> None:
         if "://" not in address:
             raise ValueError(f"{address!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555 or ipc:///path")
         self.address = address
         self.timeout_s = timeout
         self.wait_timeout_s = wait_timeout
         self.ctx: zmq.Context[Any] = zmq.Context()
-        self._chan = Channel(self.ctx, address, timeout_s=timeout)
+        self._keys = Keyring()
+        self._chan = Channel(self.ctx, address, timeout_s=timeout, signer=self._keys)
+        self._admin_secret = admin_secret
+        self._admin: SessionSigner | None = None
         self._trainers: weakref.WeakSet[Trainer] = weakref.WeakSet()
         self._closed = False
 
@@ -65,10 +89,13 @@ class Client:
         total = None
         if isinstance(stages, Sequence):  # known up front: let the server refuse before uploading
             total = sum(p.numel() for s in stages for p in s.parameters())
+        nonce, mine = challenge(self._chan), client_nonce()
         created, _ = self._chan.request(
             m.CreateJob(
                 name=name,
                 token=token,
+                nonce=nonce,
+                client_nonce=mine,
                 optimizer=optimizer if optimizer is not None else m.AdamW(),
                 dtype=dtype,
                 double_buffer=double_buffer,
@@ -77,6 +104,8 @@ class Client:
             m.Attached,
         )
         session = created.session
+        signer = SessionSigner(session, session_key(secret_key(token), nonce, mine))
+        self._keys.add(signer)
         skeletons: list[nn.Module] = []
         bar = _progress(progress, total, f"uploading {name}")
         try:
@@ -98,12 +127,13 @@ class Client:
         finally:
             if bar is not None:
                 bar.close()
-        return Job(self, sealed, token, skeletons)
+        return Job(self, sealed, token, skeletons, signer)
 
     def attach_job(self, name: str, *, token: str, stages: Iterable[nn.Module] | None = None) -> Job:
         """Attach to an existing job. ``stages`` (modules, best built on the meta device) are needed
         to train; they must have the job's layout exactly."""
-        attached, _ = self._chan.request(m.Attach(name=name, token=token), m.Attached)
+        attached, signer = attach_session(self._chan, name, token)
+        self._keys.add(signer)
         skeletons = None
         if stages is not None:
             mods = list(stages)
@@ -112,11 +142,53 @@ class Client:
             if mismatch is not None:
                 raise LayoutError(f"the given stages do not match job {name!r}: {mismatch}")
             skeletons = [skeleton_of(mod) for mod in mods]
-        return Job(self, attached, token, skeletons)
+        return Job(self, attached, token, skeletons, signer)
 
     def status(self) -> m.StatusReply:
         reply, _ = self._chan.request(m.Status(), m.StatusReply)
         return reply
+
+    # ---- admin operations ------------------------------------------------------------------------
+    def _admin_request(self, make: Callable[[bytes], m.Message], reply_type: type[R], **kw: Any) -> R:
+        """Send an admin request in this client's admin session (opened on first use, and again
+        once if the server forgot it, e.g. after a restart)."""
+        if self._admin_secret is None:
+            raise StateError("this operation needs the server's admin secret: Client(address, admin_secret=...)")
+        for attempt in (0, 1):
+            if self._admin is None:
+                self._admin = admin_session(self._chan, self._admin_secret)
+                self._keys.add(self._admin)
+            try:
+                reply, _ = self._chan.request(make(self._admin.session), reply_type, **kw)
+                return reply
+            except SessionExpiredError:
+                self._admin = None
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def drop_job(self, name: str, *, token: str | None = None) -> None:
+        """Delete job ``name`` from the server: with the admin secret, or with the job's ``token``
+        where the server has no admin secret."""
+        if self._admin_secret is None and token is not None:
+            self.attach_job(name, token=token).drop()
+            return
+        self._admin_request(lambda sid: m.DropJob(session=sid, job=name), m.Ok)
+
+    def save_job(self, name: str, *, token: str | None = None, timeout: float | None = None) -> tuple[int, str]:
+        """Snapshot job ``name`` (as :meth:`Job.save`): with the admin secret, or with the job's
+        ``token`` where the server has no admin secret."""
+        if self._admin_secret is None and token is not None:
+            return self.attach_job(name, token=token).save(timeout=timeout)
+        reply = self._admin_request(
+            lambda sid: m.Save(session=sid, job=name), m.Saved, timeout_s=timeout or self.wait_timeout_s
+        )
+        return reply.step, reply.path
+
+    def shutdown(self) -> None:
+        """Stop the server cleanly (as SIGTERM does: jobs are snapshotted where it has a store).
+        Needs the admin secret."""
+        self._admin_request(lambda sid: m.Shutdown(session=sid), m.Ok)
 
     def close(self) -> None:
         if self._closed:
@@ -137,10 +209,18 @@ class Client:
 class Job:
     """A handle on one job: make trainers, read its weights, drop it."""
 
-    def __init__(self, client: Client, attached: m.Attached, token: str, skeletons: list[nn.Module] | None) -> None:
+    def __init__(
+        self,
+        client: Client,
+        attached: m.Attached,
+        token: str,
+        skeletons: list[nn.Module] | None,
+        signer: SessionSigner,
+    ) -> None:
         self.client = client
         self.name = attached.job
         self.session = attached.session
+        self._signer = signer  # keeps the session's key in the client's keyring
         self.specs: list[StageSpec] = list(attached.stages)
         self.optimizer = attached.optimizer
         self.dtype = attached.dtype
@@ -246,7 +326,8 @@ class Job:
     def save(self, timeout: float | None = None) -> tuple[int, str]:
         """Snapshot the job on the server's store; returns (step, directory) once it is durable.
 
-        The snapshot is of the job's next consistent step (at once when no step is under way)."""
+        The snapshot is of the job's next consistent step (at once when no step is under way). A
+        server with an admin secret refuses this: use ``Client.save_job`` with ``admin_secret``."""
         reply, _ = self.client._chan.request(
             m.Save(session=self.session), m.Saved, timeout_s=timeout or self.client.wait_timeout_s
         )
@@ -260,7 +341,10 @@ class Job:
         save_file(self.state_dict(), os.fspath(path), metadata={"job": self.name})
 
     def drop(self) -> None:
-        """Delete the job from the server, freeing its memory (workers get errors afterwards)."""
+        """Delete the job from the server, freeing its memory (workers get errors afterwards).
+
+        A server with an admin secret refuses this (``AuthError``): use ``Client.drop_job`` with
+        ``admin_secret``."""
         self.client._chan.request(m.DropJob(session=self.session), m.Ok)
 
 

@@ -25,6 +25,7 @@ import zmq
 
 from wstream.protocol import ServerUnavailable, StageSpec, WstreamError
 from wstream.protocol import messages as m
+from wstream.protocol.auth import SessionSigner
 
 from wstream.protocol.frames import copy_frames_into, tensor_frames
 
@@ -146,6 +147,7 @@ class StreamContext:
     timeout_s: float
     wait_timeout_s: float
     session: bytes
+    signer: SessionSigner  # shared by every channel of the session (one seq counter)
     numels: list[int]
     published: torch.Tensor | None  # uint8 mapping of the published segment, None in frames mode
     published_dtype: torch.dtype
@@ -218,7 +220,7 @@ class Prefetcher:
     def _run(self) -> None:
         sc = self._sc
         stop = self._stop
-        chan = Channel(sc.ctx, sc.address, timeout_s=sc.timeout_s)
+        chan = Channel(sc.ctx, sc.address, timeout_s=sc.timeout_s, signer=sc.signer)
         try:
             while not stop.is_set():
                 try:
@@ -303,7 +305,7 @@ class GradientPusher:
 
     def __init__(self, sc: StreamContext, slots: list[torch.Tensor] | None, nslots: int) -> None:
         self._sc = sc
-        self._chan = Channel(sc.ctx, sc.address, timeout_s=sc.timeout_s)
+        self._chan = Channel(sc.ctx, sc.address, timeout_s=sc.timeout_s, signer=sc.signer)
         self._slots = slots  # shm views, or None in frames mode
         self._free = list(range(nslots))[::-1]
         self._outstanding: dict[int, tuple[int, object]] = {}  # request id -> (slot, frame keep-alive)
@@ -374,7 +376,7 @@ class HeartbeatThread:
 
     def _run(self) -> None:
         sc = self._sc
-        chan = Channel(sc.ctx, sc.address, timeout_s=self._timeout_s)
+        chan = Channel(sc.ctx, sc.address, timeout_s=self._timeout_s, signer=sc.signer)
         try:
             while not self._stop.wait(self._interval):
                 try:

@@ -21,7 +21,7 @@ from wstream.protocol import ServerUnavailable, SessionExpiredError, StateError,
 from wstream.protocol import messages as m
 from wstream.protocol.shm import map_segment
 
-from .channel import Channel
+from .channel import Channel, attach_session
 from .offload import HostMover, PendingMove
 from .plans import OnlineBisection, Op, Plan, StageCosts
 from .stages import Boundary, StageRunner, as_boundary, boundary_bytes
@@ -147,8 +147,9 @@ class Trainer:
         """Attach a fresh session, join as a worker, map shared memory and start the threads."""
         job = self.job
         client = job.client
-        attached, _ = self._chan.request(m.Attach(name=job.name, token=job._token), m.Attached)
+        attached, signer = attach_session(self._chan, job.name, job._token)
         self.session = attached.session
+        self._chan.signer = signer
         published = None
         if shm is not False:
             try:
@@ -184,6 +185,7 @@ class Trainer:
             timeout_s=client.timeout_s,
             wait_timeout_s=client.wait_timeout_s,
             session=self.session,
+            signer=signer,
             numels=[s.numel for s in attached.stages],
             published=published,
             published_dtype=pub_dtype,
@@ -205,11 +207,11 @@ class Trainer:
         self._heartbeat.close()
         self._prefetcher.close()
         self._pusher.close()
-        old_session = self.session
+        old_session, old_signer = self.session, self._sc.signer
         self._chan.close()
         client = self.job.client
         with contextlib.suppress(WstreamError):  # if the server is alive, drop the old worker at once
-            probe = Channel(client.ctx, client.address, timeout_s=1.0)
+            probe = Channel(client.ctx, client.address, timeout_s=1.0, signer=old_signer)
             try:
                 probe.request(m.Leave(session=old_session), m.Ok)
             finally:

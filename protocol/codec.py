@@ -86,11 +86,19 @@ def decode_reply(header: bytes | memoryview) -> Message:
 
 
 def check_frames(message: Message, frames: Sequence[object]) -> None:
-    """Raise unless the number of data frames is what ``message``'s op allows."""
+    """Raise unless the number of data frames is what ``message``'s op allows and, for ops with an
+    ``nframes`` field, exactly the count its header declares (the header is signed, the frames
+    are not: this stops frames being dropped or added on the way)."""
     low, high = message.frames
     if not low <= len(frames) <= high:
         want = str(low) if low == high else f"{low} to {high}"
         raise ProtocolError(f"{type(message).__name__} takes {want} data frame(s), got {len(frames)}")
+    declared = getattr(message, "nframes", None)
+    if declared is not None and declared != len(frames):
+        raise ProtocolError(
+            f"{type(message).__name__} declares nframes={declared} in its (signed) header but {len(frames)} "
+            "data frame(s) came with it"
+        )
 
 
 def expect(message: Message, cls: type[M]) -> M:

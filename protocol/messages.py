@@ -13,7 +13,7 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2
 """Carried in every header; a server answers any other value with ``version_mismatch``."""
 
 # ---- bounds on everything read from the wire ------------------------------------------------
@@ -33,6 +33,17 @@ JobName = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-
 ParamName = Annotated[str, Meta(min_length=1, max_length=512)]
 Token = Annotated[str, Meta(min_length=1, max_length=4096)]
 SessionId = Annotated[bytes, Meta(min_length=16, max_length=16)]
+Nonce = Annotated[bytes, Meta(min_length=32, max_length=32)]
+"""The server's half of a handshake, from a ``challenge`` reply."""
+ClientNonce = Annotated[bytes, Meta(min_length=16, max_length=64)]
+"""The client's half of a handshake, chosen at random by the client."""
+Proof = Annotated[bytes, Meta(min_length=32, max_length=32)]
+Mac = Annotated[bytes, Meta(max_length=32)]
+"""HMAC-SHA256 of a signed request; empty only while it is being computed (the server refuses an
+unsigned request with ``auth_failed``)."""
+Seq = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+"""Per-session message counter of a signed request (> 0 on the wire; 0 only before signing)."""
+FrameCount = Annotated[int, Meta(ge=0, le=1 << 16)]
 RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 Step = Annotated[int, Meta(ge=0, le=MAX_STEP)]
 StageIndex = Annotated[int, Meta(ge=0, lt=MAX_STAGES)]
@@ -112,99 +123,147 @@ class Message(Struct, frozen=True, kw_only=True, tag_field="op", forbid_unknown_
     frames: ClassVar[tuple[int, int]] = (0, 0)
 
 
+class SessionMessage(Message, kw_only=True):
+    """A request made in a session: signed with the session's key (NOTE [Signed requests] in
+    ``protocol/auth.py``). ``seq`` is unique per session across all of its sockets."""
+
+    session: SessionId
+    seq: Seq = 0
+    mac: Mac = b""
+
+
 # -- requests (client -> server)
+class Hello(Message, tag="hello"):
+    """Ask for a fresh single-use nonce (answered with ``challenge``) to attach or create with."""
+
+
 class CreateJob(Message, tag="create_job"):
     """Open a new job; its stages follow one by one (``add_stage``) and ``seal`` ends creation.
 
+    The token travels in clear here, once (the server must learn the job's secret); ``nonce`` (from
+    a ``challenge``) and ``client_nonce`` derive the returned session's key as ``attach`` does.
     ``total_numel``, when the creator knows it, lets the server refuse a job that cannot fit before
     any weights travel."""
 
     name: JobName
     token: Token
+    nonce: Nonce
+    client_nonce: ClientNonce
     optimizer: OptimizerSpec
     dtype: Dtype = "float32"
     double_buffer: bool = False
     total_numel: Numel | None = None
 
 
-class AddStage(Message, tag="add_stage"):
-    """Append one stage: its layout, and its fp32 weights as the data frames."""
+class AddStage(SessionMessage, tag="add_stage"):
+    """Append one stage: its layout, and its fp32 weights as the data frames (``nframes`` of them,
+    a count the signature covers)."""
 
     frames: ClassVar[tuple[int, int]] = (1, MAX_DATA_FRAMES)
-    session: SessionId
     index: StageIndex
     spec: StageSpec
+    nframes: FrameCount = 0
 
 
-class Seal(Message, tag="seal"):
+class Seal(SessionMessage, tag="seal"):
     """End creation: the job becomes ready for workers. Replied with ``attached``."""
-
-    session: SessionId
 
 
 class Attach(Message, tag="attach"):
+    """Prove knowledge of the job's token without sending it: ``proof`` is
+    :func:`wstream.protocol.auth.attach_proof` over a ``challenge`` nonce and ``client_nonce``."""
+
     name: JobName
-    token: Token
+    nonce: Nonce
+    client_nonce: ClientNonce
+    proof: Proof
 
 
-class Join(Message, tag="join"):
+class AdminAttach(Message, tag="admin_attach"):
+    """As ``attach``, with the server's admin secret (:func:`wstream.protocol.auth.admin_proof`)."""
+
+    nonce: Nonce
+    client_nonce: ClientNonce
+    proof: Proof
+
+
+class Join(SessionMessage, tag="join"):
     """Become a data-parallel worker. No update runs until ``world_size`` workers have joined (a
     start barrier, as a fixed world size in DDP); after that the live workers make each step."""
 
-    session: SessionId
     shm: bool
     grad_slots: Annotated[int, Meta(ge=1, le=MAX_GRAD_SLOTS)] = 2
     world_size: Annotated[int, Meta(ge=1, le=65_536)] = 1
 
 
-class Fetch(Message, tag="fetch"):
-    session: SessionId
+class Fetch(SessionMessage, tag="fetch"):
     stage: StageIndex
     step: Step
 
 
-class Push(Message, tag="push"):
+class Push(SessionMessage, tag="push"):
     frames: ClassVar[tuple[int, int]] = (0, MAX_DATA_FRAMES)
-    session: SessionId
     stage: StageIndex
     step: Step
     slot: SlotIndex
     numel: Numel
     dtype: Dtype = "float32"
+    nframes: FrameCount = 0
 
 
-class Pull(Message, tag="pull"):
-    session: SessionId
+class Pull(SessionMessage, tag="pull"):
     stage: StageIndex
 
 
-class Heartbeat(Message, tag="heartbeat"):
-    session: SessionId
+class Heartbeat(SessionMessage, tag="heartbeat"):
+    pass
 
 
-class Leave(Message, tag="leave"):
-    session: SessionId
+class Leave(SessionMessage, tag="leave"):
+    pass
 
 
-class DropJob(Message, tag="drop_job"):
-    session: SessionId
+class DropJob(SessionMessage, tag="drop_job"):
+    """Delete a job: ``job`` with an admin session (any job), or the session's own job (see the
+    admin rule in ``protocol/README.md``)."""
+
+    job: JobName | None = None
 
 
 class Status(Message, tag="status"):
     pass
 
 
-class Save(Message, tag="save"):
-    """Write a snapshot of the session's job at its next consistent step (at once when it is
-    idle); answered with ``saved`` once the snapshot is durable on disk."""
+class Save(SessionMessage, tag="save"):
+    """Write a snapshot of a job at its next consistent step (at once when it is idle); answered
+    with ``saved`` once the snapshot is durable on disk. ``job`` as for ``drop_job``."""
 
-    session: SessionId
+    job: JobName | None = None
 
 
-Request = Union[CreateJob, AddStage, Seal, Attach, Join, Fetch, Push, Pull, Heartbeat, Leave, DropJob, Status, Save]
+class Shutdown(SessionMessage, tag="shutdown"):
+    """Stop the server cleanly, as SIGTERM does (admin sessions only); answered with ``ok`` first."""
+
+
+Request = Union[
+    Hello, CreateJob, AddStage, Seal, Attach, AdminAttach, Join, Fetch, Push, Pull, Heartbeat, Leave, DropJob,
+    Status, Save, Shutdown,
+]
+_REQUESTS: tuple[type[Message], ...] = Request.__args__  # type: ignore[attr-defined]
 
 
 # -- replies (server -> client)
+class Challenge(Message, tag="challenge"):
+    """A fresh nonce for one ``attach``, ``admin_attach`` or ``create_job``; it expires after the
+    server's nonce lifetime (30 s by default)."""
+
+    nonce: Nonce
+
+
+class AdminAttached(Message, tag="admin_attached"):
+    session: SessionId
+
+
 class Attached(Message, tag="attached"):
     session: SessionId
     job: JobName
@@ -298,7 +357,8 @@ class Error(Message, tag="error"):
     message: str
 
 
-Reply = Union[Attached, Joined, Weights, Pushed, Master, Ok, Saved, StatusReply, Error]
+Reply = Union[Challenge, Attached, AdminAttached, Joined, Weights, Pushed, Master, Ok, Saved, StatusReply, Error]
+_REPLIES: tuple[type[Message], ...] = Reply.__args__  # type: ignore[attr-defined]
 
 
 def op_of(cls: type[Message]) -> str:
@@ -308,11 +368,6 @@ def op_of(cls: type[Message]) -> str:
     return tag
 
 
-REQUEST_TYPES: dict[str, type[Message]] = {
-    op_of(c): c
-    for c in (CreateJob, AddStage, Seal, Attach, Join, Fetch, Push, Pull, Heartbeat, Leave, DropJob, Status, Save)
-}
-REPLY_TYPES: dict[str, type[Message]] = {
-    op_of(c): c for c in (Attached, Joined, Weights, Pushed, Master, Ok, Saved, StatusReply, Error)
-}
+REQUEST_TYPES: dict[str, type[Message]] = {op_of(c): c for c in _REQUESTS}
+REPLY_TYPES: dict[str, type[Message]] = {op_of(c): c for c in _REPLIES}
 

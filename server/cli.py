@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lease", type=float, default=30.0, metavar="SECONDS", help="detach workers silent this long")
     p.add_argument("--optimizer-workers", type=int, default=1, metavar="N", help="threads running stage updates")
     p.add_argument("--torch-threads", type=int, default=None, metavar="N", help="torch intra-op threads")
+    p.add_argument(
+        "--admin-secret-file", metavar="FILE",
+        help="file (mode 0600) holding the admin secret: needed to drop or save jobs and to shut down over the wire",
+    )
+    p.add_argument("--nonce-ttl", type=float, default=30.0, metavar="SECONDS", help="lifetime of a handshake nonce")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
 
@@ -52,6 +57,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "store": args.store,
         "snapshot_every": args.snapshot_every,
         "keep_snapshots": args.keep_snapshots,
+        "admin_secret_file": args.admin_secret_file,
+        "nonce_ttl_s": args.nonce_ttl,
     }
     if args.bind:
         kwargs["bind"] = args.bind

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 
 import psutil
@@ -45,7 +46,21 @@ class ServerConfig:
     """torch intra-op threads for updates; None keeps torch's default (the number of cores)."""
 
     max_sessions_per_job: int = 1024
-    """Non-worker sessions beyond this are evicted oldest first (bounds memory per job)."""
+    """Non-worker sessions beyond this are evicted oldest first (bounds memory per job); admin
+    sessions are bounded by the same number."""
+
+    admin_secret_file: str | None = None
+    """File holding the admin secret (one line). With it, deleting or saving a ready job needs an
+    admin session (``admin_attach``), and ``shutdown`` is possible; without it, a job's own session
+    may drop or save its job and nobody can shut the server down over the wire. The file must not
+    be readable by group or others."""
+
+    nonce_ttl_s: float = 30.0
+    """Seconds a ``hello`` nonce stays usable."""
+
+    max_pending_nonces: int = 4096
+    """Outstanding nonces kept at most; beyond this the oldest are dropped (a flood of ``hello``
+    cannot grow memory)."""
 
     def __post_init__(self) -> None:
         if not self.bind:
@@ -67,5 +82,29 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.keep_snapshots must be >= 1, got {self.keep_snapshots}")
         if self.snapshot_every and self.store is None:
             raise ValueError("ServerConfig.snapshot_every needs a store directory to write to")
+        if not self.nonce_ttl_s > 0:
+            raise ValueError(f"ServerConfig.nonce_ttl_s must be > 0 seconds, got {self.nonce_ttl_s}")
+        if self.max_pending_nonces < 1:
+            raise ValueError(f"ServerConfig.max_pending_nonces must be >= 1, got {self.max_pending_nonces}")
+        if self.admin_secret_file is not None:
+            read_admin_secret(self.admin_secret_file)
         if self.store is not None:
             os.makedirs(self.store, exist_ok=True, mode=0o700)
+
+
+def read_admin_secret(path: str) -> str:
+    """The admin secret in ``path``; ValueError unless the file is private and not empty."""
+    try:
+        with open(path) as f:
+            mode = os.fstat(f.fileno()).st_mode
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the admin secret file: {exc}") from None
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(
+            f"the admin secret file {path} is readable or writable by group or others (mode "
+            f"{stat.S_IMODE(mode):04o}); refusing to start: chmod 600 {path}"
+        )
+    if not secret:
+        raise ValueError(f"the admin secret file {path} is empty")
+    return secret

@@ -18,7 +18,6 @@ queues stage updates through the ``submit`` callback; :mod:`wstream.server.servi
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import threading
@@ -39,6 +38,7 @@ from wstream.protocol import (
     StateError,
 )
 from wstream.protocol import messages as m
+from wstream.protocol.auth import attach_proof, secret_key, session_key
 from wstream.protocol.frames import copy_frames_into, frames_nbytes, tensor_frames
 from wstream.protocol.layout import numel_of, validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
@@ -58,7 +58,9 @@ def _align(n: int) -> int:
 
 
 def token_digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
+    """What the server keeps of a job's token (in memory and in snapshots): the HMAC key of
+    NOTE [Signed requests] in ``protocol/auth.py``."""
+    return secret_key(token)
 
 
 @dataclass(slots=True)
@@ -318,9 +320,13 @@ class Job:
         self.reserved = 0
 
     # ---- queries -----------------------------------------------------------------------------------
-    def check_token(self, token: str) -> None:
-        if not hmac.compare_digest(self._token, token_digest(token)):
-            raise AuthError(f"wrong token for job {self.name!r}")
+    def check_proof(self, nonce: bytes, client_nonce: bytes, proof: bytes) -> None:
+        """Check an attach proof (the expected value is never revealed)."""
+        if not hmac.compare_digest(proof, attach_proof(self._token, self.name, nonce, client_nonce)):
+            raise AuthError(f"wrong token for job {self.name!r}: the attach proof does not match")
+
+    def session_key(self, nonce: bytes, client_nonce: bytes) -> bytes:
+        return session_key(self._token, nonce, client_nonce)
 
     @property
     def ready(self) -> bool:

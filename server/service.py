@@ -9,6 +9,7 @@ loop polls next to the socket. A message that fails to decode or validate is ans
 from __future__ import annotations
 
 import functools
+import hmac
 import logging
 import os
 import queue
@@ -24,6 +25,7 @@ import zmq
 
 from wstream.protocol import (
     PROTOCOL_VERSION,
+    AuthError,
     InternalError,
     JobExistsError,
     MemoryLimitError,
@@ -39,9 +41,11 @@ from wstream.protocol import (
     peek_id,
 )
 from wstream.protocol import messages as m
+from wstream.protocol.auth import admin_proof, mac_matches, secret_key, session_key
 from wstream.protocol.shm import SegmentSpaceError, reap_stale_segments
 
-from .config import ServerConfig
+from .auth import NonceStore, ReplayWindow
+from .config import ServerConfig, read_admin_secret
 from .job import Job, Outgoing, UpdateTask
 from .memory import MemoryAccount
 from .snapshot import Snapshot, SnapshotError, SnapshotStore, Waiter
@@ -52,13 +56,21 @@ _MAX_MESSAGES_PER_TURN = 256
 
 
 class Session:
-    __slots__ = ("id", "job", "worker", "created")
+    """A signed session: of one job, or (``job`` None) an admin session."""
 
-    def __init__(self, sid: bytes, job: Job) -> None:
+    __slots__ = ("id", "job", "key", "replay", "worker", "created")
+
+    def __init__(self, sid: bytes, job: Job | None, key: bytes) -> None:
         self.id = sid
         self.job = job
+        self.key = key
+        self.replay = ReplayWindow()
         self.worker: int | None = None
         self.created = time.monotonic()
+
+    @property
+    def admin(self) -> bool:
+        return self.job is None
 
 
 class Server:
@@ -95,8 +107,11 @@ class Server:
             self._close_sockets()
             raise OSError(f"cannot listen on {addr}: {exc}") from None
         self._handlers: dict[type[m.Message], Callable[[bytes, m.Message, list[zmq.Frame]], Outgoing | None]] = {
+            m.Hello: self._on_hello,
             m.CreateJob: self._on_create_job,
             m.Attach: self._on_attach,
+            m.AdminAttach: self._on_admin_attach,
+            m.Shutdown: self._on_shutdown,
             m.AddStage: self._on_add_stage,
             m.Seal: self._on_seal,
             m.Join: self._on_join,
@@ -110,6 +125,11 @@ class Server:
             m.Save: self._on_save,
         }
         self._last_seen: dict[bytes, float] = {}
+        self._nonces = NonceStore(config.nonce_ttl_s, config.max_pending_nonces)
+        self._admin_key = (
+            secret_key(read_admin_secret(config.admin_secret_file)) if config.admin_secret_file is not None else None
+        )
+        self._shutdown_requested = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -153,7 +173,8 @@ class Server:
         log.info("wstream-server stopped; all shared-memory segments removed")
 
     def _close_sockets(self) -> None:
-        self._sock.close(linger=0)
+        # after a 'shutdown' request, give its 'ok' a moment to leave
+        self._sock.close(linger=1000 if self._shutdown_requested else 0)
         self._ctx.term()
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -203,9 +224,9 @@ class Server:
             request_id = peek_id(header)
             msg = decode_request(header)
             check_frames(msg, data)
-            session = getattr(msg, "session", None)
-            if session is not None:
-                self._last_seen[session] = time.monotonic()
+            if isinstance(msg, m.SessionMessage):
+                self._authenticate(msg)
+                self._last_seen[msg.session] = time.monotonic()
             out = self._handlers[type(msg)](identity, msg, data)
         except WstreamError as exc:
             log.debug("request %d rejected: %s", request_id, exc)
@@ -252,9 +273,10 @@ class Server:
             self._snapshot_finished(job, snap, path, error)
 
     # ---- sessions ------------------------------------------------------------------------------
-    def _new_session(self, job: Job) -> bytes:
+    def _new_session(self, job: Job | None, key: bytes) -> bytes:
+        """A session of ``job`` (None: an admin session) whose requests are signed with ``key``."""
         sid = secrets.token_bytes(16)
-        self.sessions[sid] = Session(sid, job)
+        self.sessions[sid] = Session(sid, job, key)
         self._last_seen[sid] = time.monotonic()
         plain = [s for s in self.sessions.values() if s.job is job and s.worker is None]
         if len(plain) > self.config.max_sessions_per_job:
@@ -262,7 +284,7 @@ class Server:
             self._end_session(oldest.id, "evicted: too many sessions")
         return sid
 
-    def _session(self, sid: bytes) -> Session:
+    def _known_session(self, sid: bytes) -> Session:
         s = self.sessions.get(sid)
         if s is None:
             raise SessionExpiredError(
@@ -270,6 +292,48 @@ class Server:
                 "attach to the job again"
             )
         return s
+
+    def _authenticate(self, msg: m.SessionMessage) -> None:
+        """Check a signed request's mac, then its seq (a forged message must not use up seqs)."""
+        s = self._known_session(msg.session)
+        if not msg.mac:
+            raise AuthError(f"{m.op_of(type(msg))!r} is not signed: protocol {PROTOCOL_VERSION} needs 'seq' and 'mac'")
+        if not mac_matches(s.key, msg):
+            raise AuthError(
+                f"bad mac on {m.op_of(type(msg))!r}: not signed with this session's key (altered on the way, "
+                "or signed for another session)"
+            )
+        s.replay.check(msg.seq)
+
+    def _session(self, sid: bytes) -> Session:
+        """The job session ``sid`` (admin sessions have no job)."""
+        s = self._known_session(sid)
+        if s.job is None:
+            raise StateError("an admin session has no job: attach to the job to use it")
+        return s
+
+    def _job_of(self, s: Session, name: str | None, what: str) -> Job:
+        """The job an admin-guarded op (``drop_job``, ``save``) acts on, by the rule of
+        ``protocol/README.md``: an admin session names any job; a job session acts only on its own,
+        and only where the server has no admin secret (or, for ``drop_job``, while its job is still
+        being created, so a failed creation can clean up after itself)."""
+        if s.job is None:
+            if name is None:
+                raise StateError(f"{what} with an admin session: name the job ('job' field)")
+            job = self.jobs.get(name)
+            if job is None:
+                raise UnknownJobError(f"no job named {name!r} on this server")
+            return job
+        job = s.job
+        if name is not None and name != job.name:
+            raise AuthError(f"a session of job {job.name!r} cannot {what} job {name!r}: use an admin session")
+        creating = what == "drop" and not job.ready
+        if self._admin_key is not None and not creating:
+            raise AuthError(
+                f"this server has an admin secret: to {what} job {job.name!r} attach with the admin secret "
+                "(admin_attach; Client(admin_secret=...) or --admin-secret-file)"
+            )
+        return job
 
     def _end_session(self, sid: bytes, reason: str) -> None:
         s = self.sessions.pop(sid, None)
@@ -286,8 +350,12 @@ class Server:
                 self._end_session(sid, f"silent for more than its {lease:g} s lease")
 
     # ---- handlers --------------------------------------------------------------------------------
+    def _on_hello(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        return Outgoing(identity, m.Challenge(id=msg.id, nonce=self._nonces.issue()))
+
     def _on_create_job(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
         assert isinstance(msg, m.CreateJob)
+        self._nonces.take(msg.nonce)
         if msg.name in self.jobs:
             raise JobExistsError(f"a job named {msg.name!r} already exists on this server")
         try:
@@ -296,17 +364,38 @@ class Server:
             raise MemoryLimitError(str(exc)) from None
         self.jobs[msg.name] = job
         log.info("job %r created; waiting for its stages", msg.name)
-        sid = self._new_session(job)
+        sid = self._new_session(job, job.session_key(msg.nonce, msg.client_nonce))
         return Outgoing(identity, job.attached_reply(sid, self.config.lease_s, msg.id))
 
     def _on_attach(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
         assert isinstance(msg, m.Attach)
+        self._nonces.take(msg.nonce)  # consumed whatever follows: one guess per nonce
         job = self.jobs.get(msg.name)
         if job is None:
             raise UnknownJobError(f"no job named {msg.name!r} on this server")
-        job.check_token(msg.token)
-        sid = self._new_session(job)
+        job.check_proof(msg.nonce, msg.client_nonce, msg.proof)
+        sid = self._new_session(job, job.session_key(msg.nonce, msg.client_nonce))
         return Outgoing(identity, job.attached_reply(sid, self.config.lease_s, msg.id))
+
+    def _on_admin_attach(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        assert isinstance(msg, m.AdminAttach)
+        self._nonces.take(msg.nonce)
+        if self._admin_key is None:
+            raise AuthError("this server has no admin secret (start it with --admin-secret-file FILE)")
+        if not hmac.compare_digest(msg.proof, admin_proof(self._admin_key, msg.nonce, msg.client_nonce)):
+            raise AuthError("wrong admin secret: the admin_attach proof does not match")
+        sid = self._new_session(None, session_key(self._admin_key, msg.nonce, msg.client_nonce))
+        log.info("admin session opened")
+        return Outgoing(identity, m.AdminAttached(id=msg.id, session=sid))
+
+    def _on_shutdown(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        assert isinstance(msg, m.Shutdown)
+        if not self._known_session(msg.session).admin:
+            raise AuthError("shutdown needs an admin session (attach with the server's admin secret)")
+        log.info("shutdown requested by an admin session")
+        self._shutdown_requested = True
+        self.stop()
+        return Outgoing(identity, m.Ok(id=msg.id))
 
     def _on_add_stage(self, identity: bytes, msg: m.Message, data: list[zmq.Frame]) -> Outgoing:
         assert isinstance(msg, m.AddStage)
@@ -387,7 +476,7 @@ class Server:
 
     def _on_drop_job(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
         assert isinstance(msg, m.DropJob)
-        job = self._session(msg.session).job
+        job = self._job_of(self._known_session(msg.session), msg.job, "drop")
         for sid in [sid for sid, s in self.sessions.items() if s.job is job]:
             self.sessions.pop(sid, None)
             self._last_seen.pop(sid, None)
@@ -416,7 +505,7 @@ class Server:
 
     def _on_save(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing | None:
         assert isinstance(msg, m.Save)
-        job = self._session(msg.session).job
+        job = self._job_of(self._known_session(msg.session), msg.job, "save")
         if self.store is None:
             raise StateError("this server has no store: start it with --store DIR to save snapshots")
         if not job.ready:

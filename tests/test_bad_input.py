@@ -14,18 +14,16 @@ from torch import nn
 
 import models
 from conftest import HERE, ServerProcess, start_server
-from rawwire import RawPeer
+from rawwire import RawPeer, RawSession
 from wstream.client import AdamW, Client, JobExistsError, MemoryLimitError
 from wstream.protocol import PROTOCOL_VERSION
 
 ADAM = {"kind": "adamw", "lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.0}
 
 
-def _attach_worker(peer: RawPeer, job: str, token: str, *, shm: bool) -> bytes:
-    reply, _ = peer.request("attach", name=job, token=token)
-    assert reply["op"] == "attached", reply
-    session = reply["session"]
-    reply, _ = peer.request("join", session=session, shm=shm)
+def _attach_worker(peer: RawPeer, job: str, token: str, *, shm: bool) -> RawSession:
+    session = peer.attach(job, token)
+    reply, _ = session.request("join", shm=shm)
     assert reply["op"] == "joined", reply
     return session
 
@@ -54,7 +52,8 @@ def test_every_bad_message_is_answered_while_another_job_trains(server: ServerPr
             ("old version", [msgpack.packb({"v": 0, "op": "status"})], "version_mismatch", "version 0"),
             (
                 "wrong field type",
-                [msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": 5, "token": "x"})],
+                [msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": 5, "nonce": b"n" * 32,
+                                "client_nonce": b"c" * 16, "proof": b"p" * 32})],
                 "bad_message",
                 "$.name",
             ),
@@ -76,31 +75,48 @@ def test_every_bad_message_is_answered_while_another_job_trains(server: ServerPr
                 "session_expired",
                 "session",
             ),
-            ("wrong token", [msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "victim", "token": "nope"})], "auth_failed", "wrong token"),
-            ("unknown job", [msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "ghost", "token": "x"})], "unknown_job", "ghost"),
+            (
+                "unsigned request",
+                [msgpack.packb({"v": PROTOCOL_VERSION, "op": "heartbeat", "session": peer.attach("victim", "victim-token").session})],
+                "auth_failed",
+                "not signed",
+            ),
+            (
+                "attach with a token (protocol 1)",
+                [msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "victim", "token": "victim-token"})],
+                "bad_message",
+                "token",
+            ),
         ]
         for what, frames, code, words in cases:
             reply, _ = peer.send_frames(frames)
             assert reply["op"] == "error", what
             assert reply["code"] == code, (what, reply)
             assert words in reply["message"], (what, reply["message"])
+        reply, _ = peer.try_attach("victim", "nope")
+        assert (reply["code"], "wrong token") == ("auth_failed", "wrong token") and "wrong token" in reply["message"]
+        reply, _ = peer.try_attach("ghost", "x")
+        assert reply["code"] == "unknown_job" and "ghost" in reply["message"]
 
         # gradients: wrong size, wrong slot, stale step, not joined, frames mode length
         session = _attach_worker(peer, "victim", "victim-token", shm=True)
         numel0 = victim.specs[0].numel
-        reply, _ = peer.request("push", session=session, stage=0, step=0, slot=0, numel=numel0 + 1)
+        reply, _ = session.request("push", stage=0, step=0, slot=0, numel=numel0 + 1)
         assert (reply["code"], "elements") == ("bad_gradient", "elements") and str(numel0) in reply["message"]
-        reply, _ = peer.request("push", session=session, stage=0, step=0, slot=9, numel=numel0)
+        reply, _ = session.request("push", stage=0, step=0, slot=9, numel=numel0)
         assert reply["code"] == "bad_gradient" and "slot 9" in reply["message"]
-        reply, _ = peer.request("push", session=session, stage=0, step=4, slot=0, numel=numel0)
+        reply, _ = session.request("push", stage=0, step=4, slot=0, numel=numel0)
         assert reply["code"] == "stale_step"
-        reply, _ = peer.request("fetch", session=session, stage=99, step=0)
+        reply, _ = session.request("fetch", stage=99, step=0)
         assert reply["code"] == "bad_layout" and "no stage 99" in reply["message"]
         framed = _attach_worker(peer, "victim", "victim-token", shm=False)
-        reply, _ = peer.request("push", b"\x00" * 12, session=framed, stage=0, step=0, slot=0, numel=numel0)
+        reply, _ = framed.request("push", b"\x00" * 12, stage=0, step=0, slot=0, numel=numel0)
         assert reply["code"] == "bad_gradient" and "12 bytes" in reply["message"]
-        reply, _ = peer.request("attach", name="victim", token="victim-token")
-        reply, _ = peer.request("push", session=reply["session"], stage=0, step=0, slot=0, numel=numel0)
+        header = framed.header("push", nframes=2, stage=0, step=0, slot=0, numel=numel0)
+        reply, _ = peer.send_frames([header, b"\x00" * 12])  # one frame dropped on the way
+        assert reply["code"] == "bad_message" and "nframes=2" in reply["message"]
+        unjoined = peer.attach("victim", "victim-token")
+        reply, _ = unjoined.request("push", stage=0, step=0, slot=0, numel=numel0)
         assert reply["code"] == "bad_state" and "join" in reply["message"]
 
         # duplicate job name and a job over the memory limit, through the client API

@@ -28,14 +28,21 @@ from wstream.protocol.errors import ErrorCode, GradientError, WstreamError
 from wstream.protocol.layout import ALIGN_ELEMENTS, build_stage_spec, describe_mismatch, validate_stage
 
 SID = bytes(range(16))
+NONCE = bytes(range(32))
+CNONCE = bytes(range(100, 116))
 SPEC = build_stage_spec("0", [("w", (3, 5)), ("b", (5,))])
 
 REQUESTS: list[m.Message] = [
-    m.CreateJob(name="job-1", token="t", optimizer=AdamW(lr=0.1), dtype="bfloat16", total_numel=10),
-    m.CreateJob(name="j", token="t", optimizer=SGD(momentum=0.9)),
-    m.AddStage(session=SID, index=0, spec=SPEC),
+    m.Hello(),
+    m.CreateJob(
+        name="job-1", token="t", nonce=NONCE, client_nonce=CNONCE, optimizer=AdamW(lr=0.1), dtype="bfloat16",
+        total_numel=10,
+    ),
+    m.CreateJob(name="j", token="t", nonce=NONCE, client_nonce=CNONCE, optimizer=SGD(momentum=0.9)),
+    m.AddStage(session=SID, index=0, spec=SPEC, nframes=1, seq=3, mac=b"m" * 32),
     m.Seal(session=SID),
-    m.Attach(name="j", token="secret"),
+    m.Attach(name="j", nonce=NONCE, client_nonce=CNONCE, proof=b"p" * 32),
+    m.AdminAttach(nonce=NONCE, client_nonce=CNONCE * 4, proof=b"p" * 32),
     m.Join(session=SID, shm=True, grad_slots=4, world_size=2),
     m.Fetch(session=SID, stage=3, step=9),
     m.Push(session=SID, stage=3, step=9, slot=1, numel=100),
@@ -43,8 +50,10 @@ REQUESTS: list[m.Message] = [
     m.Heartbeat(session=SID),
     m.Leave(session=SID),
     m.DropJob(session=SID),
+    m.DropJob(session=SID, job="other"),
     m.Status(),
-    m.Save(session=SID),
+    m.Save(session=SID, job="j"),
+    m.Shutdown(session=SID, seq=2**63 - 1, mac=b"m" * 32),
 ]
 
 
@@ -69,6 +78,8 @@ def test_replies_round_trip() -> None:
         m.Ok(id=1),
         m.Error(code="bad_message", message="x"),
         m.Joined(worker=1, step=0, grad_path="/dev/shm/x", grad_slot_bytes=64, grad_slots=2),
+        m.Challenge(id=2, nonce=NONCE),
+        m.AdminAttached(id=2, session=SID),
     ]
     for r in replies:
         assert decode_reply(encode(r)) == r
@@ -89,15 +100,22 @@ def test_replies_round_trip() -> None:
         (msgpack.packb({"v": PROTOCOL_VERSION, "op": "fetch", "session": b"x" * 15, "stage": 0, "step": 0}), ProtocolError, "$.session"),
         (msgpack.packb({"v": PROTOCOL_VERSION, "op": "fetch", "session": SID, "stage": 2**40, "step": 0}), ProtocolError, "$.stage"),
         (msgpack.packb({"v": PROTOCOL_VERSION, "op": "join", "session": SID, "shm": True, "grad_slots": 0}), ProtocolError, "$.grad_slots"),
-        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "../etc", "token": "t"}), ProtocolError, "$.name"),
-        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "a" * 129, "token": "t"}), ProtocolError, "$.name"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "../etc", "nonce": NONCE, "client_nonce": CNONCE, "proof": NONCE}), ProtocolError, "$.name"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "a" * 129, "nonce": NONCE, "client_nonce": CNONCE, "proof": NONCE}), ProtocolError, "$.name"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "j", "token": "t"}), ProtocolError, "token"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "j", "nonce": NONCE, "client_nonce": b"c" * 15, "proof": NONCE}), ProtocolError, "$.client_nonce"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "j", "nonce": NONCE[:31], "client_nonce": CNONCE, "proof": NONCE}), ProtocolError, "$.nonce"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "heartbeat", "session": SID, "seq": -1}), ProtocolError, "$.seq"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "heartbeat", "session": SID, "mac": b"m" * 33}), ProtocolError, "$.mac"),
         (
-            msgpack.packb({"v": PROTOCOL_VERSION, "op": "create_job", "name": "j", "token": "t", "optimizer": {"kind": "adamw", "lr": -1.0}}),
+            msgpack.packb({"v": PROTOCOL_VERSION, "op": "create_job", "name": "j", "token": "t", "nonce": NONCE,
+                           "client_nonce": CNONCE, "optimizer": {"kind": "adamw", "lr": -1.0}}),
             ProtocolError,
             "lr must be",
         ),
         (
-            msgpack.packb({"v": PROTOCOL_VERSION, "op": "create_job", "name": "j", "token": "t", "optimizer": {"kind": "lion"}}),
+            msgpack.packb({"v": PROTOCOL_VERSION, "op": "create_job", "name": "j", "token": "t", "nonce": NONCE,
+                           "client_nonce": CNONCE, "optimizer": {"kind": "lion"}}),
             ProtocolError,
             "lion",
         ),
@@ -130,7 +148,9 @@ def test_frame_counts_are_checked() -> None:
         check_frames(m.Status(), [b""])
     with pytest.raises(ProtocolError, match="1 to 65536 data frame"):
         check_frames(m.AddStage(session=SID, index=0, spec=SPEC), [])
-    check_frames(m.Push(session=SID, stage=0, step=0, slot=0, numel=1), [b"x"])
+    check_frames(m.Push(session=SID, stage=0, step=0, slot=0, numel=1, nframes=1), [b"x"])
+    with pytest.raises(ProtocolError, match="nframes=0"):
+        check_frames(m.Push(session=SID, stage=0, step=0, slot=0, numel=1), [b"x"])
 
 
 def test_optimizer_records_validate_on_construction() -> None:

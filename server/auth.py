@@ -1,0 +1,96 @@
+"""Server-side state of authentication: outstanding nonces and per-session replay windows.
+
+Both are bounded whatever clients send: a flood of ``hello`` evicts the oldest nonces, and a replay
+window is a fixed-size bitmap.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+
+from wstream.protocol import AuthError
+
+NONCE_BYTES = 32
+
+
+class NonceStore:
+    """Single-use nonces that live ``ttl_s`` seconds; at most ``capacity`` kept (oldest evicted)."""
+
+    def __init__(self, ttl_s: float, capacity: int, clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s = ttl_s
+        self.capacity = capacity
+        self._clock = clock
+        self._expiry: OrderedDict[bytes, float] = OrderedDict()  # insertion order = expiry order
+        self.evicted = 0
+
+    def __len__(self) -> int:
+        return len(self._expiry)
+
+    def issue(self) -> bytes:
+        now = self._clock()
+        while self._expiry and next(iter(self._expiry.values())) <= now:
+            self._expiry.popitem(last=False)
+        while len(self._expiry) >= self.capacity:
+            self._expiry.popitem(last=False)
+            self.evicted += 1
+        nonce = secrets.token_bytes(NONCE_BYTES)
+        self._expiry[nonce] = now + self.ttl_s
+        return nonce
+
+    def take(self, nonce: bytes) -> None:
+        """Consume ``nonce``; raise :class:`AuthError` saying why it is not usable."""
+        expiry = self._expiry.pop(nonce, None)
+        if expiry is None:
+            raise AuthError(
+                "unknown or already used nonce: ask for a fresh one with 'hello' (nonces are single-use, "
+                "and the oldest are dropped when many are outstanding)"
+            )
+        if expiry <= self._clock():
+            raise AuthError(f"expired nonce: it was older than {self.ttl_s:g} s; ask for a fresh one with 'hello'")
+
+
+class ReplayWindow:
+    """Which ``seq`` values a session has used, over the last ``size`` below the highest seen.
+
+    A seq is accepted once; one ``size`` or more below the highest seen is refused as too old (the
+    client's counter is shared by its sockets, so seqs arrive nearly in order)."""
+
+    __slots__ = ("_bits", "highest", "size")
+
+    def __init__(self, size: int = 65_536) -> None:
+        if size <= 0 or size % 8:
+            raise ValueError(f"ReplayWindow size must be a positive multiple of 8, got {size}")
+        self.size = size
+        self.highest = 0
+        self._bits = bytearray(size // 8)
+
+    def _flip(self, seq: int, on: bool) -> bool:
+        i = seq % self.size
+        byte, bit = divmod(i, 8)
+        was = bool(self._bits[byte] >> bit & 1)
+        if on:
+            self._bits[byte] |= 1 << bit
+        else:
+            self._bits[byte] &= ~(1 << bit) & 0xFF
+        return was
+
+    def check(self, seq: int) -> None:
+        """Record ``seq``; raise :class:`AuthError` for a replayed or too old one."""
+        if seq <= 0:
+            raise AuthError("seq must be > 0 in a signed request")
+        if seq <= self.highest - self.size:
+            raise AuthError(
+                f"seq {seq} is too old: more than {self.size} below the highest seen ({self.highest}); "
+                "a replayed message?"
+            )
+        if seq > self.highest:
+            for s in range(max(self.highest + 1, seq - self.size + 1), seq):
+                self._flip(s, False)  # slots reused by seqs not seen yet
+            self.highest = seq
+            self._flip(seq, True)
+            return
+        if self._flip(seq, True):
+            raise AuthError(f"replayed message: seq {seq} was already used in this session")

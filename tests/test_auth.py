@@ -1,0 +1,271 @@
+"""Protocol 2 authentication: challenge-response attach, signed requests, the admin secret.
+
+Raw frames come from ``rawwire`` (hand-made handshakes and signatures); every refusal must leave
+the server serving a job that trains beside it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import models
+import msgpack
+import pytest
+from conftest import HERE, ServerProcess, start_server
+from rawwire import RawPeer
+from torch import nn
+from wstream.client import (
+    AdamW,
+    AuthError,
+    Client,
+    MemoryLimitError,
+    StateError,
+    UnknownJobError,
+)
+from wstream.protocol.shm import segment_paths
+from wstream.server.auth import NonceStore, ReplayWindow
+
+TOKEN = "tok-6f1d2b-very-secret"
+
+
+def _start_worker(address: str, job: str, token: str, steps: int, tmp_path: Path) -> tuple[subprocess.Popen[bytes], Path]:
+    out = tmp_path / f"{job}.json"
+    with open(tmp_path / f"{job}.log", "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "worker_main.py"), address, job, token, "mixed", str(steps), "0", str(out)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    return proc, out
+
+
+def _finish_worker(proc: subprocess.Popen[bytes], out: Path, steps: int) -> None:
+    rc = proc.wait(timeout=240)
+    assert rc == 0, (out.parent / f"{out.stem}.log").read_text()
+    assert len(json.loads(out.read_text())["losses"]) == steps
+
+
+def test_the_token_never_travels_after_creation(server: ServerProcess, client: Client) -> None:
+    client.create_job("quiet", models.mixed(seed=1), optimizer=AdamW(), token=TOKEN)
+    peer = RawPeer(server.address)
+    try:
+        s = peer.attach("quiet", TOKEN)
+        assert s.request("join", shm=False)[0]["op"] == "joined"
+        reply, frames = s.request("fetch", stage=0, step=0)
+        assert reply["op"] == "weights" and frames
+        assert s.request("heartbeat")[0]["op"] == "ok"
+        assert s.request("pull", stage=1)[0]["op"] == "master"
+        assert s.request("leave")[0]["op"] == "ok"
+        wire = b"".join(peer.sent + peer.received)
+        assert len(peer.sent) >= 7 and len(wire) > 1000
+        for secret in (TOKEN.encode(), hashlib.sha256(TOKEN.encode()).digest(), s.key):
+            assert secret not in wire
+    finally:
+        peer.close()
+
+
+def test_forged_replayed_and_stale_requests_are_refused_while_a_job_trains(tmp_path: Path) -> None:
+    ttl = 0.5
+    srv = start_server(tmp_path, "--nonce-ttl", str(ttl))
+    steps = 6
+    try:
+        with Client(srv.address, timeout=30) as client:
+            _refusals_beside_a_training_job(srv, client, ttl, steps, tmp_path)
+    finally:
+        assert srv.stop() == 0
+
+
+def _refusals_beside_a_training_job(srv: ServerProcess, client: Client, ttl: float, steps: int, tmp_path: Path) -> None:
+    client.create_job("busy", models.mixed(seed=3), optimizer=AdamW(), token="busy-token")
+    worker, out = _start_worker(srv.address, "busy", "busy-token", steps, tmp_path)
+    client.create_job("victim", models.mixed(seed=4), optimizer=AdamW(), token=TOKEN)
+    peer = RawPeer(srv.address)
+    try:
+
+        def refused(reply: dict, words: str) -> None:
+            assert reply["op"] == "error" and reply["code"] == "auth_failed", reply
+            assert words in reply["message"], reply["message"]
+
+        # the handshake: a wrong proof, a reused, an expired and a made-up nonce
+        refused(peer.try_attach("victim", "not-the-token")[0], "wrong token")
+        nonce = peer.nonce()
+        assert peer.try_attach("victim", TOKEN, nonce=nonce)[0]["op"] == "attached"
+        refused(peer.try_attach("victim", TOKEN, nonce=nonce)[0], "already used nonce")
+        nonce = peer.nonce()
+        time.sleep(3 * ttl)  # nothing to wait on: the nonce's lifetime must pass
+        refused(peer.try_attach("victim", TOKEN, nonce=nonce)[0], "expired nonce")
+        refused(peer.try_attach("victim", TOKEN, nonce=os.urandom(32))[0], "unknown")
+        nonce = peer.nonce()  # a wrong proof uses the nonce up: one guess per nonce
+        refused(peer.try_attach("victim", "guess", nonce=nonce)[0], "wrong token")
+        refused(peer.try_attach("victim", TOKEN, nonce=nonce)[0], "already used nonce")
+
+        s = peer.attach("victim", TOKEN)
+        other = peer.attach("victim", TOKEN)
+        busy = peer.attach("busy", "busy-token")
+        assert s.request("join", shm=True)[0]["op"] == "joined"
+        # signed with a random key, with another session's key, with another job's key
+        for key in (os.urandom(32), other.key, busy.key):
+            refused(peer.send_frames([s.header("heartbeat", key=key)])[0], "bad mac")
+        # altered after signing
+        header = msgpack.unpackb(s.header("fetch", stage=0, step=0))
+        header["stage"] = 1
+        refused(peer.send_frames([msgpack.packb(header)])[0], "bad mac")
+        # a session's signature moved onto another session id
+        header = msgpack.unpackb(other.header("heartbeat"))
+        header["session"] = s.session
+        refused(peer.send_frames([msgpack.packb(header)])[0], "bad mac")
+        # replayed: the same signed bytes twice, and an old seq signed anew
+        header = s.header("heartbeat")
+        assert peer.send_frames([header])[0]["op"] == "ok"
+        refused(peer.send_frames([header])[0], "replayed")
+        assert s.request("heartbeat", seq=100_000)[0]["op"] == "ok"
+        assert s.request("heartbeat", seq=99_000)[0]["op"] == "ok"  # late, inside the window
+        refused(s.request("heartbeat", seq=99_000)[0], "replayed")
+        refused(s.request("heartbeat", seq=100_000 - 65_536)[0], "too old")
+        refused(s.request("heartbeat", seq=0)[0], "seq must be > 0")
+        s.seq = 100_001
+        assert s.request("fetch", stage=0, step=0)[0]["op"] == "weights"  # the session still works
+    finally:
+        peer.close()
+    _finish_worker(worker, out, steps)
+    assert {j.name: j.step for j in client.status().jobs}["busy"] == steps
+
+
+def test_without_an_admin_secret_a_job_session_manages_only_its_own_job(server: ServerProcess, client: Client) -> None:
+    a = client.create_job("a", [nn.Linear(4, 4)], token="ta")
+    client.create_job("b", [nn.Linear(4, 4)], token="tb")
+    peer = RawPeer(server.address)
+    try:
+        reply, _ = peer.admin_attach("anything")
+        assert reply["code"] == "auth_failed" and "no admin secret" in reply["message"]
+        s = peer.attach("a", "ta")
+        reply, _ = s.request("drop_job", job="b")
+        assert reply["code"] == "auth_failed" and "cannot drop job 'b'" in reply["message"]
+        reply, _ = s.request("shutdown")
+        assert reply["code"] == "auth_failed" and "admin session" in reply["message"]
+    finally:
+        peer.close()
+    with Client(server.address, admin_secret="guess") as admin, pytest.raises(AuthError, match="no admin secret"):
+        admin.shutdown()
+    a.drop()
+    client.drop_job("b", token="tb")
+    assert client.status().jobs == []
+
+
+def _secret_file(tmp_path: Path, mode: int) -> Path:
+    path = tmp_path / "admin-secret"
+    path.write_text("admin-s3cret\n")
+    os.chmod(path, mode)
+    return path
+
+
+def test_admin_operations_need_the_admin_secret(tmp_path: Path) -> None:
+    secret = _secret_file(tmp_path, 0o600)
+    srv = start_server(
+        tmp_path, "--admin-secret-file", str(secret), "--store", str(tmp_path / "store"), "--memory-limit", "3MiB"
+    )
+    try:
+        with Client(srv.address, timeout=30) as c:
+            job = c.create_job("j", models.mixed(seed=5), optimizer=AdamW(), token="t")
+            # a failed creation still cleans up after itself (its session drops the unsealed job)
+            with pytest.raises(MemoryLimitError):
+                c.create_job("growing", (nn.Linear(256, 256) for _ in range(10)), token="x")
+            assert [j.name for j in c.status().jobs] == ["j"]
+            with pytest.raises(AuthError, match="admin secret"):
+                job.drop()
+            with pytest.raises(AuthError, match="admin secret"):
+                job.save()
+            with pytest.raises(StateError, match="admin_secret"):
+                c.shutdown()
+            with pytest.raises(AuthError, match="admin secret"):
+                c.drop_job("j", token="t")
+        peer = RawPeer(srv.address)
+        try:
+            reply, _ = peer.admin_attach("wrong")
+            assert reply["code"] == "auth_failed" and "wrong admin secret" in reply["message"]
+            reply, s = peer.admin_attach("admin-s3cret")
+            assert reply["op"] == "admin_attached" and s is not None
+            reply, _ = s.request("fetch", stage=0, step=0)
+            assert reply["code"] == "bad_state" and "admin session has no job" in reply["message"]
+            reply, _ = s.request("drop_job")
+            assert reply["code"] == "bad_state" and "name the job" in reply["message"]
+        finally:
+            peer.close()
+        with Client(srv.address, admin_secret="admin-s3cret", timeout=30) as admin:
+            step, path = admin.save_job("j")
+            assert step == 0 and Path(path).is_dir()
+            admin.drop_job("j")
+            assert admin.status().jobs == []
+            with pytest.raises(UnknownJobError, match="no job named 'j'"):
+                admin.drop_job("j")
+            admin.create_job("k", [nn.Linear(4, 4)], token="t")
+        cli = [sys.executable, "-m", "wstream.client.admin"]
+        common = ["--server", srv.address, "--admin-secret-file", str(secret)]
+        r = subprocess.run([*cli, "drop", "k", *common], capture_output=True, text=True, timeout=60, check=False)
+        assert r.returncode == 0 and "dropped" in r.stdout, r.stdout + r.stderr
+        r = subprocess.run([*cli, "shutdown", *common], capture_output=True, text=True, timeout=60, check=False)
+        assert r.returncode == 0 and "shutting down" in r.stdout, r.stdout + r.stderr
+        assert srv.proc.wait(timeout=30) == 0, srv.log()
+        assert "shutdown requested by an admin session" in srv.log()
+        assert not segment_paths(srv.proc.pid)
+    finally:
+        srv.stop()
+
+
+def test_a_readable_admin_secret_file_is_refused_at_start(tmp_path: Path) -> None:
+    secret = _secret_file(tmp_path, 0o644)
+    r = subprocess.run(
+        [sys.executable, "-m", "wstream.server", "--bind", f"ipc://{tmp_path / 's.sock'}", "--admin-secret-file", str(secret)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 2, r.stderr
+    assert "readable or writable by group or others (mode 0644)" in r.stderr and "chmod 600" in r.stderr
+
+
+def test_nonces_are_single_use_expire_and_stay_bounded() -> None:
+    now = [0.0]
+    store = NonceStore(ttl_s=30.0, capacity=4, clock=lambda: now[0])
+    a = store.issue()
+    store.take(a)
+    with pytest.raises(AuthError, match="already used"):
+        store.take(a)
+    b = store.issue()
+    now[0] = 31.0
+    with pytest.raises(AuthError, match="expired"):
+        store.take(b)
+    flood = [store.issue() for _ in range(1000)]
+    assert len(store) == 4 and store.evicted == 996
+    with pytest.raises(AuthError, match="unknown"):
+        store.take(flood[0])
+    store.take(flood[-1])
+    now[0] = 100.0
+    store.issue()
+    assert len(store) == 1  # the expired ones went
+
+
+def test_replay_window() -> None:
+    w = ReplayWindow(size=64)
+    for seq in (1, 3, 2, 10):
+        w.check(seq)
+    for seq in (1, 2, 3, 10):
+        with pytest.raises(AuthError, match="replayed"):
+            w.check(seq)
+    w.check(9)
+    w.check(200)
+    with pytest.raises(AuthError, match="too old"):
+        w.check(136)
+    w.check(137)  # the oldest seq still inside the window
+    with pytest.raises(AuthError, match="replayed"):
+        w.check(137)
+    w.check(200 + 64)  # reuses slot 200 % 64, which must count as unseen for 264
+    with pytest.raises(AuthError, match="too old"):
+        w.check(200)
