@@ -48,7 +48,7 @@ def peek_id(header: bytes) -> int:
     """The request id of a header, or 0 where it cannot be read (used for error replies)."""
     try:
         return max(0, int(_envelope.decode(header).id))
-    except (msgspec.DecodeError, ValueError, TypeError, OverflowError):
+    except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError):
         return 0
 
 
@@ -59,6 +59,8 @@ def _decode(header: bytes | memoryview, table: dict[str, type[Message]], side: s
         env = _envelope.decode(header)
     except msgspec.DecodeError as exc:
         raise ProtocolError(f"header is not a msgpack map with 'op', 'v' and 'id': {exc}") from None
+    except RecursionError:  # msgspec gives up on very deep nesting this way
+        raise ProtocolError("header nests too deeply to decode") from None
     if env.op not in table:
         known = ", ".join(sorted(table))
         raise UnknownOpError(f"unknown {side} op {env.op!r}; known ops: {known}")
@@ -71,6 +73,8 @@ def _decode(header: bytes | memoryview, table: dict[str, type[Message]], side: s
         msg = _decoders[env.op].decode(header)
     except (msgspec.DecodeError, ValueError) as exc:
         raise ProtocolError(f"bad {env.op!r} message: {exc}") from None
+    except RecursionError:
+        raise ProtocolError(f"bad {env.op!r} message: it nests too deeply to decode") from None
     assert isinstance(msg, Message)
     return msg
 

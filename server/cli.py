@@ -38,6 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--keep-snapshots", type=int, default=3, metavar="K", help="snapshots kept per job (default 3)")
     p.add_argument("--lease", type=float, default=30.0, metavar="SECONDS", help="detach workers silent this long")
+    p.add_argument(
+        "--creation-timeout", type=float, default=300.0, metavar="SECONDS",
+        help="drop a job still being created that gets no stage for this long (default 300)",
+    )
     p.add_argument("--optimizer-workers", type=int, default=1, metavar="N", help="threads running stage updates")
     p.add_argument("--torch-threads", type=int, default=None, metavar="N", help="torch intra-op threads")
     p.add_argument(
@@ -52,6 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     kwargs: dict[str, object] = {
         "lease_s": args.lease,
+        "creation_timeout_s": args.creation_timeout,
         "optimizer_workers": args.optimizer_workers,
         "torch_threads": args.torch_threads,
         "store": args.store,

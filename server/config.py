@@ -38,6 +38,10 @@ class ServerConfig:
     lease_s: float = 30.0
     """A worker silent for longer than this is detached and its unfinished step discarded."""
 
+    creation_timeout_s: float = 300.0
+    """A job still being created (not sealed) that gets no stage for this long is dropped, so
+    abandoned creations cannot hold memory forever."""
+
     optimizer_workers: int = 1
     """Threads that run stage updates. Each update already uses all torch intra-op threads, and the
     update is memory-bound, so one is right unless many jobs update at once."""
@@ -72,6 +76,8 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.memory_limit must be > 0 bytes, got {self.memory_limit}")
         if not self.lease_s > 0:
             raise ValueError(f"ServerConfig.lease_s must be > 0 seconds, got {self.lease_s}")
+        if not self.creation_timeout_s > 0:
+            raise ValueError(f"ServerConfig.creation_timeout_s must be > 0 seconds, got {self.creation_timeout_s}")
         if self.optimizer_workers < 1:
             raise ValueError(f"ServerConfig.optimizer_workers must be >= 1, got {self.optimizer_workers}")
         if self.torch_threads is not None and self.torch_threads < 1:

@@ -78,6 +78,11 @@ class Deferred:
     request_id: int
     step: int = 0
     shm: bool = True
+    worker: Worker | None = None
+
+
+MAX_WAITING_FETCHES = 1024
+"""Deferred fetches one worker may have at once (a prefetcher has its ring's worth in flight)."""
 
 
 @dataclass(slots=True)
@@ -100,6 +105,7 @@ class Worker:
     reserved: int
     busy: set[int] = field(default_factory=set)
     last_seen: float = field(default_factory=time.monotonic)
+    waiting: int = 0  # its fetches deferred now
 
 
 @dataclass(slots=True)
@@ -208,7 +214,15 @@ class Job:
         self.world_size: int | None = None  # set by the first join; see Join
         self.started = False  # the start barrier opened
         self.max_stage_numel = 0
-        self.published_path = create_segment(SEGMENT_START)
+        self.last_activity = time.monotonic()  # of creation: an unsealed job idle too long is dropped
+        # the segment's room beyond the stages in it is reserved too, until seal truncates it
+        memory.reserve(SEGMENT_START, f"job {record.name!r} (its first shared-memory block)")
+        self._slack = SEGMENT_START
+        try:
+            self.published_path = create_segment(SEGMENT_START)
+        except BaseException:
+            memory.release(SEGMENT_START)
+            raise
         self.published_bytes = 0  # bytes in use
         self._capacity = SEGMENT_START
         self._mapping = map_segment(self.published_path, self._capacity)
@@ -266,20 +280,24 @@ class Job:
             )
         self._append_stage(msg.index, msg.spec, lambda flat: copy_frames_into(flat, frames))
         self._versions[0] += 1
+        self.last_activity = time.monotonic()
 
     def _append_stage(self, index: int, spec: m.StageSpec, fill: Callable[[torch.Tensor], object]) -> StageState:
         """Reserve memory for stage ``index``, place it in the published segment, ``fill`` its
         fp32 master (a flat tensor of ``spec.numel``) and set up its optimizer."""
         numel = spec.numel
         pub, priv = stage_bytes(numel, self.optimizer_spec, self.dtype, self.double_buffer)
-        self.memory.check(pub + priv, f"job {self.name!r} stage {index}")
         offset = self.published_bytes
-        if offset + pub > self._capacity:
-            capacity = grown_capacity(self._capacity, offset + pub)
+        capacity = self._capacity if offset + pub <= self._capacity else grown_capacity(self._capacity, offset + pub)
+        slack = capacity - offset - pub
+        what = f"job {self.name!r} stage {index}"
+        self.memory.check(pub + priv + max(0, slack - self._slack), what)
+        if capacity != self._capacity:
             grow_segment(self.published_path, capacity)
             self._capacity = capacity
             self._mapping = map_segment(self.published_path, capacity)  # older views keep older maps
-        self.memory.reserve(pub + priv, f"job {self.name!r} stage {index}")
+        self.memory.reserve(pub + priv, what)
+        self._set_slack(slack)
         self.reserved += pub + priv
         self.published_bytes = offset + pub
         pub_dtype = DTYPES[self.published_dtype]
@@ -308,7 +326,15 @@ class Job:
         if not self.stages:
             raise LayoutError(f"job {self.name!r} has no stages: add at least one before sealing")
         truncate_segment(self.published_path, self.published_bytes)
+        self._set_slack(0)
         self.sealed = True
+
+    def _set_slack(self, slack: int) -> None:
+        if slack > self._slack:
+            self.memory.reserve(slack - self._slack, f"job {self.name!r} (shared-memory room)")
+        else:
+            self.memory.release(self._slack - slack)
+        self._slack = slack
 
     def close(self) -> None:
         """Free everything: unlink segments and release the memory reserved."""
@@ -316,8 +342,17 @@ class Job:
             self._free_worker(w)
         self.workers.clear()
         unlink_segment(self.published_path)
-        self.memory.release(self.reserved)
+        self.memory.release(self.reserved + self._slack)
         self.reserved = 0
+        self._slack = 0
+
+    def refuse_waiters(self, error: Callable[[bytes, int], None]) -> None:
+        """Answer every deferred fetch and pull with ``error`` (the job is going away)."""
+        for st in self.stages:
+            for d in [*st.waiting_fetch, *st.waiting_pull]:
+                error(d.identity, d.request_id)
+            st.waiting_fetch.clear()
+            st.waiting_pull.clear()
 
     # ---- queries -----------------------------------------------------------------------------------
     def check_proof(self, nonce: bytes, client_nonce: bytes, proof: bytes) -> None:
@@ -468,7 +503,13 @@ class Job:
         if t == st.version and not st.updating:
             return self._weights_reply(st, identity, msg.id, worker.shm)
         if t == st.version + 1 or (t == st.version and st.updating and not st.single_slot):
-            st.waiting_fetch.append(Deferred(identity, msg.id, t, worker.shm))
+            if worker.waiting >= MAX_WAITING_FETCHES:
+                raise StateError(
+                    f"this worker already has {worker.waiting} fetches waiting for updates (the limit is "
+                    f"{MAX_WAITING_FETCHES}): wait for their replies"
+                )
+            worker.waiting += 1
+            st.waiting_fetch.append(Deferred(identity, msg.id, t, worker.shm, worker))
             return None
         if t > st.version + 1:
             raise StaleStepError(
@@ -569,6 +610,8 @@ class Job:
         for d in waiting:
             if d.step == st.version:
                 out.append(self._weights_reply(st, d.identity, d.request_id, d.shm))
+                if d.worker is not None:
+                    d.worker.waiting -= 1
             else:
                 st.waiting_fetch.append(d)
         pulls = st.waiting_pull

@@ -135,6 +135,8 @@ class Server:
     def run(self) -> None:
         """Serve until stopped; then free every job and shared-memory segment."""
         reap_stale_segments()
+        warmup = threading.Thread(target=_warm_up_optimizer, name="wstream-warmup")
+        warmup.start()  # torch's first fused optimizer takes seconds to import: not in a request
         self._restore_jobs()
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
@@ -149,6 +151,7 @@ class Server:
         try:
             self._loop()
         finally:
+            warmup.join()
             self._shutdown()
 
     def stop(self) -> None:
@@ -348,6 +351,9 @@ class Server:
         for sid, s in list(self.sessions.items()):
             if s.worker is not None and now - self._last_seen.get(sid, now) > lease:
                 self._end_session(sid, f"silent for more than its {lease:g} s lease")
+        limit = self.config.creation_timeout_s
+        for job in [j for j in self.jobs.values() if not j.sealed and now - j.last_activity > limit]:
+            self._drop(job, f"dropped: still unsealed after {limit:g} s without a new stage")
 
     # ---- handlers --------------------------------------------------------------------------------
     def _on_hello(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
@@ -477,19 +483,25 @@ class Server:
     def _on_drop_job(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
         assert isinstance(msg, m.DropJob)
         job = self._job_of(self._known_session(msg.session), msg.job, "drop")
+        self._drop(job, "dropped")
+        return Outgoing(identity, m.Ok(id=msg.id))
+
+    def _drop(self, job: Job, reason: str) -> None:
+        """Remove ``job``: its sessions, snapshots and memory; requests waiting on it get errors."""
         for sid in [sid for sid, s in self.sessions.items() if s.job is job]:
             self.sessions.pop(sid, None)
             self._last_seen.pop(sid, None)
         del self.jobs[job.name]
         if job.snapshot is not None:
             job.snapshot.cancel()
+        gone = UnknownJobError(f"job {job.name!r} was {reason}")
         for w in self._save_waiters.pop(job.name, []):
-            self._error(w.identity, w.request_id, UnknownJobError(f"job {job.name!r} was dropped"))
+            self._error(w.identity, w.request_id, gone)
+        job.refuse_waiters(lambda identity, request_id: self._error(identity, request_id, gone))
         if self.store is not None:  # after any write in progress: the writer runs one task at a time
             self._writer.submit(self.store.delete_job, job.name)
         job.close()
-        log.info("job %r dropped; %d bytes free", job.name, self.memory.free)
-        return Outgoing(identity, m.Ok(id=msg.id))
+        log.info("job %r %s; %d bytes free", job.name, reason, self.memory.free)
 
     def _on_status(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
         reply = m.StatusReply(
@@ -625,3 +637,10 @@ class Server:
 
 def _saved(request_id: int, step: int, path: str) -> m.Message:
     return m.Saved(id=request_id, step=step, path=path)
+
+
+def _warm_up_optimizer() -> None:
+    """Build and step one tiny fused AdamW, so the first job's stages do not wait for the imports."""
+    w = torch.zeros(16)
+    w.grad = torch.zeros(16)
+    torch.optim.AdamW([w], fused=True).step()

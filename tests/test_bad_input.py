@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import copy
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import msgpack
@@ -171,3 +173,49 @@ def test_growing_job_and_join_over_memory_limit_are_refused(tmp_path: Path) -> N
                 tr.step(torch.randn(2, 256), torch.randn(2, 256), models.loss_fn)
     finally:
         assert srv.stop() == 0
+
+
+def test_found_by_fuzzing_deep_nesting_waiting_fetches_and_abandoned_creation(tmp_path: Path) -> None:
+    """Regressions for what the fuzzer found: each gets an error reply, nothing grows unbounded."""
+    srv = start_server(tmp_path, "--memory-limit", "1GiB", "--creation-timeout", "3")
+    peer = RawPeer(srv.address)
+    try:
+        # 1. a header nested a thousand levels deep: bad_message, not an internal error
+        deep = b"\x84\xa1v" + msgpack.packb(PROTOCOL_VERSION) + b"\xa2op\xa6status\xa2id\x01\xa1x" + b"\x91" * 5000 + b"\xc0"
+        reply, _ = peer.send_frames([deep])
+        assert reply["code"] == "bad_message" and "deep" in reply["message"], reply
+        # 2. a worker's deferred fetches are capped, and dropping the job answers them
+        with Client(srv.address, timeout=30) as c:
+            c.create_job("held", models.mixed(), optimizer=AdamW(), token="t")
+        s = peer.attach("held", "t")
+        assert s.request("join", shm=True)[0]["op"] == "joined"
+        limit = 1024
+        for _ in range(limit):  # fetches of step 1: deferred until step 0's update, never answered now
+            peer.sock.send_multipart([s.header("fetch", stage=0, step=1)])
+        reply, _ = s.request("fetch", stage=0, step=1)
+        assert reply["code"] == "bad_state" and f"limit is {limit}" in reply["message"], reply
+        with Client(srv.address, timeout=30) as c:
+            before = c.status().memory_used
+            c.drop_job("held", token="t")
+        waited = []
+        while len(waited) < limit and peer.sock.poll(20_000):
+            waited.append(msgpack.unpackb(peer.sock.recv_multipart()[0]))
+        assert len(waited) == limit and all(r["code"] == "unknown_job" for r in waited), waited[:3]
+        # 3. an unsealed job holds its first block of shared memory in the account, and is dropped
+        #    when no stage comes for --creation-timeout seconds
+        with Client(srv.address, timeout=30) as c:
+            assert c.status().memory_used < before
+            nonce, mine = peer.nonce(), os.urandom(32)
+            reply, _ = peer.request("create_job", name="abandoned", token="t", optimizer={"kind": "sgd"},
+                                    nonce=nonce, client_nonce=mine)
+            assert reply["op"] == "attached", reply
+            assert c.status().memory_used == 2**20
+            deadline = time.monotonic() + 30
+            while c.status().jobs and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert c.status().jobs == [] and c.status().memory_used == 0
+        assert "still unsealed" in srv.log()
+    finally:
+        peer.close()
+        assert srv.stop() == 0
+    assert "Traceback" not in srv.log()
