@@ -618,7 +618,8 @@ def min_peak(costs: StageCosts) -> Plan:
 
 def auto(costs: StageCosts, budget_bytes: int) -> Plan:
     """The fastest plan, by the cost model, among every planner's whose activation memory fits
-    ``budget_bytes`` (checked exactly with :func:`simulate`). Named ``auto(<chosen>)``."""
+    ``budget_bytes`` (checked exactly with :func:`simulate`), ``offload`` included when the costs
+    give a host bandwidth. Named ``auto(<chosen>)``."""
     n = costs.n
     need = min_budget(costs)
     if budget_bytes < need:
@@ -629,6 +630,11 @@ def auto(costs: StageCosts, budget_bytes: int) -> Plan:
         candidates.append(optimal(costs, budget_bytes))
     except PlanError:
         pass  # rounding to memory units can lose a bound-hugging budget; the others still compete
+    if costs.host_bandwidth > 0:  # host memory is there too: its copies run beside compute
+        try:
+            candidates.append(offload(costs, budget_bytes))
+        except PlanError:
+            pass
     fits = []
     for plan in candidates:
         peak = simulate(n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes).peak_bytes

@@ -335,3 +335,15 @@ def test_offload_prices_weight_fetches_and_fits_its_budget_on_random_chains() ->
         assert plan_time(priced, plan) <= blind_time + 1e-9
         cheaper += plan_time(priced, plan) < blind_time - 1e-9
     assert cheaper >= 5  # ... and often makes it faster (a planner blind to fetches would tie)
+
+
+def test_auto_takes_offload_when_host_memory_makes_a_tight_budget_cheaper() -> None:
+    from wstream.client.plans import auto
+
+    n = 256
+    costs = StageCosts(forward_s=(1.0,) * n, state_bytes=(4,) * n, tape_bytes=(4,) * n, host_bandwidth=4.0)
+    plan = auto(costs, 24)  # room for a handful of inputs: in-device plans recompute a lot
+    assert plan.name == "auto(offload)"
+    blind = auto(StageCosts(forward_s=(1.0,) * n, state_bytes=(4,) * n, tape_bytes=(4,) * n), 24)
+    assert plan_time(costs, plan) < plan_time(costs, blind)  # the best without host memory is slower
+    assert simulate(n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes).peak_bytes <= 24
