@@ -45,8 +45,8 @@ class NonceStore:
         expiry = self._expiry.pop(nonce, None)
         if expiry is None:
             raise AuthError(
-                "unknown or already used nonce: ask for a fresh one with 'hello' (nonces are single-use, "
-                "and the oldest are dropped when many are outstanding)"
+                "unknown, expired or already used nonce: ask for a fresh one with 'hello' (nonces are "
+                "single-use, expire, and the oldest are dropped when many are outstanding)"
             )
         if expiry <= self._clock():
             raise AuthError(f"expired nonce: it was older than {self.ttl_s:g} s; ask for a fresh one with 'hello'")
