@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import sys
+import time
 
 import torch
 
@@ -31,6 +32,7 @@ def main() -> None:
     p.add_argument("out")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--same-data", action="store_true")
+    p.add_argument("--pace", type=float, default=0.0, help="seconds to spend on each step at least")
     args = p.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s worker %(process)d %(levelname)s %(message)s")
     with torch.device("meta"):
@@ -39,7 +41,12 @@ def main() -> None:
     with Client(args.address, timeout=5) as client:
         job = client.attach_job(args.job, token=args.token, stages=stages)
         with job.trainer(world_size=args.world_size, reconnect_s=120) as trainer:
-            losses = trainer.fit(lambda t: models.batch(args.model, t, data_rank), models.loss_fn, steps=args.steps)
+            def batch_of(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+                if args.pace:  # a slower job, so that a test's faults land while it still runs
+                    time.sleep(args.pace)
+                return models.batch(args.model, t, data_rank)
+
+            losses = trainer.fit(batch_of, models.loss_fn, steps=args.steps)
             report = {"losses": {str(k): v for k, v in losses.items()}, "reconnects": trainer.reconnects,
                       "step": trainer.step_index}
     with open(args.out, "w") as f:

@@ -57,16 +57,17 @@ def job_step(address: str, name: str) -> int | None:
     return jobs[name].step if name in jobs else None
 
 
-def wait_for_workers(address: str, name: str, count: int, deadline_s: float = 120.0) -> None:
-    """Poll until job ``name`` has exactly ``count`` workers attached."""
+def wait_for_workers(address: str, name: str, originals: int, newcomers: int, deadline_s: float = 120.0) -> None:
+    """Poll until job ``name`` has exactly ``originals`` workers that joined at step 0 and
+    ``newcomers`` that joined later (so a dead original is detached and its replacement in)."""
     deadline = time.monotonic() + deadline_s
     while time.monotonic() < deadline:
         with Client(address, timeout=5) as c:
-            jobs = {j.name: j for j in c.status().jobs}
-        if len(jobs[name].workers) == count:
+            workers = {j.name: j for j in c.status().jobs}[name].workers
+        if sum(w.first_step == 0 for w in workers) == originals and sum(w.first_step > 0 for w in workers) == newcomers:
             return
         time.sleep(0.02)
-    raise AssertionError(f"job {name!r} did not get to {count} workers within {deadline_s:g} s")
+    raise AssertionError(f"job {name!r} did not get to {originals} + {newcomers} workers within {deadline_s:g} s")
 
 
 def wait_for_step(address: str, name: str, step: int, deadline_s: float = 120.0) -> int:
@@ -136,14 +137,14 @@ def test_workers_killed_or_stopped_mid_step_leave_the_others_training(tmp_path: 
     is the single-worker gradient: with at least one survivor per step, the weights are those of
     one worker training alone, whatever dies or stalls when."""
     rng = random.Random(workers)
-    steps = 30
+    steps = 150
     srv = start_server(tmp_path, "--memory-limit", "2GiB", "--lease", "1.5", "--log-level", "DEBUG", name="srv")
     address = srv.address
     stages = models.mixed()
     start = copy.deepcopy(stages)
     with Client(address, timeout=30) as c:
         c.create_job("dp", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t")
-    extra = ("--world-size", str(workers), "--same-data")
+    extra = ("--world-size", str(workers), "--same-data", "--pace", "0.03")
     procs = {r: spawn_worker(address, "dp", steps, r, tmp_path, *extra) for r in range(workers)}
     try:
         wait_for_step(address, "dp", rng.randint(3, 6))
@@ -153,7 +154,7 @@ def test_workers_killed_or_stopped_mid_step_leave_the_others_training(tmp_path: 
         procs[workers] = spawn_worker(address, "dp", steps, workers, tmp_path, *extra)  # a replacement
         reports = {}
         if workers > 1:
-            wait_for_workers(address, "dp", workers)  # the dead one detached, the replacement in
+            wait_for_workers(address, "dp", workers - 1, 1)  # the dead one detached, the replacement in
             joined_by = job_step(address, "dp")
             assert joined_by is not None  # from joined_by + 1 on, every step is every live worker's
             wait_for_step(address, "dp", max(joined_by + 2, rng.randint(10, 14)))
