@@ -98,6 +98,11 @@ class Server:
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
         self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # A reply that cannot be queued must be reported, not dropped silently (ZeroMQ's default
+        # for a ROUTER at its high-water mark): raise instead, and queue up to 64 Ki replies per
+        # peer (a worker's deferred fetches alone can be answered 1,024 at once).
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.sndhwm = 65_536
         self.endpoints: list[str] = []
         try:
             for addr in config.bind:
@@ -208,7 +213,7 @@ class Server:
 
     def _send(self, out: Outgoing) -> None:
         try:
-            self._sock.send_multipart([out.identity, encode(out.message), *out.frames], copy=False)
+            self._sock.send_multipart([out.identity, encode(out.message), *out.frames], copy=False, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or queue full: never fatal for the loop
             log.warning("could not send %s: %s", type(out.message).__name__, exc)
 

@@ -1,0 +1,1505 @@
+"""Fuzz every request op of the wire protocol against a live server while a real job trains.
+
+The ops and the types of their fields are read from ``wstream.protocol.messages`` at run time (the
+``Request`` union, each record's ``frames`` and ``msgspec.inspect.type_info``), so an op or a field
+added later is fuzzed without editing this file. Hypothesis builds one request per example, of one
+of these kinds:
+
+* ``valid``: every field of its declared type and within its declared bounds, random values;
+* ``wrong_type``: one or two fields (``v``, ``op`` and ``id`` included) of another msgpack type;
+* ``missing_extra``: required fields left out, unknown fields added, keys repeated;
+* ``extreme``: integers anywhere in the header (sizes, counts, stage indices, steps, numel, slot,
+  ids, seqs, nframes) set to huge, negative or just-out-of-bounds values;
+* ``big``: very long strings and bytes, long lists, huge or many-dimensional shapes in stage
+  specs, 65,537 parameters;
+* ``raw``: random bytes; ``truncated``: a valid header cut short or with trailing bytes;
+  ``not_map``: a header that is not a map, a map with non-string keys, or nested thousands deep;
+* ``frames``: a valid header with too many, too few, oversized or odd-sized data frames;
+* ``cross_job``: a real session of job A (or C) naming the stages, steps and sizes of job B, with
+  data frames sized for B's stages;
+* ``stateful``: a nearly valid request for the live state of a job (its current step, real stage
+  indices, sizes, slots and sessions, fresh nonces, right or wrong attach proofs, own or other job
+  names), so that pushes are accepted, updates run, fetches wait, and attaches, joins, leaves and
+  drops succeed;
+* ``replay``: a signed request that was accepted earlier, sent again byte for byte.
+
+Protocol 2 (NOTE [Signed requests] in ``wstream.protocol.auth``): every header that carries a
+session and decodes is, in most cases, signed at send time with that session's real key and a
+fresh ``seq`` from the session's own :class:`SessionSigner` (the one the client library signs with,
+so the seqs of the fuzzer and of a trainer's heartbeat thread never collide), so that it is judged by
+its handler. A fraction is left as drawn, unsigned (``mac`` empty), signed and then altered, or
+signed with another live session's key. ``nonce`` fields are, mostly, a fresh nonce fetched with
+``hello`` just before sending, else a spent or a made-up one; ``nframes`` is mostly the number of
+data frames sent. Sessions come only from the public client API (``client.create_job``,
+``client.attach_job``, ``job.trainer()``; their signers as the client keeps them), from the
+replies to fuzzed ``create_job`` and ``attach`` requests (their keys derived as the protocol
+says), or are random.
+
+The oracle, for every case:
+
+* an answer comes within ``DEADLINE_S``, except where the specification lets a request wait (a
+  ``fetch`` by a joined worker of the step after the stage's current one); such a request is
+  answered later with ``weights`` of exactly that step (the run ends by advancing those stages),
+  or, when its job is dropped meanwhile, with ``unknown_job`` (before the drop's ``ok``); a worker
+  that already has ``MAX_WAITING_FETCHES`` fetches waiting gets ``bad_state`` at once instead;
+* a header that the protocol's own decoder refuses, or data frames of a count the op does not take
+  (or other than its ``nframes``), get the decoder's error code (``bad_message``, ``unknown_op``,
+  ``version_mismatch``), and a header it accepts never gets one of those;
+* a request naming a session that is not alive gets ``session_expired``; one of a live session
+  that is unsigned, badly signed or replayed gets ``auth_failed``; one signed right gets neither
+  (``auth_failed`` only from its handler: ``shutdown`` without an admin session, a ``drop_job`` of
+  another job); an ``attach``/``admin_attach``/``create_job`` with a nonce that is not fresh gets
+  ``auth_failed``, and one with a fresh nonce is not refused for its nonce;
+* ``shutdown`` and ``admin_attach`` never succeed (the server has no admin secret), and the server
+  is still running after every ``shutdown``; ``drop_job``/``save`` naming another job never succeed;
+* the answer is an ``error`` with a known code other than ``internal`` and a message, or a known
+  reply that decodes under the reply schema and echoes the request id.
+
+After all cases: the server answers, its log has no traceback, "internal error" or ERROR line, its
+RSS grew by at most ``RSS_BOUND`` from the end of the warm-up to the end, and the job trained beside
+the fuzzer (steps interleaved with the cases) has the weights plain PyTorch gives.
+
+``WSTREAM_FUZZ_CASES`` (default 1000) sets the number of cases; ``WSTREAM_FUZZ_SEED`` replaces the
+fixed derandomized sequence with a seeded random one. With ``-s`` a summary line is printed.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+import dataclasses
+import logging
+import os
+import re
+import threading
+import time
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+import msgspec
+import psutil
+import torch
+import zmq
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import seed as hypothesis_seed
+from hypothesis import strategies as st
+from torch import nn
+
+import models
+from conftest import ServerProcess
+from test_equivalence import assert_weights_equal, reference_train
+from wstream.client import AdamW, Client, Trainer
+from wstream.client import Job as ClientJob
+from wstream.protocol import (
+    PROTOCOL_VERSION,
+    ErrorCode,
+    WstreamError,
+    check_frames,
+    decode_reply,
+    decode_request,
+    encode,
+)
+from wstream.protocol import messages as m
+from wstream.protocol.auth import SessionSigner, admin_proof, attach_proof, secret_key, session_key
+from wstream.protocol.layout import build_stage_spec
+from wstream.protocol.messages import CHUNK_BYTES, MAX_HEADER_BYTES
+from wstream.server import job as server_job
+from wstream.server.config import ServerConfig
+
+CASES = int(os.environ.get("WSTREAM_FUZZ_CASES", "1000"))
+SEED = os.environ.get("WSTREAM_FUZZ_SEED") or None
+DEADLINE_S = 20.0
+"""A reply that is not deferred by the specification must come within this (normally < 10 ms)."""
+RSS_BOUND = 64 * 2**20
+TRAIN_STEPS = 12
+MAX_WAITING_FETCHES: int | None = getattr(server_job, "MAX_WAITING_FETCHES", None)
+"""Deferred fetches a worker may have at once (the server's; None where it has no such cap)."""
+_config_defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
+CREATION_TIMEOUT_S: float | None = _config_defaults.get("creation_timeout_s")  # type: ignore[assignment]
+"""An unsealed job that gets no stage for this long is dropped (the fixture server's default)."""
+MAX_EXTRA_SESSIONS = 4
+"""Sessions opened by fuzzed ``attach`` requests kept alive at once (the oldest leave)."""
+
+# ---- the protocol, as messages.py defines it ------------------------------------------------------
+Type = msgspec.inspect.Type
+REQUESTS: dict[str, type[m.Message]] = {}
+for _cls in typing.get_args(m.Request):
+    _info = msgspec.inspect.type_info(_cls)
+    assert isinstance(_info, msgspec.inspect.StructType) and isinstance(_info.tag, str)
+    REQUESTS[_info.tag] = _cls
+OPS = sorted(REQUESTS)
+TAG_FIELD = msgspec.inspect.type_info(typing.get_args(m.Request)[0]).tag_field
+FIELDS: dict[str, tuple[msgspec.inspect.Field, ...]] = {
+    op: msgspec.inspect.type_info(cls).fields for op, cls in REQUESTS.items()  # type: ignore[union-attr]
+}
+REPLY_OPS = {msgspec.inspect.type_info(c).tag for c in typing.get_args(m.Reply)}  # type: ignore[union-attr]
+DECODE_CODES = {ErrorCode.BAD_MESSAGE.value, ErrorCode.UNKNOWN_OP.value, ErrorCode.VERSION_MISMATCH.value}
+WIRE_CODES = {c.value for c in ErrorCode} - {ErrorCode.UNAVAILABLE.value, ErrorCode.INTERNAL.value}
+ALL_FIELD_NAMES = sorted({f.encode_name for fs in FIELDS.values() for f in fs})
+AUTH_FAILED = ErrorCode.AUTH_FAILED.value
+SESSION_EXPIRED = ErrorCode.SESSION_EXPIRED.value
+UNKNOWN_JOB = ErrorCode.UNKNOWN_JOB.value
+BAD_STATE = ErrorCode.BAD_STATE.value
+AUTH_LAYER = re.compile(r"not signed|bad mac|replayed|too old|seq must be")
+"""The messages of the checks every signed request passes before its handler."""
+NONCE_OPS = (m.CreateJob, m.Attach, m.AdminAttach)
+"""Requests that use up a ``hello`` nonce."""
+
+I64_MIN, U64_MAX = -(2**63), 2**64 - 1
+EXTREME_INTS = [
+    -1, -2, 0, -(2**31), -(2**32), I64_MIN, 2**31 - 1, 2**31, 2**32, 2**40, 2**40 + 1, 2**53 + 1,
+    2**62, 2**62 + 1, 2**63 - 1, 2**63, U64_MAX, 10**6 - 1, 10**6, 63, 64, 65, 65_535, 65_536, 65_537,
+]  # fmt: skip
+RESERVED_IDS = 2**62
+"""Ids from here up are given to requests the oracle lets wait; fuzzed ids there are moved down."""
+SIGN_MODES = ["sign"] * 12 + ["drawn", "unsigned", "altered", "other"]
+"""How a header with a session is sent: signed with its session's key and a fresh seq (most), with
+the ``seq`` and ``mac`` as drawn, with an empty ``mac``, signed and then changed, or signed with
+another live session's key."""
+
+
+def test_derived_op_list_is_complete() -> None:
+    assert {"fetch", "push", "pull", "create_job", "add_stage", "join", "status"} <= set(OPS), OPS
+    assert {"hello", "attach", "admin_attach", "shutdown", "drop_job", "save"} <= set(OPS), OPS
+    assert set(OPS) == set(m.REQUEST_TYPES), "the Request union and REQUEST_TYPES (what servers decode) differ"
+    assert TAG_FIELD == "op" and all(f.name != "op" for fs in FIELDS.values() for f in fs)
+    assert {"error", "weights", "pushed", "challenge"} <= REPLY_OPS
+    for op, cls in REQUESTS.items():  # the fuzzer signs every request that carries a session
+        names = {f.name for f in FIELDS[op]}
+        assert issubclass(cls, m.SessionMessage) == ("session" in names), op
+        if "session" in names:
+            assert {"seq", "mac"} <= names, op
+        if cls.frames[1] > 0 and issubclass(cls, m.SessionMessage):
+            assert "nframes" in names, op
+    for cls in NONCE_OPS:
+        assert {"nonce", "client_nonce"} <= set(cls.__struct_fields__), cls
+
+
+# ---- header values ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SessionRef:
+    """A session slot, resolved at send time against the sessions alive then."""
+
+    k: int
+    live: bool = False  # only the live sessions of the fuzz target jobs
+
+
+@dataclass(frozen=True)
+class NonceRef:
+    """A ``nonce``, resolved at send time: ``fresh`` from a ``hello`` just before, or ``spent``
+    (one that an earlier request used up)."""
+
+    kind: str
+
+
+@dataclass(frozen=True)
+class ProofRef:
+    """An attach (or admin) proof with ``token``, over the header's own name and nonces as sent."""
+
+    token: str
+    admin: bool = False
+
+
+class _NFrames:
+    """``nframes``: the number of data frames the case sends."""
+
+    def __repr__(self) -> str:
+        return "NFRAMES"
+
+
+NFRAMES = _NFrames()
+
+
+@dataclass(frozen=True)
+class Raw:
+    """Pre-encoded msgpack bytes, spliced into the header as one value."""
+
+    data: bytes
+
+
+def deep(depth: int, kind: int) -> Raw:
+    opener = (b"\x91", b"\x81\xa1k", b"\x91\x81\xa1k")[kind % 3]  # [x], {"k": x}, [{"k": x}]
+    return Raw(opener * depth + b"\xc0")
+
+
+def timestamp_ext(b: bytes) -> Raw:
+    """msgpack extension type -1 (timestamp), of a valid or invalid length."""
+    return Raw(b"\xd4\xff" + b[:1] if len(b) < 4 else b"\xc7" + bytes([len(b)]) + b"\xff" + b)
+
+
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(I64_MIN, U64_MAX),
+    st.sampled_from(EXTREME_INTS),
+    st.floats(),
+    st.text(max_size=8),
+    st.binary(max_size=20),
+    st.builds(msgpack.ExtType, st.integers(0, 127), st.binary(max_size=12)),
+    st.binary(min_size=1, max_size=12).map(timestamp_ext),
+)
+ANY = st.recursive(
+    SCALARS, lambda inner: st.one_of(st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=8), inner, max_size=3)), max_leaves=6
+)
+WRONG = st.one_of(ANY, st.sampled_from([None, True, 1.5, -1, U64_MAX, "x", b"\x00" * 16, [], {}, [1, 2]]))
+"""A value for a field of another type, mostly (the oracle does not need it to be invalid)."""
+
+
+def int_bounds(t: Any) -> tuple[int, int]:
+    lo = t.ge if t.ge is not None else (t.gt + 1 if t.gt is not None else I64_MIN)
+    hi = t.le if t.le is not None else (t.lt - 1 if t.lt is not None else U64_MAX)
+    return lo, hi
+
+
+class Values:
+    """Hypothesis strategies for values of msgspec types, biased towards the running jobs' numbers."""
+
+    def __init__(self, ctx_ints: set[int], names: list[str]) -> None:
+        self.ctx_ints = sorted(ctx_ints)
+        self.names = names
+
+    def valid(self, t: Type, name: str = "") -> st.SearchStrategy[Any]:
+        I = msgspec.inspect  # noqa: E741, N806 (the type classes, by short name)
+        if name == "v":
+            return st.one_of(st.just(PROTOCOL_VERSION), st.just(PROTOCOL_VERSION), st.integers(-2, 3))
+        if isinstance(t, I.IntType):
+            lo, hi = int_bounds(t)
+            near = sorted(x for x in {lo, lo + 1, hi, hi - 1, *self.ctx_ints} if lo <= x <= hi)
+            return st.one_of(st.integers(lo, min(hi, lo + 8)), st.sampled_from(near), st.integers(lo, hi))
+        if isinstance(t, I.FloatType):
+            return st.one_of(st.sampled_from([0.0, 1e-3, 0.01, 0.5, 0.9, 0.999, 1e-8]), st.floats(0, 1), st.floats())
+        if isinstance(t, I.StrType):
+            hi = t.max_length if t.max_length is not None else 64
+            if t.pattern is not None:
+                made = st.from_regex(t.pattern, fullmatch=True).filter(lambda s: len(s) <= hi)
+                return st.one_of(st.sampled_from(self.names), st.sampled_from(self.names), made) if t.min_length else made
+            return st.text(min_size=t.min_length or 0, max_size=min(hi, 24))
+        if isinstance(t, I.BytesType):
+            if t.min_length == t.max_length == 16:  # a session
+                return st.one_of(st.builds(SessionRef, st.integers(0, 15)), st.binary(min_size=16, max_size=16))
+            if name == "nonce":  # from a challenge: fresh (mostly), spent or made up
+                fixed = st.binary(min_size=t.min_length or 0, max_size=min(t.max_length or 32, 32))
+                return st.one_of(st.just(NonceRef("fresh")), st.just(NonceRef("fresh")), st.just(NonceRef("spent")), fixed)
+            return st.binary(min_size=t.min_length or 0, max_size=min(t.max_length or 32, 32))
+        if isinstance(t, I.BoolType):
+            return st.booleans()
+        if isinstance(t, I.LiteralType):
+            return st.sampled_from(t.values)
+        if isinstance(t, I.NoneType):
+            return st.none()
+        if isinstance(t, I.UnionType):
+            return st.one_of(*(self.valid(u, name) for u in t.types))
+        if isinstance(t, I.TupleType):
+            return st.tuples(*(self.valid(u) for u in t.item_types)).map(list)
+        if isinstance(t, (I.ListType, I.VarTupleType, I.SetType, I.FrozenSetType)):
+            hi = min(t.max_length if t.max_length is not None else 4, 4)
+            return st.lists(self.valid(t.item_type), min_size=min(t.min_length or 0, hi), max_size=hi)
+        if isinstance(t, I.DictType):
+            return st.dictionaries(self.valid(t.key_type), self.valid(t.value_type), max_size=3)
+        if isinstance(t, I.StructType):
+            generic = self.struct(t)
+            if t.cls is m.StageSpec:
+                return st.one_of(generic, layout_specs())
+            return generic
+        return ANY  # a type this file does not know yet: any msgpack value
+
+    def struct(self, t: Any) -> st.SearchStrategy[Any]:
+        required = {f.encode_name: self.valid(f.type, f.name) for f in t.fields if f.required}
+        optional = {f.encode_name: self.valid(f.type, f.name) for f in t.fields if not f.required}
+        if t.array_like:  # fields in order; the optional tail may be left off
+            items = [self.valid(f.type, f.name) for f in t.fields]
+            n_req = sum(f.required for f in t.fields)
+            return st.integers(n_req, len(items)).flatmap(lambda n: st.tuples(*items[:n]).map(list))
+        fixed: dict[str, Any] = dict(required)
+        if t.tag_field is not None:
+            fixed[t.tag_field] = st.just(t.tag)
+        return st.fixed_dictionaries(fixed, optional=optional)
+
+
+def layout_specs() -> st.SearchStrategy[dict[str, Any]]:
+    """Stage specs that pass validation (small, so that their weights can be sent)."""
+    shapes = st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple)
+    params = st.lists(shapes, min_size=1, max_size=4)
+    return st.tuples(st.text("abcxyz._", min_size=1, max_size=10), params).map(
+        lambda np: msgspec.to_builtins(build_stage_spec(np[0], [(f"p{i}", s) for i, s in enumerate(np[1])]))
+    )
+
+
+def find_int(obj: Any, key: str) -> int | None:
+    """The first integer at ``key`` anywhere in a header (the size its data frames should have)."""
+    if isinstance(obj, dict):
+        v = obj.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            return v
+        for x in obj.values():
+            found = find_int(x, key)
+            if found is not None:
+                return found
+    elif isinstance(obj, list):
+        for x in obj:
+            found = find_int(x, key)
+            if found is not None:
+                return found
+    return None
+
+
+def paths(obj: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[tuple[Any, ...], Any]]:
+    """Every (path, value) in a header tree."""
+    out = [(prefix, obj)] if prefix else []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out += paths(v, (*prefix, k))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            out += paths(v, (*prefix, i))
+    return out
+
+
+def replaced(obj: Any, path: tuple[Any, ...], value: Any) -> Any:
+    if not path:
+        return value
+    head, rest = path[0], path[1:]
+    if isinstance(obj, dict):
+        return {**obj, head: replaced(obj[head], rest, value) if rest else value}
+    out = list(obj)
+    out[head] = replaced(out[head], rest, value)
+    return out
+
+
+# ---- cases ------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    kind: str
+    op: str | None
+    header: Any = None  # a map (dict) or, for not_map, any value; None: ``raw`` is the frame
+    extra: list[tuple[Any, Any]] = field(default_factory=list)  # more map entries (repeats, Raw values)
+    raw: bytes | None = None
+    frames: list[bytes] = field(default_factory=list)
+    cut: int | None = None  # truncated: keep this many bytes (modulo the length)
+    trailing: bytes = b""  # truncated: bytes after the map
+    depth: int = 0  # not_map: nesting depth of a value (the decoders' recursion limits differ)
+    sign: str = "sign"  # one of SIGN_MODES
+    replay_k: int = 0  # replay: which stored request
+    fresh: set[bytes] = field(default_factory=set)  # nonces fetched for this case (set at send time)
+
+    def describe(self, wire: bytes | None = None) -> str:
+        def short(x: Any) -> str:
+            s = repr(x)
+            return s if len(s) <= 600 else f"{s[:300]} ...({len(s)} chars)... {s[-200:]}"
+
+        sizes = [len(f) for f in self.frames]
+        fr = f"{len(sizes)} data frames of {sizes[:8]}{'...' if len(sizes) > 8 else ''} bytes"
+        hdr = short(wire if wire is not None else self.raw)
+        extra = [(k, f"<raw {len(v.data)} bytes: {v.data[:12]!r}...>" if isinstance(v, Raw) else v) for k, v in self.extra]
+        return (
+            f"kind={self.kind} op={self.op} sign={self.sign} header={short(self.header)} extra={short(extra)}"
+            f"\n  wire={hdr}\n  {fr}"
+        )
+
+
+class _HasRaw(Exception):
+    pass
+
+
+def pack(obj: Any) -> bytes:
+    """msgpack of ``obj``; :class:`Raw` values are spliced in as they are."""
+
+    def default(x: Any) -> Any:
+        raise _HasRaw if isinstance(x, Raw) else TypeError(f"cannot pack {x!r}")
+
+    try:
+        return msgpack.packb(obj, default=default)
+    except _HasRaw:
+        pass
+    if isinstance(obj, Raw):
+        return obj.data
+    if isinstance(obj, dict):
+        return pack_map(list(obj.items()))
+    if isinstance(obj, (list, tuple)):
+        n = len(obj)
+        head = bytes([0x90 | n]) if n < 16 else (b"\xdc" + n.to_bytes(2, "big") if n < 2**16 else b"\xdd" + n.to_bytes(4, "big"))
+        return head + b"".join(pack(x) for x in obj)
+    raise TypeError(f"cannot pack {obj!r}")
+
+
+def pack_map(pairs: list[tuple[Any, Any]]) -> bytes:
+    n = len(pairs)
+    head = bytes([0x80 | n]) if n < 16 else (b"\xde" + n.to_bytes(2, "big") if n < 2**16 else b"\xdf" + n.to_bytes(4, "big"))
+    return head + b"".join(pack(k) + pack(v) for k, v in pairs)
+
+
+def sized_frames(nbytes: int, cuts: list[int], fill: int) -> list[bytes]:
+    """``nbytes`` split at ``cuts`` (any positions, not only multiples of 4)."""
+    points = sorted({0, nbytes, *(c % (nbytes + 1) for c in cuts)})
+    byte = bytes([fill])
+    return [byte * (b - a) for a, b in zip(points, points[1:], strict=False)] or [b""]
+
+
+def try_decode(wire: bytes) -> m.Message | None:
+    try:
+        return decode_request(wire)
+    except (WstreamError, RecursionError):
+        return None
+
+
+# ---- the jobs the fuzzer aims at ----------------------------------------------------------------------
+@dataclass(eq=False)
+class Target:
+    """A job of the fuzzer's own, sealed, with one idle worker (a Trainer) so that its step moves
+    only when a fuzzed push is accepted."""
+
+    name: str
+    token: str
+    build: Any
+    shm: bool
+    job: ClientJob | None = None
+    trainer: Trainer | None = None
+    plain: bytes = b""
+    worker: bytes = b""
+    gen: int = 0
+    numels: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class FuzzJob:
+    """A job created by a fuzzed ``create_job`` and not sealed yet: ``add_stage`` aims at it."""
+
+    name: str
+    token: str
+    session: bytes
+    stages: int = 0
+    last_activity: float = field(default_factory=time.monotonic)  # creation or its last stage
+
+
+@dataclass
+class Waiting:
+    target: str
+    gen: int
+    stage: int
+    step: int
+    case: str
+    session: bytes = b""  # the worker's
+    before: int = 0  # fetches of that worker already waiting when it was sent
+
+
+class Fuzzer:
+    def __init__(self, server: ServerProcess, train_specs: list[m.StageSpec]) -> None:
+        self.server = server
+        self.client = Client(server.address, timeout=30)
+        self.ctx = zmq.Context()
+        self.sock = self._socket()  # fuzzed requests
+        self.ctl = self._socket()  # the fuzzer's own bookkeeping requests
+        self.ctl_id = 0
+        self.signers: dict[bytes, SessionSigner] = {}  # every session the fuzzer has a key of
+        self.extras: list[tuple[Target | FuzzJob, bytes]] = []  # sessions of fuzzed attaches
+        self.dead: collections.deque[bytes] = collections.deque(maxlen=6)
+        self.targets = {
+            "fz-shm": Target("fz-shm", "tok-a", lambda: [nn.Linear(8, 8), nn.Linear(8, 3)], shm=True),
+            "fz-frames": Target("fz-frames", "tok-c", lambda: [nn.Linear(4, 4), nn.Linear(4, 6), nn.Linear(6, 2)], shm=False),
+        }
+        for t in self.targets.values():
+            self._create(t)
+        self.fuzz_job: FuzzJob | None = None
+        self.waiting: dict[int, Waiting] = {}
+        self.dropped_answers: list[Waiting] = []  # waiting fetches answered unknown_job: their job must be gone
+        self.spent: collections.deque[bytes] = collections.deque(maxlen=8)  # nonces used up
+        self.replayable: collections.OrderedDict[bytes, tuple[bytes, list[bytes], str | None]] = collections.OrderedDict()
+        self.next_reserved = RESERVED_IDS
+        self.train_specs = train_specs
+        self.count = 0
+        self.kinds: collections.Counter[str] = collections.Counter()
+        self.ops: collections.Counter[str] = collections.Counter()
+        self.outcomes: collections.Counter[str] = collections.Counter()
+        self.auth: collections.Counter[str] = collections.Counter()
+        self.deferred_answered = 0
+        self.seconds: collections.Counter[str] = collections.Counter()
+        self.slowest: list[tuple[float, str, str]] = []
+        own = {n for t in self.targets.values() for n in t.numels}
+        other = self.train_numels = {s.numel for s in train_specs}
+        assert not own & other, "the fuzz targets' stage sizes must differ from the trained job's"
+        ctx_ints = own | other | {len(train_specs), len(train_specs) - 1, 3, 2, 1}
+        self.values = Values(ctx_ints, [*self.targets, "train", "ghost"])
+        self.header_of = {op: self.values.struct(msgspec.inspect.type_info(cls)) for op, cls in REQUESTS.items()}
+
+    def _socket(self) -> zmq.Socket[bytes]:
+        s = self.ctx.socket(zmq.DEALER)
+        s.linger = 0
+        s.connect(self.server.address)
+        return s
+
+    def close(self) -> None:
+        for t in self.targets.values():
+            if t.trainer is not None:
+                t.trainer.close()
+        self.client.close()
+        self.sock.close()
+        self.ctl.close()
+        self.ctx.term()
+
+    # ---- bookkeeping requests (the fuzzer's own, on the control socket) -------------------------
+    def request(self, msg: m.Message, frames: list[bytes] | None = None) -> tuple[m.Message, list[bytes]]:
+        """Send one of the fuzzer's own requests (signed, where it has a session) and wait for its reply."""
+        self.ctl_id += 1
+        frames = frames or []
+        msg = msgspec.structs.replace(msg, id=self.ctl_id)
+        if "nframes" in msg.__struct_fields__:
+            msg = msgspec.structs.replace(msg, nframes=len(frames))  # type: ignore[call-arg]
+        if isinstance(msg, m.SessionMessage):
+            msg = self.signers[msg.session].sign(msg)
+        self.ctl.send_multipart([encode(msg), *frames])
+        deadline = time.monotonic() + DEADLINE_S
+        while True:
+            left = deadline - time.monotonic()
+            assert left > 0 and self.ctl.poll(int(left * 1000)), f"no reply to the fuzzer's own {msg!r}"
+            reply = self.ctl.recv_multipart()
+            decoded = decode_reply(reply[0])
+            if decoded.id == self.ctl_id:
+                return decoded, reply[1:]
+
+    def hello(self) -> bytes:
+        reply, _ = self.request(m.Hello())
+        assert isinstance(reply, m.Challenge), reply
+        return reply.nonce
+
+    def version(self, t: Target, stage: int) -> int:
+        reply, _ = self.request(m.Pull(session=t.plain, stage=stage))
+        assert isinstance(reply, m.Master), reply
+        return reply.version
+
+    def _attach(self, name: str, token: str) -> bytes:
+        """A new session of job ``name`` through the client API; the fuzzer keeps its signer."""
+        job = self.client.attach_job(name, token=token)
+        self.signers[job.session] = job._signer  # as the client keeps it: one seq counter per session
+        return job.session
+
+    def _create(self, t: Target) -> None:
+        t.job = self.client.create_job(t.name, t.build(), optimizer=AdamW(lr=1e-2), token=t.token)
+        t.numels = [s.numel for s in t.job.specs]
+        t.plain = t.job.session
+        self.signers[t.plain] = t.job._signer
+        self._new_trainer(t)
+        t.gen += 1
+
+    def _new_trainer(self, t: Target) -> None:
+        assert t.job is not None
+        if t.trainer is not None:  # its session is gone: closing it would warn that leave failed
+            quiet = logging.getLogger("wstream.client.trainer")
+            level = quiet.level
+            quiet.setLevel(logging.ERROR)
+            try:
+                t.trainer.close()
+            finally:
+                quiet.setLevel(level)
+        t.trainer = t.job.trainer(shm=t.shm, prefetch=0)
+        t.worker = t.trainer.session
+        self.signers[t.worker] = t.trainer._sc.signer  # shared with its heartbeat thread
+
+    def _kill(self, *sessions: bytes) -> None:
+        """These sessions ended (left, dropped, expired): later requests naming them get session_expired."""
+        for s in sessions:
+            self.dead.append(s)
+            self.replayable.pop(s, None)
+        keep = {s for _, s in self.sessions(live=False)}
+        for s in [s for s in self.signers if s not in keep]:
+            del self.signers[s]
+
+    def _kill_job(self, job: Target | FuzzJob) -> None:
+        """Every session of ``job`` ended (the job was dropped)."""
+        mine = [s for j, s in self.extras if j is job]
+        self.extras = [(j, s) for j, s in self.extras if j is not job]
+        if isinstance(job, FuzzJob):
+            if self.fuzz_job is job:
+                self.fuzz_job = None
+            self._kill(job.session, *mine)
+        else:
+            self._kill(job.plain, job.worker, *mine)
+
+    def _leave_extra(self, session: bytes) -> None:
+        reply, _ = self.request(m.Leave(session=session))
+        assert isinstance(reply, m.Ok), reply
+        self.extras = [(j, s) for j, s in self.extras if s != session]
+        self._kill(session)
+
+    def _drop_fuzz_job(self) -> None:
+        job = self.fuzz_job
+        if job is None:
+            return
+        reply, _ = self.request(m.DropJob(session=job.session))
+        if not self.creation_expired(job, reply):
+            assert isinstance(reply, m.Ok), reply
+        self._kill_job(job)
+
+    def creation_timed_out(self, job: FuzzJob) -> bool:
+        """Whether the server may have dropped unsealed ``job`` for getting no stage for too long."""
+        return CREATION_TIMEOUT_S is not None and time.monotonic() - job.last_activity > CREATION_TIMEOUT_S - 5
+
+    def creation_expired(self, job: Any, reply: Any) -> bool:
+        """``reply`` (to a request of a session of ``job``) says the session is gone, and that is
+        explained by the server's creation timeout: forget the job."""
+        code = reply.code if isinstance(reply, m.Error) else reply.get("code") if isinstance(reply, dict) else None
+        if not isinstance(job, FuzzJob) or code != SESSION_EXPIRED or not self.creation_timed_out(job):
+            return False
+        assert job.name not in {j.name for j in self.client.status().jobs}, f"{job.name}: session expired, job kept"
+        self.outcomes["creation timed out"] += 1
+        self._kill_job(job)
+        return True
+
+    def check_creation_timeout(self) -> None:
+        """An unsealed job idle well beyond the creation timeout must be gone."""
+        job = self.fuzz_job
+        if job is None or CREATION_TIMEOUT_S is None:
+            return
+        if time.monotonic() - job.last_activity > CREATION_TIMEOUT_S + 5:
+            names = {j.name for j in self.client.status().jobs}
+            assert job.name not in names, f"unsealed job {job.name} idle for {CREATION_TIMEOUT_S + 5:g} s still exists"
+            self.outcomes["creation timed out"] += 1
+            self._kill_job(job)
+
+    def sessions(self, live: bool) -> list[tuple[str, bytes]]:
+        out = []
+        for t in self.targets.values():
+            out += [(f"{t.name}.plain", t.plain), (f"{t.name}.worker", t.worker)]
+        if self.fuzz_job is not None:
+            out.append(("fuzz_job", self.fuzz_job.session))
+        out += [(f"extra.{j.name}", s) for j, s in self.extras]
+        if live:
+            return out
+        out += [("dead", s) for s in self.dead]
+        return out
+
+    def live(self) -> set[bytes]:
+        return {s for _, s in self.sessions(live=True)}
+
+    def owner(self, session: bytes) -> tuple[Target | FuzzJob | None, str]:
+        for t in self.targets.values():
+            if session == t.plain:
+                return t, "plain"
+            if session == t.worker:
+                return t, "worker"
+        if self.fuzz_job is not None and session == self.fuzz_job.session:
+            return self.fuzz_job, "plain"
+        for j, s in self.extras:
+            if s == session:
+                return j, "extra"
+        return None, ""
+
+    def job_named(self, name: str) -> Target | FuzzJob | None:
+        if name in self.targets:
+            return self.targets[name]
+        if self.fuzz_job is not None and self.fuzz_job.name == name:
+            return self.fuzz_job
+        return None
+
+    def waiting_of(self, session: bytes) -> int:
+        return sum(1 for w in self.waiting.values() if w.session == session)
+    # ---- drawing a case -------------------------------------------------------------------------------
+    KINDS = [
+        "valid", "valid", "wrong_type", "missing_extra", "extreme", "big", "raw", "truncated",
+        "not_map", "frames", "frames", "cross_job", "stateful", "stateful", "stateful", "stateful", "replay",
+    ]  # fmt: skip
+
+    def draw(self, data: st.DataObject) -> Case:
+        kind = data.draw(st.sampled_from(self.KINDS), label="kind")
+        op = data.draw(st.sampled_from(OPS), label="op")
+        sign = data.draw(st.sampled_from(SIGN_MODES), label="sign")
+        if kind == "raw":
+            return Case(kind, None, raw=data.draw(st.binary(max_size=300)))
+        if kind == "replay":
+            return Case(kind, None, replay_k=data.draw(st.integers(0, 7)))
+        if kind == "stateful":
+            case = self.draw_stateful(data, op)
+            case.sign = data.draw(st.sampled_from(["sign", sign]), label="stateful sign")  # (mostly signed)
+            return case
+        header = data.draw(self.header_of[op], label="header")
+        header = {TAG_FIELD: op, **header}
+        fields = {f.encode_name: f for f in FIELDS[op]}
+        if data.draw(st.integers(0, 5), label="nframes") and "nframes" in fields:
+            header["nframes"] = NFRAMES  # the count sent, mostly (else as drawn: rarely right)
+        case = Case(kind, op, header, sign=sign)
+        if kind == "wrong_type":
+            for key in data.draw(st.lists(st.sampled_from([TAG_FIELD, *fields]), min_size=1, max_size=2, unique=True)):
+                case.header[key] = data.draw(WRONG)
+        elif kind == "missing_extra":
+            keys = list(case.header)
+            for key in data.draw(st.lists(st.sampled_from(keys), max_size=len(keys), unique=True)):
+                del case.header[key]
+            names = st.one_of(st.sampled_from([*ALL_FIELD_NAMES, "frames", "kind", "session", "op"]), st.text(max_size=10))
+            case.extra = data.draw(st.lists(st.tuples(names, ANY), max_size=3))
+        elif kind == "extreme":
+            ints = [p for p, v in paths(case.header) if isinstance(v, int) and not isinstance(v, bool)]
+            if ints:
+                for p in data.draw(st.lists(st.sampled_from(ints), min_size=1, max_size=4, unique=True)):
+                    case.header = replaced(case.header, p, data.draw(st.sampled_from(EXTREME_INTS)))
+            else:
+                case.header["id"] = data.draw(st.sampled_from(EXTREME_INTS))
+        elif kind == "big":
+            self.make_big(data, case)
+        elif kind == "not_map":
+            self.make_not_map(data, case)
+        elif kind == "truncated":
+            if data.draw(st.integers(0, 2)):
+                case.cut = data.draw(st.integers(0, 2**16))
+            else:
+                case.trailing = data.draw(st.binary(min_size=1, max_size=8))
+        elif kind == "cross_job":
+            self.make_cross_job(data, case)
+        if kind == "frames":
+            case.frames = self.fuzz_frames(data, case)
+        elif kind != "cross_job":
+            case.frames = self.default_frames(case)
+        return case
+
+    def default_frames(self, case: Case) -> list[bytes]:
+        if case.op is None or REQUESTS[case.op].frames[0] == 0:
+            return []
+        numel = find_int(case.header, "numel")
+        nbytes = numel * 4 if numel is not None and 0 <= numel <= 2**20 else 16
+        return sized_frames(nbytes, [], 0)
+
+    def fuzz_frames(self, data: st.DataObject, case: Case) -> list[bytes]:
+        lo, hi = REQUESTS[case.op].frames if case.op else (0, 0)
+        how = data.draw(st.sampled_from(["sized", "sized", "sized", "count", "count", "count", "oversized", "many"]))
+        fill = data.draw(st.sampled_from([0, 0xFF, 0x7F]))
+        if how == "sized":  # the right total (or off by a little), cut anywhere
+            numel = find_int(case.header, "numel")
+            numel = numel if numel is not None and 0 <= numel <= 2**20 else data.draw(st.integers(0, 4096))
+            nbytes = max(0, numel * 4 + data.draw(st.sampled_from([0, 0, 0, 1, -1, 4, -4])))
+            return sized_frames(nbytes, data.draw(st.lists(st.integers(0, nbytes), max_size=4)), fill)
+        if how == "count":
+            n = data.draw(st.sampled_from(sorted({0, 1, 2, 3, max(lo - 1, 0), lo, lo + 1, min(hi, 70), min(hi + 1, 70)})))
+            return [bytes([fill]) * data.draw(st.sampled_from([0, 1, 3, 4, 64, 4096])) for _ in range(n)]
+        if how == "oversized":
+            size = data.draw(st.sampled_from([CHUNK_BYTES, CHUNK_BYTES + 1, 3 * 2**20 + 5, 2 * CHUNK_BYTES + 3]))
+            return [bytes([fill]) * size]
+        return [b""] * data.draw(st.sampled_from([hi, hi + 1, 1000]))  # many (empty) frames
+
+    def make_big(self, data: st.DataObject, case: Case) -> None:
+        spec = case.header.get("spec") if isinstance(case.header, dict) else None
+        how = data.draw(st.sampled_from(["string", "string", "bytes", "list", "shapes", "params"] if spec else ["string", "bytes", "list"]))
+        big = data.draw(st.sampled_from([129, 513, 4097, 10**5, 10**6, 2**22]))
+        tree = paths(case.header)
+        if how == "shapes" and spec:
+            shapes = data.draw(
+                st.lists(st.lists(st.sampled_from([0, 1, 2**20, 2**40, 2**40 + 1, U64_MAX]), min_size=0, max_size=12), min_size=1, max_size=8)
+            )
+            spec["params"] = [[f"p{i}", s, data.draw(st.sampled_from([0, 16, 2**40, 2**40 - 1]))] for i, s in enumerate(shapes)]
+            spec["numel"] = data.draw(st.sampled_from([1, 2**20, 2**40, 2**40 + 1]))
+        elif how == "params" and spec:
+            n = data.draw(st.sampled_from([m.MAX_PARAMS_PER_STAGE, m.MAX_PARAMS_PER_STAGE + 1, 20_000]))
+            spec["params"] = [[f"p{i}", [1], 16 * i] for i in range(n)]
+            spec["numel"] = 16 * n
+        elif how == "string":
+            strs = [p for p, v in tree if isinstance(v, str)]
+            key = data.draw(st.sampled_from(strs)) if strs else (data.draw(st.sampled_from(ALL_FIELD_NAMES)),)
+            case.header = replaced(case.header, key, "é" * (big // 2) if data.draw(st.booleans()) else "n" * big)
+        elif how == "bytes":
+            key = data.draw(st.sampled_from([p for p, v in tree if isinstance(v, (bytes, SessionRef))] or [("session",)]))
+            case.header = replaced(case.header, key, b"\x01" * big)
+        else:
+            lists = [p for p, v in tree if isinstance(v, list)]
+            key = data.draw(st.sampled_from(lists)) if lists else ("x",)
+            case.header = replaced(case.header, key, [0] * min(big, 10**5))
+
+    def make_not_map(self, data: st.DataObject, case: Case) -> None:
+        how = data.draw(st.sampled_from(["value", "keys", "deep", "deep", "op"]))
+        if how == "value":  # a list, a number, a string... as the whole header
+            case.header = data.draw(st.one_of(ANY, st.lists(ANY, max_size=4), st.just(list(case.header.values()))))
+        elif how == "keys":  # keys that are not strings
+            keys = st.one_of(st.integers(I64_MIN, U64_MAX), st.binary(max_size=4), st.none(), st.booleans(), st.floats())
+            case.extra = data.draw(st.lists(st.tuples(keys, ANY), min_size=1, max_size=2))
+        elif how == "deep":  # nested deeper than any decoder recursion limit, in any field
+            depth = data.draw(st.sampled_from([10, 500, 900, 990, 1000, 1100, 3000, 100_000]))
+            key = data.draw(st.sampled_from([*case.header, "x"]))
+            case.header.pop(key, None)
+            case.extra = [(key, deep(depth, data.draw(st.integers(0, 2))))]
+            case.depth = depth
+        else:  # op names that are no request: replies, case changes, empty, long
+            case.header[TAG_FIELD] = data.draw(
+                st.one_of(st.sampled_from(sorted(REPLY_OPS)), st.sampled_from([o.upper() for o in OPS]), st.text(max_size=12), st.just("x" * 5000))
+            )
+
+    def make_cross_job(self, data: st.DataObject, case: Case) -> None:
+        """A real session of a fuzz target naming job B's stages, steps and sizes."""
+        b = self.train_specs
+        others = {s.numel for s in b}
+        ints = {
+            "stage": st.integers(1, len(b) - 1),
+            "index": st.integers(0, len(b)),
+            "step": st.integers(0, TRAIN_STEPS + 1),
+            "numel": st.sampled_from(sorted(others)),
+            "slot": st.integers(0, 3),
+        }
+        for key in case.header:
+            if key in ints:
+                case.header[key] = data.draw(ints[key])
+            elif key == "session":
+                case.header[key] = SessionRef(data.draw(st.integers(0, 15)), live=True)
+        if "name" in case.header:
+            case.header["name"] = "train"
+        case.header["v"] = PROTOCOL_VERSION  # (else left out half the time: version_mismatch)
+        numel = data.draw(st.sampled_from(sorted(others)))
+        cuts = data.draw(st.lists(st.integers(0, numel * 4), max_size=2))
+        case.frames = sized_frames(numel * 4, cuts, 0) if data.draw(st.integers(0, 3)) else []
+
+    def draw_stateful(self, data: st.DataObject, op: str) -> Case:
+        """A request that is right for the live state, but for one or two details.
+
+        Every draw is made whatever the state (hypothesis replays choice sequences and needs them
+        to be the same for the same earlier choices); the state only interprets them."""
+        header = {TAG_FIELD: op, **data.draw(self.header_of[op], label="header")}
+        d = data.draw(
+            st.fixed_dictionaries(
+                {
+                    "target": st.integers(0, 2),
+                    "session": st.sampled_from(["worker"] * 6 + ["plain", "extra"]),
+                    "stage": st.integers(0, 8),
+                    "index": st.sampled_from([0, 0, 0, 1, -1]),
+                    "step": st.sampled_from([0, 0, 1, 1, -1, 2]),
+                    "slot": st.sampled_from([0, 0, 1, 2]),
+                    "numel": st.integers(1, 64),
+                    "ghost": st.sampled_from([False, False, False, False, True]),  # name no job
+                    "new_name": st.sampled_from(["new", "new", "new", "taken"]),
+                    "spec": layout_specs(),
+                    "optimizer": st.sampled_from([{"kind": "adamw", "lr": 0.01}, {"kind": "sgd", "momentum": 0.9}]),
+                    "wrong_token": st.sampled_from([False, False, False, False, True]),  # attach proof of another token
+                    "job": st.sampled_from(["none", "own", "none", "own", "train", "other"]),
+                    "keep": st.sampled_from([-1] * 6 + list(range(16))),  # >= 0: a detail left as drawn
+                    "no_frames": st.integers(0, 7),
+                    "cuts": st.lists(st.integers(0, 2**22), max_size=3),
+                }
+            ),
+            label="state",
+        )
+        names = sorted(self.targets) + (["fuzz_job"] if self.fuzz_job is not None else [])
+        which = names[d["target"] % len(names)]
+        if op in ("add_stage", "seal") and self.fuzz_job is not None and d["target"] != 1:
+            which = "fuzz_job"  # (the only job still being created)
+        job: Target | FuzzJob
+        if which == "fuzz_job":
+            assert self.fuzz_job is not None
+            job = self.fuzz_job
+            session, stage_count, numels, shm = job.session, job.stages, [], True
+        else:
+            job = t = self.targets[which]
+            joins = op == "join" and d["slot"] != 2  # (mostly a session that has not joined)
+            session = t.worker if d["session"] == "worker" and not joins else t.plain
+            stage_count, numels, shm = len(t.numels), t.numels, t.shm
+        extras = [s for j, s in self.extras if j is job]
+        if d["session"] == "extra" and extras:
+            session = extras[d["stage"] % len(extras)]
+        stage = d["stage"] % (stage_count + 1)  # stage_count: no such stage
+        fields = {f.encode_name for f in FIELDS[op]}
+        version = 0
+        if isinstance(job, Target) and stage < stage_count and "step" in fields:
+            version = self.version(job, stage)
+        others = [n for n in self.targets if n != job.name]
+        new_name = f"fz-new-{self.count}" if d["new_name"] == "new" else job.name
+        want: dict[str, Any] = {
+            "session": session,
+            "stage": stage,
+            "index": max(0, stage_count + d["index"]),
+            "step": max(0, version + d["step"]),
+            "slot": d["slot"],
+            "numel": numels[stage] if stage < len(numels) else d["numel"],
+            "dtype": "float32",
+            "v": PROTOCOL_VERSION,
+            "name": new_name if op == "create_job" else ("ghost" if d["ghost"] else job.name),
+            "spec": d["spec"],
+            "optimizer": d["optimizer"],
+            "nonce": NonceRef("fresh"),
+            "proof": ProofRef("not-" + job.token if d["wrong_token"] else job.token, admin=op == "admin_attach"),
+            "job": {"none": None, "own": job.name, "train": "train", "other": others[0]}[d["job"]],
+            "nframes": NFRAMES,
+        }
+        for i, (key, value) in enumerate(want.items()):
+            if key in fields and d["keep"] != i:
+                header[key] = value
+        case = Case("stateful", op, header)
+        nbytes = (find_int(header, "numel") or 0) * 4
+        if REQUESTS[op].frames[1] == 0 or (op == "push" and shm and d["no_frames"]):
+            case.frames = []
+        elif 0 <= nbytes <= 2**22:
+            case.frames = sized_frames(nbytes, d["cuts"], 0)
+        else:
+            case.frames = [b"\x00" * 16]
+        return case
+
+    # ---- running a case -------------------------------------------------------------------------------
+    def session_of(self, ref: SessionRef) -> bytes:
+        pool = self.sessions(ref.live)
+        return pool[ref.k % len(pool)][1]
+
+    def nonce_for(self, ref: NonceRef, case: Case) -> bytes:
+        if ref.kind == "fresh" or not self.spent:
+            nonce = self.hello()
+            case.fresh.add(nonce)
+            return nonce
+        return self.spent[-1]
+
+    def resolve(self, obj: Any, case: Case, top: bool = False) -> Any:
+        """``obj`` with the placeholders resolved against the state now (a copy)."""
+        if isinstance(obj, SessionRef):
+            return self.session_of(obj)
+        if isinstance(obj, NonceRef):
+            return self.nonce_for(obj, case)
+        if obj is NFRAMES:
+            return len(case.frames)
+        if isinstance(obj, ProofRef):
+            return obj if top else b"\x00" * 32  # (a proof is made over its own header's fields)
+        if isinstance(obj, dict):
+            out = {k: self.resolve(v, case) if not isinstance(v, ProofRef) else v for k, v in obj.items()}
+            if top:
+                for k, v in out.items():
+                    if isinstance(v, ProofRef):
+                        out[k] = self.proof(v, out)
+            else:
+                out = {k: b"\x00" * 32 if isinstance(v, ProofRef) else v for k, v in out.items()}
+            return out
+        if isinstance(obj, list):
+            return [self.resolve(v, case) for v in obj]
+        return obj
+
+    @staticmethod
+    def proof(ref: ProofRef, header: dict[Any, Any]) -> bytes:
+        name, nonce, mine = header.get("name"), header.get("nonce"), header.get("client_nonce")
+        if not (isinstance(nonce, bytes) and isinstance(mine, bytes)):
+            return b"\x00" * 32
+        if ref.admin:
+            return admin_proof(secret_key(ref.token), nonce, mine)
+        if isinstance(name, str):
+            return attach_proof(secret_key(ref.token), name, nonce, mine)
+        return b"\x00" * 32
+
+    def sign(self, mode: str, header: dict[Any, Any], msg: m.SessionMessage) -> m.Message | None:
+        """Put ``seq`` and ``mac`` into ``header`` as ``mode`` says; the signed record where they are
+        right (the server must then judge the request in its handler), else None."""
+        signer = self.signers.get(msg.session)
+        if mode == "drawn" or signer is None:
+            return None  # as drawn (a random session cannot be signed: it has no key)
+        if mode == "unsigned":
+            header["mac"] = b""
+            return None
+        if mode == "other":
+            others = [self.signers[s] for s in self.live() if s != msg.session and s in self.signers]
+            if others:
+                other = others[len(header) % len(others)]
+                forged = other.sign(msgspec.structs.replace(msg, session=other.session))
+                header["seq"], header["mac"] = forged.seq, forged.mac  # type: ignore[attr-defined]
+                return None
+            mode = "altered"
+        signed = signer.sign(msg)
+        assert isinstance(signed, m.SessionMessage)
+        header["seq"], header["mac"] = signed.seq, signed.mac
+        if mode == "altered":  # changed after signing: the id (covered by the mac) or the mac itself
+            if isinstance(header.get("id"), int) and not isinstance(header["id"], bool) and signed.mac[0] % 2:
+                header["id"] ^= 1
+            else:
+                header["mac"] = bytes([signed.mac[0] ^ 1]) + signed.mac[1:]
+            return None
+        return signed
+
+    def may_wait(self, msg: m.Message) -> Waiting | None:
+        """The deferral the specification allows: a joined worker fetching the next step."""
+        if not isinstance(msg, m.Fetch):
+            return None
+        owner, role = self.owner(msg.session)
+        if not isinstance(owner, Target) or role != "worker" or msg.stage >= len(owner.numels):
+            return None
+        version = self.version(owner, msg.stage)
+        if msg.step != version + 1:
+            return None
+        return Waiting(owner.name, owner.gen, msg.stage, msg.step, "", msg.session, self.waiting_of(msg.session))
+
+    def build(self, case: Case) -> tuple[bytes, m.Message | None, Waiting | None, bool]:
+        """The header frame with the state now: sessions, nonces, proofs, ``nframes``, ids clear of
+        the reserved ones, and the signature; the signed record, the wait it may make, and whether
+        it is a fetch that would wait but for the cap on waiting fetches."""
+        if case.raw is not None:
+            return case.raw, None, None, False
+        header = self.resolve(case.header, case, top=True)
+        extra = [(k, self.resolve(v, case)) for k, v in case.extra]
+        if not isinstance(header, dict):
+            return pack(header), None, None, False
+        rid = header.get("id")
+        if isinstance(rid, int) and not isinstance(rid, bool) and rid >= RESERVED_IDS:
+            header["id"] = rid - RESERVED_IDS // 2
+        wire = pack_map([*header.items(), *extra])
+        signed: m.Message | None = None
+        waiting: Waiting | None = None
+        capped = False
+        if case.cut is not None:
+            return wire[: case.cut % len(wire)], None, None, False
+        if case.trailing:
+            return wire + case.trailing, None, None, False
+        msg = try_decode(wire)
+        if isinstance(msg, m.SessionMessage):
+            if case.sign == "sign" and msg.session in self.live():
+                try:
+                    check_frames(msg, case.frames)
+                    waiting = self.may_wait(msg)
+                except WstreamError:
+                    pass
+                limit = MAX_WAITING_FETCHES
+                if waiting is not None and limit is not None and waiting.before >= limit:
+                    waiting, capped = None, True  # refused at once
+                elif waiting is not None:
+                    header["id"] = self.next_reserved
+                    self.next_reserved += 1
+                    msg = msgspec.structs.replace(msg, id=header["id"])
+            signed = self.sign(case.sign, header, msg)
+            wire = pack_map([*header.items(), *extra])
+        return wire, signed, waiting, capped
+
+    def flood(self, case: Case) -> None:
+        """Fill the case's worker up to the cap on waiting fetches (each will wait): the case itself
+        is then one fetch too many. The fetches are spread over the stages, so that no update
+        answers more than ``MAX_WAITING_FETCHES / stages`` of them at once (see ``advance``)."""
+        ref = case.header["session"]
+        t = self.targets["fz-shm"]
+        assert MAX_WAITING_FETCHES is not None and self.session_of(ref) == t.worker
+        signer = self.signers[t.worker]
+        steps = [self.version(t, stage) + 1 for stage in range(len(t.numels))]
+        case.header["step"] = steps[case.header["stage"]]
+        before = self.waiting_of(t.worker)
+        for n in range(before, MAX_WAITING_FETCHES):
+            rid = self.next_reserved
+            self.next_reserved += 1
+            stage = n % len(steps)
+            msg = signer.sign(m.Fetch(id=rid, session=t.worker, stage=stage, step=steps[stage]))
+            what = f"flood fetch {n} of stage {stage} step {steps[stage]}"
+            self.waiting[rid] = Waiting(t.name, t.gen, stage, steps[stage], what, t.worker, n)
+            self.sock.send_multipart([encode(msg)])
+        self.outcomes["deferred"] += MAX_WAITING_FETCHES - before
+
+    def pick_replay(self, case: Case) -> None:
+        """A replay case: a signed request accepted earlier, byte for byte (or ``status``)."""
+        stored = list(self.replayable.values())
+        if stored:
+            case.raw, case.frames, case.op = stored[case.replay_k % len(stored)]
+        else:
+            case.raw, case.op = pack({"v": PROTOCOL_VERSION, TAG_FIELD: "status", "id": 3}), "status"
+
+    def run(self, case: Case) -> None:
+        if case.kind == "replay":
+            self.pick_replay(case)
+        elif case.kind == "flood":
+            self.flood(case)
+        wire, signed, waiting, capped = self.build(case)
+        expected_code: str | None = None
+        msg: m.Message | None = None
+        try:
+            msg = decode_request(wire)
+            check_frames(msg, case.frames)
+        except WstreamError as exc:
+            expected_code, msg = exc.code.value, None
+        except RecursionError:  # the spec: a header that cannot be decoded is a bad_message
+            expected_code, msg = ErrorCode.BAD_MESSAGE.value, None
+        auth = ""
+        fresh_nonce = False
+        if isinstance(msg, m.SessionMessage):
+            if msg.session not in self.live():
+                auth, expected_code = "expired", SESSION_EXPIRED
+            elif signed is not None and msg == signed:
+                auth = "signed"
+            else:
+                auth, expected_code = "refused", AUTH_FAILED
+            self.auth[auth] += 1
+        elif isinstance(msg, NONCE_OPS):
+            fresh_nonce = msg.nonce in case.fresh
+            self.spent.append(msg.nonce)  # used up, whatever the outcome
+            self.auth["fresh nonce" if fresh_nonce else "stale nonce"] += 1
+            if not fresh_nonce:
+                expected_code = AUTH_FAILED
+        if auth != "signed":
+            waiting, capped = None, False  # (it is refused before its handler)
+        if capped:
+            expected_code = BAD_STATE
+        if waiting is not None:
+            assert msg is not None
+            waiting.case = case.describe(wire)
+            self.waiting[msg.id] = waiting
+        self.count += 1
+        self.kinds[case.kind] += 1
+        self.ops[case.op or "-"] += 1
+        large = len(wire) + sum(len(f) for f in case.frames) > 2**16
+        self.sock.send_multipart([wire, *case.frames], copy=not large)
+        if waiting is not None:
+            self.outcomes["deferred"] += 1
+            return
+        sent = time.perf_counter()
+        got = self.receive(time.monotonic() + DEADLINE_S)
+        latency = time.perf_counter() - sent
+        self.slowest = sorted([*self.slowest, (latency, case.kind, case.op or "-")], reverse=True)[:5]
+        where = Where(self.count, case, wire)
+        assert got is not None, f"no reply within {DEADLINE_S} s to {where}\n{self.server.log()[-3000:]}"
+        reply, frames = got
+        assert isinstance(reply, dict) and isinstance(reply.get("op"), str), f"reply {reply!r} to {where}"
+        op = reply["op"]
+        owner = self.owner(msg.session)[0] if isinstance(msg, m.SessionMessage) else None
+        if op == "error":
+            code = reply.get("code")
+            text = reply.get("message")
+            self.outcomes[f"{case.op}:{code}"] += 1
+            assert code in WIRE_CODES, f"error code {code!r} ({text!r}) for {where}"
+            assert isinstance(text, str) and text, f"no message in {reply!r} for {where}"
+            if auth in ("signed", "refused") and code == SESSION_EXPIRED and self.creation_expired(owner, reply):
+                pass  # its unsealed job went at the creation timeout
+            elif case.depth > 200 and code == ErrorCode.BAD_MESSAGE.value:
+                pass  # nested too deeply for the server (its stack and recursion limit are not ours)
+            elif expected_code is not None:
+                assert code == expected_code, f"expected {expected_code}, got {reply!r} for {where}"
+            else:
+                assert code not in DECODE_CODES, f"a valid request was refused: {reply!r} for {where}"
+            if auth == "signed":
+                assert not (code == AUTH_FAILED and AUTH_LAYER.search(text)), f"signed right, refused: {reply!r} for {where}"
+            if fresh_nonce:
+                assert not (code == AUTH_FAILED and "nonce" in text), f"a fresh nonce refused: {reply!r} for {where}"
+            if capped:
+                assert "limit" in text, f"expected the cap on waiting fetches, got {reply!r} for {where}"
+                self.outcomes["capped"] += 1
+            if isinstance(msg, m.Shutdown) and auth == "signed":  # nobody may stop a server without an admin secret
+                assert code == AUTH_FAILED and "admin" in text, f"{reply!r} for {where}"
+        else:
+            self.outcomes[f"{case.op}:{op}"] += 1
+            assert expected_code is None, f"expected error {expected_code}, got {reply!r} for {where}"
+            assert op in REPLY_OPS, f"unknown reply op in {reply!r} for {where}"
+            try:
+                decode_reply(frames[0])
+            except WstreamError as exc:
+                raise AssertionError(f"reply does not decode ({exc}): {reply!r} for {where}") from None
+            assert not isinstance(msg, (m.Shutdown, m.AdminAttach)), f"without an admin secret: {reply!r} for {where}"
+            if isinstance(msg, (m.DropJob, m.Save)) and msg.job is not None:
+                assert owner is not None and msg.job == owner.name, f"another job's {case.op}: {reply!r} for {where}"
+        if isinstance(msg, m.Shutdown):
+            assert self.server.proc.poll() is None, f"the server stopped after {where}\n{self.server.log()[-3000:]}"
+        if msg is not None:
+            assert reply.get("id") == msg.id, f"reply id {reply.get('id')} for request id {msg.id}: {where}"
+        else:
+            rid = reply.get("id")
+            assert rid == 0 or rid in request_ids(wire), f"reply id {rid!r} to {where}"
+        if auth == "signed" and (op != "error" or reply["code"] not in (SESSION_EXPIRED, AUTH_FAILED)):
+            assert isinstance(msg, m.SessionMessage)
+            if sum(len(f) for f in case.frames) <= 2**20:  # its seq is used now: sent again, it is a replay
+                self.replayable[msg.session] = (wire, list(case.frames), case.op)
+                self.replayable.move_to_end(msg.session)
+                while len(self.replayable) > 8:
+                    self.replayable.popitem(last=False)
+        if op != "error" and msg is not None:
+            if case.kind == "cross_job":  # sized for job B, sent with a session of another job
+                assert getattr(msg, "numel", None) not in self.train_numels, f"accepted: {reply!r} for {where}"
+            self.after_success(msg, reply)
+        if case.kind == "flood":  # the updates answer every waiting fetch: the worker may wait again
+            for stage in range(len(self.targets["fz-shm"].numels)):
+                self.advance(self.targets["fz-shm"], stage)
+        for w in self.dropped_answers:  # answered unknown_job: their job must be gone now
+            assert self.targets[w.target].gen != w.gen, f"a waiting fetch got unknown_job, its job is alive: {w.case}"
+        self.dropped_answers.clear()
+        self.check_creation_timeout()
+
+    def receive(self, deadline: float, until: Any = None) -> tuple[Any, list[bytes]] | None:
+        """The next reply that is not the late answer of a waiting request (those are checked);
+        None at the deadline, or once ``until()`` holds after such an answer."""
+        while True:
+            if until is not None and until():
+                return None
+            left = deadline - time.monotonic()
+            if left <= 0 or not self.sock.poll(max(1, int(left * 1000))):
+                return None
+            frames = self.sock.recv_multipart()
+            reply = msgpack.unpackb(frames[0], strict_map_key=False)
+            rid = reply.get("id") if isinstance(reply, dict) else None
+            if rid in self.waiting:
+                self.settle(rid, reply)
+            else:
+                return reply, frames
+
+    def settle(self, rid: int, reply: dict[str, Any]) -> None:
+        w = self.waiting.pop(rid)
+        if reply.get("op") == "error" and reply.get("code") == UNKNOWN_JOB:
+            self.dropped_answers.append(w)  # checked once the case that dropped the job is done
+            self.outcomes["dropped with their job"] += 1
+            return
+        if MAX_WAITING_FETCHES is None and reply.get("op") == "error" and reply.get("code") == BAD_STATE:
+            self.outcomes["capped"] += 1  # (a server with a cap this file does not know of)
+            return
+        self.deferred_answered += 1
+        ok = reply.get("op") == "weights" and reply.get("stage") == w.stage and reply.get("step") == w.step
+        assert ok, f"a waiting fetch of stage {w.stage} step {w.step} got {reply!r}: {w.case}"
+
+    def after_success(self, msg: m.Message, reply: dict[str, Any]) -> None:
+        """Keep the fuzzer's jobs and sessions in step with what an accepted request changed."""
+        session = getattr(msg, "session", None)
+        owner, role = self.owner(session) if session is not None else (None, "")
+        if isinstance(msg, m.CreateJob):
+            self._drop_fuzz_job()
+            self.fuzz_job = FuzzJob(msg.name, msg.token, reply["session"])
+            self.signers[reply["session"]] = SessionSigner(
+                reply["session"], session_key(secret_key(msg.token), msg.nonce, msg.client_nonce)
+            )
+        elif isinstance(msg, m.Attach):
+            job = self.job_named(msg.name)
+            assert job is not None, f"an attach to {msg.name!r} with a proof the fuzzer did not make succeeded: {reply!r}"
+            sid = reply["session"]
+            self.signers[sid] = SessionSigner(sid, session_key(secret_key(job.token), msg.nonce, msg.client_nonce))
+            self.extras.append((job, sid))
+            if len(self.extras) > MAX_EXTRA_SESSIONS:
+                self._leave_extra(self.extras[0][1])
+        elif isinstance(owner, FuzzJob):
+            if isinstance(msg, m.AddStage):
+                owner.stages += 1
+                owner.last_activity = time.monotonic()
+                if owner.stages > 16:
+                    self._drop_fuzz_job()
+            elif isinstance(msg, (m.Seal, m.Join)):
+                self._drop_fuzz_job()  # a sealed fuzz job is not aimed at (its workers would wait)
+            elif isinstance(msg, m.Leave):
+                if role == "extra":
+                    self.extras = [(j, s) for j, s in self.extras if s != session]
+                    self._kill(session)
+                else:
+                    self._kill(owner.session)
+                    owner.session = self._attach(owner.name, owner.token)
+            elif isinstance(msg, m.DropJob):
+                self._kill_job(owner)
+        elif isinstance(owner, Target):
+            if isinstance(msg, m.DropJob):
+                left = [w.case for w in self.waiting.values() if w.target == owner.name and w.gen == owner.gen]
+                assert not left, f"{len(left)} waiting fetches got no reply before the drop's ok; the first:\n{left[0]}"
+                self._kill_job(owner)
+                self._create(owner)
+            elif isinstance(msg, m.Join):  # a second worker would hold every step back: leave again
+                assert role in ("plain", "extra"), (role, msg)
+                if role == "extra":
+                    self._leave_extra(session)
+                else:
+                    reply2, _ = self.request(m.Leave(session=owner.plain))
+                    assert isinstance(reply2, m.Ok), reply2
+                    self._kill(owner.plain)
+                    owner.plain = self._attach(owner.name, owner.token)
+            elif isinstance(msg, m.Leave):
+                if role == "worker":
+                    self._kill(session)
+                    self._new_trainer(owner)
+                elif role == "extra":
+                    self.extras = [(j, s) for j, s in self.extras if s != session]
+                    self._kill(session)
+                else:
+                    self._kill(session)
+                    owner.plain = self._attach(owner.name, owner.token)
+
+    def advance(self, t: Target, stage: int) -> None:
+        """Make one update of ``stage`` of ``t`` (push a gradient as its worker); every fetch
+        waiting for the new step must then be answered with its weights."""
+        version = self.version(t, stage)
+        numel = t.numels[stage]
+        frames = [] if t.shm else [b"\x00" * (numel * 4)]
+        reply, _ = self.request(m.Push(session=t.worker, stage=stage, step=version, slot=0, numel=numel), frames)
+        assert isinstance(reply, m.Pushed), f"{reply!r} to the push that advances stage {stage} of {t.name}"
+        self.answered(t, stage, version + 1)
+
+    def answered(self, t: Target, stage: int, version: int) -> None:
+        """Wait for the answers to the fetches of ``stage`` of ``t`` that are due at ``version``."""
+
+        def due() -> list[Waiting]:
+            return [x for x in self.waiting.values() if x.target == t.name and x.stage == stage and x.step <= version]
+
+        if due():  # answers that are due may still be on their way
+            got = self.receive(time.monotonic() + DEADLINE_S, until=lambda: not due())
+            assert got is None, f"an unexpected reply {got[0]!r} while deferred fetches were answered"
+            assert not due(), f"stage {stage} of {t.name} is at step {version}; never answered:\n" + "\n".join(
+                x.case for x in due()[:5]
+            )
+
+    def finish_waiting(self) -> None:
+        """Advance every stage that has waiting fetches (push a gradient as its worker): each must
+        then be answered with the weights of its step."""
+        for _ in range(10_000):
+            if not self.waiting:
+                return
+            w = next(iter(self.waiting.values()))
+            t = self.targets[w.target]
+            version = self.version(t, w.stage)
+            if w.step <= version:
+                self.answered(t, w.stage, version)
+            else:
+                self.advance(t, w.stage)
+        raise AssertionError(f"deferred fetches still waiting: {list(self.waiting.values())}")
+
+class Where:
+    """Names a case in an assertion message (built only when one fails)."""
+
+    def __init__(self, n: int, case: Case, wire: bytes) -> None:
+        self.n, self.case, self.wire = n, case, wire
+
+    def __str__(self) -> str:
+        return f"case {self.n}: {self.case.describe(self.wire)}"
+
+
+class _IdOnly(msgspec.Struct):
+    id: Any = None
+
+
+def request_ids(wire: bytes) -> list[Any]:
+    """The ``id`` of a header as two msgpack readers see it (other fields unread), where they can."""
+    ids = []
+    for read in (lambda: msgpack.unpackb(wire, strict_map_key=False)["id"], lambda: msgspec.msgpack.decode(wire, type=_IdOnly).id):
+        try:
+            ids.append(read())
+        except Exception:
+            pass
+    return ids
+
+
+def server_rss(server: ServerProcess) -> int:
+    return psutil.Process(server.proc.pid).memory_info().rss
+
+
+def test_fuzz_every_op_while_a_job_trains(server: ServerProcess) -> None:
+    stages = models.mixed(seed=21)
+    start = copy.deepcopy(stages)
+    train_client = Client(server.address, timeout=30)
+    job = train_client.create_job("train", stages, optimizer=AdamW(lr=1e-3), token="train-token")
+    gate = threading.Semaphore(0)
+    train_errors: list[BaseException] = []
+    want: dict[str, torch.Tensor] = {}
+    step_at: list[int] = []  # the number of fuzz cases sent when each training step began
+
+    def train() -> None:  # one step each time the fuzzer opens the gate
+        try:
+            with job.trainer() as trainer:
+                for s in range(TRAIN_STEPS):
+                    assert gate.acquire(timeout=600), "the fuzzer never let the training go on"
+                    step_at.append(fz.count)
+                    trainer.step(*models.batch("mixed", s), models.loss_fn)
+        except BaseException as exc:  # reported by the test thread
+            train_errors.append(exc)
+
+    def reference() -> None:  # plain PyTorch, meanwhile (its first step imports much of torch)
+        try:
+            want.update(reference_train(start, lambda p: torch.optim.AdamW(p, lr=1e-3), "mixed", TRAIN_STEPS))
+        except BaseException as exc:
+            train_errors.append(exc)
+
+    reference_thread = threading.Thread(target=reference, name="fuzz-reference")
+    reference_thread.start()
+    fz = Fuzzer(server, job.specs)  # (its own client, sockets and two small jobs)
+    trainer_thread = threading.Thread(target=train, name="fuzz-train")
+    trainer_thread.start()
+    marks = landmarks(fz)
+    warmup = len(marks) + max(1, min(CASES // 2, max(100, CASES // 5)))
+    every = max(1, CASES // TRAIN_STEPS)
+    rss: dict[str, int] = {}
+    t0 = time.monotonic()
+    try:
+        for landmark in marks:
+            fz.run(landmark)
+        # hypothesis parses the tests' sources (ast) at its first draw, as torch does in the reference's
+        # first optimizer step; CPython 3.11.7's ast keeps its recursion depth in state shared by threads,
+        # so both at once can fail with SystemError("AST constructor recursion depth mismatch")
+        reference_thread.join(timeout=300)
+
+        cfg = settings(
+            max_examples=CASES,
+            deadline=None,
+            database=None,
+            derandomize=SEED is None,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+            report_multiple_bugs=False,
+            print_blob=False,
+        )
+
+        @cfg
+        @given(st.data())
+        def one_case(data: st.DataObject) -> None:
+            t_draw = time.perf_counter()
+            case = fz.draw(data)
+            t_run = time.perf_counter()
+            fz.run(case)
+            fz.seconds["draw"] += t_run - t_draw
+            fz.seconds[case.kind] += time.perf_counter() - t_run
+            n = fz.count
+            if n % every == 0:
+                gate.release()
+            if n == warmup:
+                fz._drop_fuzz_job()
+                rss["warm"] = server_rss(server)
+
+        if SEED is not None:
+            one_case = hypothesis_seed(int(SEED))(one_case)
+        one_case()
+        fuzz_end = fz.count
+        for _ in range(TRAIN_STEPS):
+            gate.release()
+        fz.finish_waiting()
+        fz._drop_fuzz_job()
+        rss.setdefault("warm", server_rss(server))  # (hypothesis stopped before the warm-up's end)
+        rss["end"] = server_rss(server)
+        elapsed = time.monotonic() - t0
+        trainer_thread.join(timeout=300)
+        assert not trainer_thread.is_alive(), "the training beside the fuzzer did not finish"
+        if train_errors:
+            raise train_errors[0]
+        assert server.proc.poll() is None, f"the server exited during the fuzz\n{server.log()[-5000:]}"
+        status = train_client.status()  # it still answers
+        assert {"train", *fz.targets} <= {j.name for j in status.jobs}
+        log = server.log()
+        bad = [ln for ln in log.splitlines() if "Traceback" in ln or "internal error" in ln or " ERROR " in ln]
+        assert not bad, "server log:\n" + "\n".join(bad[:20]) + "\n" + log[-5000:]
+        growth = rss["end"] - rss["warm"]
+        ops = sorted(op for op in fz.ops if op != "-")
+        print(
+            f"\nfuzz: {fz.count} cases over {len(ops)} ops in {elapsed:.1f} s; "
+            f"server RSS {rss['warm'] / 2**20:.1f} MiB after {warmup} cases -> {rss['end'] / 2**20:.1f} MiB "
+            f"({growth / 2**20:+.1f} MiB); {fz.outcomes['deferred']} deferred fetches: {fz.deferred_answered} answered, "
+            f"{fz.outcomes['dropped with their job']} refused when their job was dropped, {fz.outcomes['capped']} over the cap"
+            f"\n  auth: {dict(sorted(fz.auth.items()))}; unsealed jobs timed out: {fz.outcomes['creation timed out']}"
+            f"\n  training steps began after cases {step_at} (the fuzz ended after {fuzz_end})"
+            f"\n  kinds: {dict(sorted(fz.kinds.items()))}"
+            f"\n  ops: {dict(sorted(fz.ops.items()))}"
+            f"\n  seconds: { {k: round(v, 2) for k, v in sorted(fz.seconds.items())} }"
+            f"\n  slowest replies: {[(round(t, 3), k, o) for t, k, o in fz.slowest]}"
+            f"\n  accepted: {dict(sorted((k, v) for k, v in fz.outcomes.items() if ':' in k and k.split(':')[1] not in WIRE_CODES))}"
+        )
+        assert set(ops) == set(OPS), f"ops never fuzzed: {set(OPS) - set(ops)}"
+        assert growth <= RSS_BOUND, f"server RSS grew by {growth / 2**20:.1f} MiB over the fuzz (bound {RSS_BOUND / 2**20:.0f} MiB)"
+
+        reference_thread.join(timeout=300)
+        if train_errors:
+            raise train_errors[0]
+        assert_weights_equal(job.state_dict(), want, atol=1e-6)
+    finally:
+        for _ in range(TRAIN_STEPS):
+            gate.release()
+        trainer_thread.join(timeout=60)
+        reference_thread.join(timeout=300)
+        fz.close()
+        train_client.close()
+
+
+def landmarks(fz: Fuzzer) -> list[Case]:
+    """Fixed cases too big to leave to chance, run first (part of the warm-up), and requests that
+    wait (every target's worker fetching the step after the current one: answered at the end)."""
+    status = {"v": PROTOCOL_VERSION, TAG_FIELD: "status", "id": 1}
+    big = MAX_HEADER_BYTES + 1
+    waits = []
+    for k, t in enumerate(fz.targets.values()):
+        worker = SessionRef(2 * k + 1, live=True)
+        assert fz.session_of(worker) == t.worker
+        for stage in range(len(t.numels)):
+            fetch = {"v": PROTOCOL_VERSION, TAG_FIELD: "fetch", "id": 2, "session": worker, "stage": stage}
+            waits.append(Case("landmark", "fetch", {**fetch, "step": fz.version(t, stage) + 1}))
+    if MAX_WAITING_FETCHES is not None:  # fz-shm's worker: as many waiting fetches as allowed, and one more
+        assert fz.session_of(SessionRef(1, live=True)) == fz.targets["fz-shm"].worker
+        fetch = {"v": PROTOCOL_VERSION, TAG_FIELD: "fetch", "id": 4, "session": SessionRef(1, live=True), "stage": 0}
+        waits.append(Case("flood", "fetch", {**fetch, "step": 0}))
+    return [
+        Case("landmark", "status", raw=b""),
+        Case("landmark", "status", raw=pack_map([*status.items(), ("x", "a" * (big - 40))])),  # > 64 MiB
+        Case("landmark", "status", raw=pack_map([*status.items(), ("x", "a" * (MAX_HEADER_BYTES - 100))])),
+        Case("landmark", "status", status, frames=[b""] * (m.MAX_DATA_FRAMES + 1)),
+        Case("landmark", "status", status, extra=[("x", deep(100_000, 0))], depth=100_000),
+        *waits,
+    ]
