@@ -101,16 +101,21 @@ def run_workers(
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env), out, log))
     reports = []
     for proc, out, log in procs:
-        try:
-            rc = proc.wait(timeout=240)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
         log.close()
-        text = Path(log.name).read_text(errors="replace")
-        assert rc == 0, f"worker exited with {rc}:\n{text}"
-        reports.append(json.loads(out.read_text()))
+        reports.append(wait_worker(proc, out, Path(log.name)))
     return reports
+
+
+def wait_worker(proc: subprocess.Popen[bytes], out: Path, log_path: Path, timeout: float = 240.0) -> dict:
+    """Wait for a worker subprocess (killed after ``timeout``); it must exit 0. Returns its JSON
+    report ``out``; a failure message carries its log."""
+    try:
+        rc = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        rc = proc.wait()
+    assert rc == 0, f"worker exited with {rc}:\n{log_path.read_text(errors='replace')}"
+    return json.loads(out.read_text())
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")

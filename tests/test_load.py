@@ -9,7 +9,6 @@ this load is what ``bench/load.py`` prints; here only that the samples exist is 
 from __future__ import annotations
 
 import copy
-import json
 import math
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import torch
 from torch import nn
 
 import models
-from conftest import HERE, ServerProcess
+from conftest import HERE, ServerProcess, wait_worker
 from wstream.client import SGD, AdamW, Client
 from wstream.protocol import messages as m
 
@@ -111,16 +110,6 @@ def open_barrier(barrier: Path, procs: list[tuple[subprocess.Popen[bytes], Path,
         assert time.monotonic() < deadline, f"only {len(list(barrier.glob('ready-*')))} of {len(procs)} workers joined"
         time.sleep(0.05)
     (barrier / "go").touch()
-
-
-def wait_worker(proc: subprocess.Popen[bytes], out: Path, log_path: Path) -> dict:
-    try:
-        rc = proc.wait(timeout=240)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = proc.wait()
-    assert rc == 0, f"worker exited with {rc}:\n{log_path.read_text(errors='replace')}"
-    return json.loads(out.read_text())
 
 
 def test_jobs_times_workers_at_once_match_their_serial_references(server: ServerProcess, tmp_path: Path) -> None:

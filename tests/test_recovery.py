@@ -7,7 +7,6 @@ kills one run makes), chosen by waiting for a random step of progress, then a ra
 from __future__ import annotations
 
 import copy
-import json
 import os
 import random
 import signal
@@ -20,7 +19,7 @@ import pytest
 import torch
 
 import models
-from conftest import HERE, ServerProcess, start_server
+from conftest import HERE, ServerProcess, start_server, wait_worker
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import AdamW, Client, ServerUnavailable
 
@@ -32,20 +31,12 @@ def spawn_worker(address: str, job: str, steps: int, rank: int, tmp_path: Path, 
     log = open(tmp_path / f"worker{rank}.log", "wb")
     cmd = [sys.executable, str(HERE / "resilient_worker.py"), address, job, "t", "mixed", str(steps), str(rank), str(out), *extra]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    proc.log_path = log.name  # type: ignore[attr-defined]
     log.close()
     return proc
 
 
 def finish(proc: subprocess.Popen[bytes], tmp_path: Path, rank: int) -> dict:
-    try:
-        rc = proc.wait(timeout=180)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        rc = proc.wait()
-    text = Path(proc.log_path).read_text(errors="replace")  # type: ignore[attr-defined]
-    assert rc == 0, f"worker {rank} exited with {rc}:\n{text}"
-    return json.loads((tmp_path / f"worker{rank}.json").read_text())
+    return wait_worker(proc, tmp_path / f"worker{rank}.json", tmp_path / f"worker{rank}.log", timeout=180)
 
 
 def job_step(address: str, name: str) -> int | None:
