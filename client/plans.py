@@ -452,13 +452,7 @@ def min_budget(costs: StageCosts) -> int:
     """The least activation memory any plan needs: x_0 stays live throughout (it cannot be
     recomputed), each x_{j+1} is computed from x_j at least once, and each backward needs x_i
     and its tape. Keeping only x_0 and recomputing from it reaches this bound."""
-    x, tape, n = costs.state_bytes, costs.tape_bytes, costs.n
-    need = x[0] + tape[0] if n == 1 else max(x[0] + tape[0], x[0] + x[1])
-    for j in range(1, n):
-        need = max(need, x[0] + x[j] + tape[j])
-        if j + 1 < n:
-            need = max(need, x[0] + x[j] + x[j + 1])
-    return need
+    return _reverse_need(costs, 0, costs.n)
 
 
 def optimal(costs: StageCosts, budget_bytes: int, *, resolution: int = 256) -> Plan:
@@ -660,7 +654,7 @@ def offload_spacing(costs: StageCosts, bandwidth: float) -> int:
 
 
 def _reverse_need(costs: StageCosts, a: int, b: int) -> int:
-    """:func:`min_budget` of the sub-chain [a, b) (x_a kept throughout)."""
+    """The least memory that reverses the sub-chain [a, b) from a kept x_a (see :func:`min_budget`)."""
     x, tape = costs.state_bytes, costs.tape_bytes
     need = x[a] + tape[a] if b - a == 1 else max(x[a] + tape[a], x[a] + x[a + 1])
     for j in range(a + 1, b):

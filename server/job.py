@@ -258,6 +258,10 @@ class Job:
         job.last_snapshot_step = step
         return job
 
+    def snapshot_sources(self) -> list[tuple[threading.Lock, Callable[[], dict[str, torch.Tensor]]]]:
+        """Per stage, the lock and the capture a snapshot writer takes it with."""
+        return [(st.lock, st.capture) for st in self.stages]
+
     def record(self) -> JobRecord:
         return JobRecord(
             self.name, self._token, self.optimizer_spec, self.dtype, self.double_buffer, [s.spec for s in self.stages]

@@ -583,7 +583,7 @@ class Server:
         path: str | None = None
         error: BaseException | None = None
         try:
-            written = self.store.write(snap, [(st.lock, st.capture) for st in job.stages])
+            written = self.store.write(snap, job.snapshot_sources())
             path = str(written) if written is not None else None
         except BaseException as exc:  # reported on the loop thread
             error = exc
@@ -633,7 +633,7 @@ class Server:
                 continue
             snap = Snapshot(job.record(), step, self.config.snapshot_buffer, "shutdown")
             try:
-                path = self.store.write(snap, [(st.lock, st.capture) for st in job.stages])
+                path = self.store.write(snap, job.snapshot_sources())
                 job.last_snapshot_step = step
                 log.info("job %r: snapshot of step %d written at shutdown to %s", job.name, step, path)
             except OSError as exc:
