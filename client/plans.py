@@ -26,6 +26,7 @@ Nothing here imports torch: planners are pure functions and plans are checked by
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import math
 import sys
@@ -81,9 +82,9 @@ class Simulation:
     peak_slots: int
     peak_states: int
     peak_bytes: int
+    """Most activation bytes live at once: kept states + the current state (+ one tape)."""
     peak_host_bytes: int = 0
     """Most bytes of offloaded states held in host memory at once."""
-    """Most activation bytes live at once: kept states + the current state (+ one tape)."""
 
 
 def simulate(
@@ -441,6 +442,22 @@ class StageCosts:
     @property
     def n(self) -> int:
         return len(self.forward_s)
+
+    def for_micro_batches(self, k: int) -> StageCosts:
+        """The costs of running every stage for ``k`` micro-batches at once (stage-major), from a
+        profile of one: compute and stage inputs grow k-fold while the weights move once; in
+        BACKWARD one micro-batch's tape is live at a time, next to every micro-batch's output
+        gradient and input gradient (k - 1 more of each than with one micro-batch)."""
+        if k == 1:
+            return self
+        n = self.n
+        out_bytes = [self.state_bytes[i + 1] if i + 1 < n else 0 for i in range(n)]
+        return dataclasses.replace(
+            self,
+            forward_s=tuple(f * k for f in self.forward_s),
+            state_bytes=tuple(s * k for s in self.state_bytes),
+            tape_bytes=tuple(t + (k - 1) * (s + o) for t, s, o in zip(self.tape_bytes, self.state_bytes, out_bytes)),
+        )
 
     def advance_cost(self, i: int) -> float:
         """Seconds one recomputation of stage i costs: its forward and, streamed, its weights."""

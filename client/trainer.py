@@ -24,7 +24,7 @@ from wstream.protocol.shm import map_segment
 from .channel import Channel, attach_session
 from .offload import HostMover, PendingMove
 from .plans import OnlineBisection, Op, Plan, StageCosts
-from .stages import Boundary, StageRunner, as_boundary, boundary_bytes
+from .stages import Boundary, StageRunner, as_boundary, boundary_bytes, join_lanes, lanes_of, split_micro_batches
 from .streaming import (
     TORCH_DTYPES,
     GradientPusher,
@@ -105,6 +105,10 @@ class Trainer:
         self.plan: Plan | None = plan
         self._plan_from = plan_from_profile
         self.profile: StageCosts | None = None
+        """The costs the plan was made for: ``_profile_one`` (a profile of one micro-batch, measured
+        again whenever the number of micro-batches changes) scaled to ``_plan_k`` micro-batches."""
+        self._profile_one: StageCosts | None = None
+        self._plan_k = 1
         self.job = job
         self.device = device
         self.prefetch = prefetch
@@ -242,14 +246,22 @@ class Trainer:
         """The step the next ``step()`` call trains (the job's step when this worker is in sync)."""
         return self._step
 
-    def step(self, inputs: Any, targets: Any, loss_fn: LossFn) -> float:
+    def step(self, inputs: Any, targets: Any, loss_fn: LossFn, *, micro_batches: int = 1) -> float:
         """One optimizer step on ``inputs``/``targets``; returns the loss as a float.
+
+        With ``micro_batches=k`` every tensor of ``inputs`` and ``targets`` is cut into k chunks
+        along dim 0 and the step runs *stage-major* (after L2L): while a stage's weights are
+        resident it runs for every micro-batch, forward and backward, so the weights move once per
+        step whatever k is. The gradient is that of ordinary gradient accumulation,
+        ``sum_j grad(loss_fn(out_j, targets_j) / k)``, and the loss returned is the mean of the
+        micro-batches' losses. The checkpoint plan applies to every micro-batch (a kept input is
+        kept for all k); plans made from a profile count k in their memory budget.
 
         Returns once the server has applied this step's update to every stage.
         """
         if self._closed:
             raise StateError("this trainer is closed")
-        return self._recovering(lambda: self._step_once(inputs, targets, loss_fn))
+        return self._recovering(lambda: self._step_once(inputs, targets, loss_fn, micro_batches))
 
     def _recovering(self, run: Callable[[], float]) -> float:
         """``run()`` a step; when the connection is lost reconnect, and retry the step if the job
@@ -272,6 +284,7 @@ class Trainer:
         *,
         steps: int,
         on_step: Callable[[int, float], None] | None = None,
+        micro_batches: int = 1,
     ) -> dict[int, float]:
         """Train until the job reaches step ``steps``; ``batch_of(t)`` gives the inputs and targets
         of step t. Steps interrupted by a server restart or a detach are trained again from the
@@ -282,7 +295,7 @@ class Trainer:
             t = self._step
             inputs, targets = batch_of(t)
             try:
-                losses[t] = self.step(inputs, targets, loss_fn)
+                losses[t] = self.step(inputs, targets, loss_fn, micro_batches=micro_batches)
             except Resynced as r:
                 log.warning("%s; going on from there", r)
                 continue
@@ -290,15 +303,17 @@ class Trainer:
                 on_step(t, losses[t])
         return losses
 
-    def _step_once(self, inputs: Any, targets: Any, loss_fn: LossFn) -> float:
-        if self.plan is None:
-            self._plan_from_profile(inputs)
+    def _step_once(self, inputs: Any, targets: Any, loss_fn: LossFn, k: int) -> float:
+        lanes = split_micro_batches(inputs, k, what="inputs")
+        lane_targets = split_micro_batches(targets, k, what="targets")
+        if self.plan is None or (self._plan_from is not None and k != self._plan_k):
+            self._plan_from_profile(lanes[0], k)
         assert self.plan is not None
         self._prefetcher.start(self._step, self._fetch_order)
-        run = _PlanRun(inputs, last=len(self._runners) - 1)
+        run = _PlanRun(join_lanes(as_boundary(x) for x in lanes), k=k, targets=lane_targets, last=len(self._runners) - 1)
         try:
             for op, i in self.plan.actions:
-                self._execute(run, op, i, targets, loss_fn)
+                self._execute(run, op, i, loss_fn)
             self._pusher.drain()
         except (ServerUnavailable, SessionExpiredError):
             self._abort_step(run.pushed, recoverable=self.reconnect_s > 0)
@@ -333,20 +348,20 @@ class Trainer:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         self._prefetcher.start(self._step, [0])
         fetched = self._prefetcher.get(0)  # the body's weights serve every application
-        run = _PlanRun(inputs, loop_weights=fetched.weights)
+        run = _PlanRun(as_boundary(inputs), targets=[targets], loop_weights=fetched.weights)
         planner = OnlineBisection()
         try:
-            self._execute(run, *planner.actions[0], targets, loss_fn)
+            self._execute(run, *planner.actions[0], loss_fn)
             while True:
                 for op, i in planner.advance():
-                    self._execute(run, op, i, targets, loss_fn)
+                    self._execute(run, op, i, loss_fn)
                 assert run.current is not None
                 with torch.no_grad():
                     if planner.position >= max_steps or halt(*run.current[1]):
                         break
             run.last = planner.position - 1
             for op, i in planner.finish():
-                self._execute(run, op, i, targets, loss_fn)
+                self._execute(run, op, i, loss_fn)
             assert run.loop_grads is not None
             self._pusher.push(0, self._step, self._runners[0].spec, run.loop_grads)
             run.pushed = True
@@ -420,13 +435,29 @@ class Trainer:
         self.close()
 
     # ---- profiling (schedules "optimal" and "min_peak") ----------------------------------------------------------
-    def _plan_from_profile(self, inputs: Any) -> None:
-        """Measure each stage once on ``inputs`` (forward time, input size, tape size) and plan.
+    def _plan_from_profile(self, inputs: Any, k: int) -> None:
+        """Measure each stage once on ``inputs`` (one micro-batch: forward time, input size, tape
+        size) and plan for ``k`` micro-batches (see :meth:`StageCosts.for_micro_batches`).
 
         Runs inside a forked RNG and pushes nothing, so training afterwards is exactly what it
         would have been; a budget no plan fits is refused here, before any update."""
-        n = len(self._runners)
         assert self._plan_from is not None
+        self._profile_one = self._measure_profile(inputs)
+        self.profile = self._profile_one.for_micro_batches(k)
+        self.plan = self._plan_from(self.profile)
+        self._plan_k = k
+        self._fetch_order = self.plan.fetch_order()
+        log.info(
+            "schedule %r from the profile (%d micro-batch%s): %d recomputed forwards, %d live inputs at most",
+            self.plan.name,
+            k,
+            "" if k == 1 else "es",
+            self.plan.advances,
+            self.plan.peak_states,
+        )
+
+    def _measure_profile(self, inputs: Any) -> StageCosts:
+        n = len(self._runners)
         self._prefetcher.start(self._step, list(range(n)))
         forward_s: list[float] = []
         state_bytes: list[int] = []
@@ -457,21 +488,13 @@ class Trainer:
         weight_bytes = tuple(k * self._sc.published_dtype.itemsize for k in self._sc.numels)
         fetch_s = max(elapsed - sum(forward_s) - host_s, 1e-9)
         bandwidth = 0.0 if self.zero_copy else sum(weight_bytes) / fetch_s
-        self.profile = StageCosts(
+        return StageCosts(
             forward_s=tuple(forward_s),
             state_bytes=tuple(state_bytes),
             tape_bytes=tuple(tape_bytes),
             weight_bytes=weight_bytes,
             bandwidth=bandwidth,
             host_bandwidth=sum(state_bytes) / max(host_s, 1e-9),
-        )
-        self.plan = self._plan_from(self.profile)
-        self._fetch_order = self.plan.fetch_order()
-        log.info(
-            "schedule %r from the profile: %d recomputed forwards, %d live inputs at most",
-            self.plan.name,
-            self.plan.advances,
-            self.plan.peak_states,
         )
 
     def _tape_bytes(self, i: int, weights: torch.Tensor, inputs: Boundary) -> int:
@@ -491,16 +514,19 @@ class Trainer:
         return saved + boundary_bytes(as_boundary(out))
 
     # ---- the plan executor ------------------------------------------------------------------------
-    def _execute(self, run: _PlanRun, op: Op, i: int, targets: Any, loss_fn: LossFn) -> None:
+    def _execute(self, run: _PlanRun, op: Op, i: int, loss_fn: LossFn) -> None:
         if op == Op.ADVANCE:
             assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
             fetched = self._prefetcher.get(i) if run.loop_weights is None else None
             weights = fetched.weights if fetched is not None else run.loop_weights
-            with torch.no_grad(), self._stage_rng(run, i):
-                out = self._runners[0 if fetched is None else i](weights, run.current[1])
+            runner = self._runners[0 if fetched is None else i]
+            outs: list[Boundary] = []
+            for j, lane in enumerate(lanes_of(run.current[1], run.k)):  # stage-major: every micro-batch
+                with torch.no_grad(), self._stage_rng(run, i, j):
+                    outs.append(as_boundary(runner(weights, lane)))
             if fetched is not None:
                 self._prefetcher.release(fetched)
-            run.set_current(i + 1, as_boundary(out))
+            run.set_current(i + 1, join_lanes(outs))
         elif op == Op.SNAPSHOT:
             assert run.current is not None and run.current[0] == i
             run.keep(i)
@@ -517,50 +543,72 @@ class Trainer:
             run.host.pop(i).result()  # never drop memory a copy may still be writing
         else:
             assert run.current is not None and run.current[0] == i
-            self._backward_stage(run, i, targets, loss_fn)
+            self._backward_stage(run, i, loss_fn)
 
     def _host_mover(self) -> HostMover:
         if self._mover is None:
             self._mover = HostMover(self.device)
         return self._mover
 
-    def _backward_stage(self, run: _PlanRun, i: int, targets: Any, loss_fn: LossFn) -> None:
-        """Re-run stage i with autograd from the current state, backpropagate, push its gradient."""
+    def _backward_stage(self, run: _PlanRun, i: int, loss_fn: LossFn) -> None:
+        """Re-run stage i with autograd from the current state, backpropagate, push its gradient.
+
+        With k micro-batches this runs once per micro-batch on the same weights (one tape live at
+        a time) and sums their parameter gradients in micro-batch order, as accumulation into
+        ``.grad`` would."""
         assert run.current is not None
         fetched = self._prefetcher.get(i) if run.loop_weights is None else None
         runner = self._runners[i if fetched is not None else 0]
         params = runner.leaves(fetched.weights if fetched is not None else run.loop_weights)
-        inputs = tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in run.current[1])
-        run.drop_current()
-        with self._stage_rng(run, i), torch.enable_grad():
-            out = runner.call_with(params, inputs)
-        grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        if i == run.last:
-            loss = loss_fn(out, targets)
-            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-            run.loss = float(loss.detach())
-            roots: list[torch.Tensor] = [loss]
-            root_grads: list[torch.Tensor | None] = [None]
-        else:
-            assert run.grad_out is not None
-            roots, root_grads = [], []
-            for o, g in zip(as_boundary(out), run.grad_out):
-                if isinstance(o, torch.Tensor) and o.requires_grad and g is not None:
-                    roots.append(o)
-                    root_grads.append(g)
         leaves = [params[p.name] for p in runner.spec.params]
-        grads = torch.autograd.grad(roots, [*leaves, *grad_inputs], root_grads, allow_unused=True)
-        param_grads = list(grads[: len(leaves)])
-        it = iter(grads[len(leaves) :])
-        run.grad_out = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-        del out, roots, root_grads, grads, leaves, params
+        k = run.k
+        lanes = lanes_of(run.current[1], k)
+        grad_lanes = [None] * k if i == run.last else lanes_of(tuple(run.grad_out or ()), k)
+        run.drop_current()
+        param_grads: list[torch.Tensor | None] = [None] * len(leaves)
+        grad_out: list[torch.Tensor | None] = []
+        for j, (lane, lane_grad_out) in enumerate(zip(lanes, grad_lanes)):
+            inputs = tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in lane)
+            with self._stage_rng(run, i, j), torch.enable_grad():
+                out = runner.call_with(params, inputs)
+            grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+            roots, root_grads = self._roots(run, out, lane_grad_out, loss_fn, j)
+            grads = torch.autograd.grad(roots, [*leaves, *grad_inputs], root_grads, allow_unused=True)
+            for p, g in enumerate(grads[: len(leaves)]):
+                if g is not None:
+                    acc = param_grads[p]
+                    param_grads[p] = g if acc is None else acc.add_(g)
+            it = iter(grads[len(leaves) :])
+            grad_out.extend(next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs)
+            del out, roots, root_grads, grads, inputs, grad_inputs
+        run.grad_out = grad_out
+        del leaves, params
         if fetched is None:  # a loop body: sum over its applications, push once at the end
             run.add_loop_grads(param_grads)
             return
         self._pusher.push(i, self._step, runner.spec, param_grads)
         run.pushed = True
         self._prefetcher.release(fetched)
+
+    @staticmethod
+    def _roots(
+        run: _PlanRun, out: Any, grad_out: Boundary | None, loss_fn: LossFn, lane: int
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """What micro-batch ``lane`` of a stage backpropagates from: the loss (divided by the
+        number of micro-batches) at the chain's end, else the outputs that have a gradient."""
+        if grad_out is None:
+            loss = loss_fn(out, run.targets[lane])
+            if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+            run.loss += float(loss.detach()) / run.k
+            return [loss if run.k == 1 else loss / run.k], [None]
+        roots: list[torch.Tensor] = []
+        root_grads: list[torch.Tensor | None] = []
+        for o, g in zip(as_boundary(out), grad_out):
+            if isinstance(o, torch.Tensor) and o.requires_grad and g is not None:
+                roots.append(o)
+                root_grads.append(g)
+        return roots, root_grads
 
     def _abort_step(self, pushed_any: bool, *, recoverable: bool = False) -> None:
         self._prefetcher.reset()
@@ -579,16 +627,19 @@ class Trainer:
             self._heartbeat.close()
 
     # ---- RNG ---------------------------------------------------------------------------------------
-    def _stage_rng(self, run: _PlanRun, i: int) -> contextlib.AbstractContextManager[None]:
-        """A stage's first run uses the live RNG (and records its state), so the RNG ends where plain
-        training leaves it; every re-run replays the recorded state in a forked RNG."""
+    def _stage_rng(self, run: _PlanRun, i: int, lane: int = 0) -> contextlib.AbstractContextManager[None]:
+        """A stage's first run (per micro-batch) uses the live RNG and records its state, so the RNG
+        ends where plain training leaves it; every re-run replays the recorded state in a forked
+        RNG. (Stage-major order draws random numbers stage by stage, so with k > 1 dropout masks
+        differ from those of micro-batch-major accumulation; their distribution does not.)"""
         if not self.preserve_rng:
             return contextlib.nullcontext()
-        if i not in run.rng:
+        key = (i, lane)
+        if key not in run.rng:
             cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-            run.rng[i] = (torch.get_rng_state(), cuda)
+            run.rng[key] = (torch.get_rng_state(), cuda)
             return contextlib.nullcontext()
-        return self._restore_rng(run.rng[i])
+        return self._restore_rng(run.rng[key])
 
     @contextlib.contextmanager
     def _restore_rng(self, state: Any) -> Iterator[None]:
@@ -607,9 +658,20 @@ class _PlanRun:
     __slots__ = (
         "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last",
         "loop_weights", "loop_grads", "_kept_bytes", "_arriving_bytes", "_current_bytes", "_current_kept",
+        "k", "targets",
     )
 
-    def __init__(self, inputs: Any, *, last: int = -1, loop_weights: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        inputs: Boundary,
+        *,
+        targets: list[Any],
+        k: int = 1,
+        last: int = -1,
+        loop_weights: torch.Tensor | None = None,
+    ) -> None:
+        self.k = k  # micro-batches: every state is k lanes packed (see ``join_lanes``)
+        self.targets = targets  # one per micro-batch
         self.last = last  # the position whose BACKWARD computes the loss
         self.loop_weights = loop_weights  # a loop body's weights, the same for every position
         self.loop_grads: list[torch.Tensor | None] | None = None
@@ -617,7 +679,7 @@ class _PlanRun:
         self.kept: dict[int, Boundary] = {}
         self.host: dict[int, PendingMove] = {}  # offloaded inputs (a copy, also on a CPU worker)
         self.arriving: dict[int, PendingMove] = {}  # inputs being prefetched back from the host
-        self.rng: dict[int, Any] = {}
+        self.rng: dict[tuple[int, int], Any] = {}  # (stage, micro-batch) -> RNG state of its first run
         self.grad_out: list[torch.Tensor | None] | None = None
         self.loss = 0.0
         self.pushed = False
@@ -626,7 +688,7 @@ class _PlanRun:
         self._arriving_bytes = 0
         self._current_bytes = 0
         self._current_kept: int | None = None  # the kept index ``current`` is, if it is one
-        self.set_current(0, as_boundary(inputs))
+        self.set_current(0, inputs)
 
     def set_current(self, index: int, b: Boundary) -> None:
         self.current = (index, b)

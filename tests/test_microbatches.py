@@ -1,0 +1,118 @@
+"""Stage-major micro-batches: the gradient of ordinary accumulation, weights moved once per step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from test_equivalence import assert_weights_equal
+from wstream.client import AdamW, Client
+from wstream.client.plans import min_budget, simulate, store_all
+from wstream.client.stages import split_micro_batches
+
+STEPS = 4
+
+
+def accumulated_reference(stages: list[nn.Module], k: int, steps: int, size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """Plain PyTorch gradient accumulation, micro-batch after micro-batch through the whole model."""
+    ref = nn.Sequential(*stages)
+    opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, weight_decay=0.05)
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        x, y = models.batch("mixed", step, size=size)
+        total = 0.0
+        for xj, yj in zip(torch.tensor_split(x, k), torch.tensor_split(y, k)):
+            loss = models.loss_fn(ref(xj), yj)
+            (loss / k).backward()
+            total += loss.item() / k
+        opt.step()
+        losses.append(total)
+    return ref.state_dict(), losses
+
+
+@pytest.mark.parametrize(
+    ("k", "size", "schedule", "extra"),
+    [
+        (4, 16, "store_all", {}),
+        (3, 10, "revolve", {"slots": 2}),  # uneven micro-batches (4, 3, 3)
+        (4, 16, "dnc", {}),
+        (2, 16, "offload", {"memory_budget": "64KiB"}),
+        (4, 16, "optimal", {"memory_budget": "24KiB"}),
+    ],
+)
+def test_gradients_equal_ordinary_accumulation(client: Client, k: int, size: int, schedule: str, extra: dict) -> None:
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    job = client.create_job(f"mb-{schedule}", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t")
+    with job.trainer(zero_copy=False, schedule=schedule, **extra) as trainer:
+        losses = [
+            trainer.step(*models.batch("mixed", s, size=size), models.loss_fn, micro_batches=k) for s in range(STEPS)
+        ]
+        summary = trainer.plan_summary()
+        if schedule in ("optimal", "offload"):
+            assert trainer.profile is not None and trainer._profile_one is not None
+            one = trainer._profile_one
+            assert trainer.profile.state_bytes == tuple(b * k for b in one.state_bytes)
+    want, ref_losses = accumulated_reference(start, k, STEPS, size)
+    assert_weights_equal(job.state_dict(), want, atol=2e-6)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert summary["stages"] == len(stages)
+
+
+def test_weight_traffic_per_step_does_not_grow_with_micro_batches(client: Client) -> None:
+    """Bytes fetched per step are the plan's weight traffic, the same for k = 1 and k = 8."""
+    fetched = {}
+    for k in (1, 8):
+        job = client.create_job(f"traffic-{k}", models.mixed(), optimizer=AdamW(lr=1e-3), token="t")
+        with job.trainer(zero_copy=False, schedule="revolve", slots=2) as trainer:
+            for s in range(3):
+                trainer.step(*models.batch("mixed", s), models.loss_fn, micro_batches=k)
+            stats = trainer.stats()
+            fetched[k] = stats.bytes_fetched / stats.steps
+            assert fetched[k] == trainer.plan_summary()["weight_bytes_fetched"]
+            assert stats.pushes == 3 * len(job.specs)  # one gradient per stage per step
+    assert fetched[1] == fetched[8] > 0
+
+
+def test_the_plan_is_remade_when_the_number_of_micro_batches_changes(client: Client) -> None:
+    """A budgeted plan counts k: the plan made for k = 1 would not fit k = 4 micro-batches of the
+    same size, so the trainer profiles and plans again."""
+    job = client.create_job("replan", models.mixed(), optimizer=AdamW(lr=1e-3), token="t")
+    with job.trainer(zero_copy=False, schedule="min_peak") as probe:  # a profile, to pick a budget
+        probe.step(*models.batch("mixed", 0), models.loss_fn)
+        assert probe.profile is not None
+        one = probe.profile
+    four = one.for_micro_batches(4)
+    everything = simulate(one.n, store_all(one.n).actions, state_bytes=one.state_bytes, tape_bytes=one.tape_bytes)
+    budget = max(min_budget(four), everything.peak_bytes)  # k = 1 keeps everything; k = 4 cannot
+    with job.trainer(zero_copy=False, schedule="optimal", memory_budget=budget) as trainer:
+        trainer.step(*models.batch("mixed", 1), models.loss_fn)
+        plan_one = trainer.plan
+        assert plan_one is not None and plan_one.advances == one.n - 1  # no recomputation
+        trainer.step(*models.batch("mixed", 2, size=64), models.loss_fn, micro_batches=4)
+        assert trainer.profile is not None and trainer._profile_one is not None
+        assert trainer.profile.state_bytes == tuple(4 * b for b in trainer._profile_one.state_bytes)
+        plan_four = trainer.plan
+        assert plan_four is not None and plan_four is not plan_one
+        fits = simulate(one.n, plan_four.actions, state_bytes=four.state_bytes, tape_bytes=four.tape_bytes)
+        old = simulate(one.n, plan_one.actions, state_bytes=four.state_bytes, tape_bytes=four.tape_bytes)
+        assert fits.peak_bytes <= budget < old.peak_bytes
+        assert trainer.plan_summary()["peak_activation_bytes_measured"] <= budget
+
+
+def test_micro_batch_split_errors_name_what_was_wrong() -> None:
+    x = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match="a batch of 4 cannot make 5 micro-batches"):
+        split_micro_batches(x, 5, what="inputs")
+    with pytest.raises(ValueError, match=r"targets: .* one batch size; got \[4, 6\]"):
+        split_micro_batches((x, torch.zeros(6)), 2, what="targets")
+    with pytest.raises(ValueError, match="micro_batches must be >= 1"):
+        split_micro_batches(x, 0, what="inputs")
+    # non-batched items travel with every micro-batch
+    parts = split_micro_batches((x, None, torch.tensor(2.0)), 2, what="inputs")
+    assert [p[0].shape[0] for p in parts] == [2, 2] and parts[1][1] is None and float(parts[1][2]) == 2.0
