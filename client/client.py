@@ -78,9 +78,15 @@ class Client:
         optimizer: m.OptimizerSpec | None = None,
         dtype: m.Dtype = "float32",
         double_buffer: bool = False,
+        delayed_update: bool = False,
         progress: bool = False,
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
+
+        ``delayed_update``: the one-step delayed parameter update of the ZeRO-Offload paper. Step t
+        computes on the weights of step t - 1 while the server applies step t - 1's gradients, so
+        the CPU optimizer leaves the critical path; step t's gradient is then applied to the
+        weights of step t (one step stale). The default is exactly synchronous training.
 
         Each module's parameters are uploaded and the module is then moved to the meta device in
         place (its memory is freed; it stays usable as the job's skeleton), so a model larger than
@@ -100,6 +106,7 @@ class Client:
                 dtype=dtype,
                 double_buffer=double_buffer,
                 total_numel=total,
+                delayed_update=delayed_update,
             ),
             m.Attached,
         )
@@ -224,6 +231,7 @@ class Job:
         self.specs: list[StageSpec] = list(attached.stages)
         self.optimizer = attached.optimizer
         self.dtype = attached.dtype
+        self.delayed_update = attached.delayed_update
         self._token = token
         self._skeletons = skeletons
 

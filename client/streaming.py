@@ -17,6 +17,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +32,10 @@ from wstream.protocol.frames import copy_frames_into, tensor_frames
 
 from .channel import Channel, raise_or_narrow
 from .stages import scatter_grads
+from .timeline import Tracer
+
+TRACE_MIN_WAIT_NS = 20_000
+"""Waits shorter than this are left out of a timeline (they would only clutter it)."""
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +157,7 @@ class StreamContext:
     published: torch.Tensor | None  # uint8 mapping of the published segment, None in frames mode
     published_dtype: torch.dtype
     zero_copy: bool = False  # compute on views of ``published`` instead of ring copies
+    tracer: Tracer | None = None  # set while ``Trainer.trace`` records a timeline
     abort: threading.Event = field(default_factory=threading.Event)
     abort_reason: list[WstreamError] = field(default_factory=list)
 
@@ -184,6 +190,7 @@ class Prefetcher:
     def get(self, stage: int) -> Fetched:
         """The next fetched stage, which must be ``stage`` (the order is the trainer's own)."""
         t0 = time.perf_counter()
+        t0_ns = time.monotonic_ns()
         while True:
             try:
                 item = self._ready.get(timeout=0.1)
@@ -194,6 +201,9 @@ class Prefetcher:
                 if self._thread is None or not self._thread.is_alive():
                     raise ServerUnavailable("the prefetch thread stopped") from None
         self.stats.fetch_wait_s += time.perf_counter() - t0
+        tracer = self._sc.tracer
+        if tracer is not None and time.monotonic_ns() - t0_ns > TRACE_MIN_WAIT_NS:
+            tracer.add(f"wait weights {stage}", "wait", "compute", t0_ns, stage=stage)
         if isinstance(item, BaseException):
             raise item
         if item.stage != stage:
@@ -250,11 +260,14 @@ class Prefetcher:
         sent: deque[tuple[int, int]] = deque()  # (request id, stage) in order
         replies: dict[int, tuple[m.Message, list[zmq.Frame]]] = {}
         sent_at: dict[int, tuple[float, int]] = {}  # request id -> (send time, ring waits then)
+        sent_ns: dict[int, int] = {}  # request id -> send time, for the timeline
         nxt = 0
         while nxt < len(order) or sent:
             while nxt < len(order) and len(sent) < ahead:
+                before = time.monotonic_ns()
                 rid = chan.send(m.Fetch(session=sc.session, stage=order[nxt], step=step))
                 sent_at[rid] = (time.perf_counter(), self._ring.waits)
+                sent_ns[rid] = before
                 sent.append((rid, order[nxt]))
                 nxt += 1
             rid, stage = sent[0]
@@ -262,6 +275,10 @@ class Prefetcher:
                 reply, data = chan.recv(timeout_s=sc.wait_timeout_s, stop=stop)
                 replies[reply.id] = (reply, data)
                 self._record_latency(reply, sent_at.pop(reply.id, None))
+                start = sent_ns.pop(reply.id, None)
+                if sc.tracer is not None and start is not None and isinstance(reply, m.Weights):
+                    stage_of = reply.stage
+                    sc.tracer.add(f"fetch {stage_of}", "fetch", "weight fetches", start, stage=stage_of, step=step)
             sent.popleft()
             reply, data = replies.pop(rid)
             self._ready.put(self._copy_in(stage, raise_or_narrow(reply, m.Weights), data, stop))
@@ -277,7 +294,11 @@ class Prefetcher:
 
     def _copy_in(self, stage: int, reply: m.Weights, data: list[zmq.Frame], stop: threading.Event) -> Fetched:
         sc = self._sc
+        t0 = time.monotonic_ns()
         idx = self._ring.acquire(stop)
+        if sc.tracer is not None and time.monotonic_ns() - t0 > TRACE_MIN_WAIT_NS:
+            sc.tracer.add(f"ring full {stage}", "wait", "weight copies", t0, stage=stage)
+        t0 = time.monotonic_ns()
         numel = sc.numels[stage]
         if sc.zero_copy:
             assert sc.published is not None and not data
@@ -297,6 +318,8 @@ class Prefetcher:
             raise
         self.stats.fetches += 1
         self.stats.bytes_fetched += dst.numel() * dst.element_size()
+        if sc.tracer is not None:
+            sc.tracer.add(f"copy {stage}", "copy", "weight copies", t0, stage=stage, bytes=dst.numel() * dst.element_size())
         return Fetched(stage, idx, dst)
 
 
@@ -308,12 +331,14 @@ class GradientPusher:
         self._chan = Channel(sc.ctx, sc.address, timeout_s=sc.timeout_s, signer=sc.signer)
         self._slots = slots  # shm views, or None in frames mode
         self._free = list(range(nslots))[::-1]
-        self._outstanding: dict[int, tuple[int, object]] = {}  # request id -> (slot, frame keep-alive)
+        # request id -> (slot, frame keep-alive, stage, step, send time)
+        self._outstanding: dict[int, tuple[int, object, int, int, int]] = {}
         self.stats = StreamStats()
 
     def push(self, stage: int, step: int, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
         """Write the stage's per-parameter gradients into a free slot and send ``push``."""
-        slot = self._acquire()
+        slot = self._acquire(stage)
+        t0 = time.monotonic_ns()
         numel = spec.numel
         keep: object = None
         frames: list[object] = []
@@ -324,25 +349,35 @@ class GradientPusher:
             scatter_grads(keep, spec, grads)
             frames = list(tensor_frames(keep))
         msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
+        sent = time.monotonic_ns()
         rid = self._chan.send(msg, frames, copy=False)
-        self._outstanding[rid] = (slot, keep)
+        self._outstanding[rid] = (slot, keep, stage, step, sent)
+        if self._sc.tracer is not None:
+            self._sc.tracer.add(f"grad copy {stage}", "push", "compute", t0, sent, stage=stage, step=step)
         self.stats.pushes += 1
         self.stats.bytes_pushed += numel * 4
 
     def drain(self) -> None:
         """Wait until every push is acknowledged, i.e. the server applied those updates."""
-        t0 = time.perf_counter()
-        while self._outstanding:
+        self._wait_until(lambda: not self._outstanding, "wait updates")
+
+    def wait_stage(self, stage: int) -> None:
+        """Wait until no push of ``stage`` is unacknowledged (its update was applied)."""
+        self._wait_until(lambda: all(e[2] != stage for e in self._outstanding.values()), f"wait update {stage}")
+
+    def _acquire(self, stage: int) -> int:
+        self._wait_until(lambda: bool(self._free), f"wait grad slot {stage}")
+        return self._free.pop()
+
+    def _wait_until(self, done: Callable[[], bool], what: str) -> None:
+        if done():
+            return
+        t0, t0_ns = time.perf_counter(), time.monotonic_ns()
+        while not done():
             self._collect_one()
         self.stats.push_wait_s += time.perf_counter() - t0
-
-    def _acquire(self) -> int:
-        if not self._free:
-            t0 = time.perf_counter()
-            while not self._free:
-                self._collect_one()
-            self.stats.push_wait_s += time.perf_counter() - t0
-        return self._free.pop()
+        if self._sc.tracer is not None:
+            self._sc.tracer.add(what, "wait", "compute", t0_ns)
 
     def _collect_one(self) -> None:
         try:
@@ -354,6 +389,9 @@ class GradientPusher:
             log.debug("dropping an unexpected reply %s", type(reply).__name__)
             return
         self._free.append(entry[0])
+        if self._sc.tracer is not None:
+            _, _, stage, step, sent = entry
+            self._sc.tracer.add(f"push {stage}", "push", "gradient pushes", sent, stage=stage, step=step)
         raise_or_narrow(reply, m.Pushed)
 
     def forget_outstanding(self) -> None:

@@ -9,6 +9,7 @@ every compute action are fetched in the plan's order by the prefetch thread.
 from __future__ import annotations
 
 import contextlib
+import os
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -25,6 +26,7 @@ from .channel import Channel, attach_session
 from .offload import HostMover, PendingMove
 from .plans import OnlineBisection, Op, Plan, StageCosts
 from .stages import Boundary, StageRunner, as_boundary, boundary_bytes, join_lanes, lanes_of, split_micro_batches
+from .timeline import SERVER_LANES, WORKER_LANES, Tracer, chrome_trace, server_spans, write_trace
 from .streaming import (
     TORCH_DTYPES,
     GradientPusher,
@@ -123,6 +125,7 @@ class Trainer:
         self.last_loop_steps = 0
         self._fetch_order = self.plan.fetch_order() if self.plan is not None else []
         self._mover: HostMover | None = None
+        self._tracer: Tracer | None = None
         client = job.client
         self._chan = Channel(client.ctx, client.address, timeout_s=client.timeout_s)
         try:
@@ -169,6 +172,7 @@ class Trainer:
         if zero_copy and not cpu_shm:
             raise StateError("zero_copy=True needs a CPU device and shared memory (shm)")
         self.zero_copy = cpu_shm if zero_copy is None else zero_copy
+        self.delayed_update = attached.delayed_update
         joined, _ = self._chan.request(
             m.Join(session=self.session, shm=self.shm, grad_slots=grad_slots, world_size=world_size), m.Joined
         )
@@ -194,6 +198,7 @@ class Trainer:
             published=published,
             published_dtype=pub_dtype,
             zero_copy=self.zero_copy,
+            tracer=self._tracer,
         )
         self._ring = WeightRing(
             prefetch + 1, max(self._sc.numels), pub_dtype, self.device, allocate=not self.zero_copy
@@ -257,11 +262,59 @@ class Trainer:
         micro-batches' losses. The checkpoint plan applies to every micro-batch (a kept input is
         kept for all k); plans made from a profile count k in their memory budget.
 
-        Returns once the server has applied this step's update to every stage.
+        Returns once the server has applied this step's update to every stage; in a job with
+        ``delayed_update``, once every gradient of the step is sent (:meth:`flush` waits for
+        their updates).
         """
         if self._closed:
             raise StateError("this trainer is closed")
         return self._recovering(lambda: self._step_once(inputs, targets, loss_fn, micro_batches))
+
+    @contextlib.contextmanager
+    def trace(self, path: str | os.PathLike[str]) -> Iterator[Tracer]:
+        """Record a timeline of the steps run inside ``with trainer.trace("step.json"):`` and
+        write it, with the server's side of the same time (gradients gathered, updates queued and
+        run per stage, fetches it held back), as Chrome-trace JSON for https://ui.perfetto.dev or
+        chrome://tracing. See docs/timeline.md for how to read it."""
+        if self._tracer is not None:
+            raise StateError("this trainer is already tracing")
+        tracer = Tracer()
+        self._tracer = tracer
+        self._sc.tracer = tracer
+        try:
+            yield tracer
+            self.flush()  # a delayed-update job's last updates belong in the picture
+        finally:
+            self._tracer = None
+            self._sc.tracer = None
+        sent = time.monotonic_ns()
+        reply, _ = self._chan.request(m.Timeline(session=self.session), m.TimelineReply)
+        received = time.monotonic_ns()
+        offset = reply.now_ns - (sent + received) // 2
+        server = server_spans(reply.events, offset, tracer.started_ns)
+        if reply.dropped:
+            log.warning("the server's timeline of job %r lost %d older events", self.job.name, reply.dropped)
+        processes = [
+            (f"worker {self.worker_id} (job {self.job.name})", tracer.spans, WORKER_LANES),
+            (f"wstream-server (job {self.job.name})", server, SERVER_LANES),
+        ]
+        start = min((s.start_ns for _, spans, _ in processes for s in spans), default=tracer.started_ns)
+        trace = chrome_trace(processes, t0_ns=start)
+        trace["otherData"] = {
+            "job": self.job.name,
+            "worker": self.worker_id,
+            "clock_offset_ns": offset,  # server clock - worker clock
+            "clock_uncertainty_ns": (received - sent) // 2,  # the offset is right to within this
+            "server_events_dropped": reply.dropped,
+        }
+        write_trace(path, trace)
+        log.info("timeline of %d worker and %d server events written to %s", len(tracer.spans), len(server), path)
+
+    def flush(self) -> None:
+        """Wait until the server has applied every gradient this worker sent. Only a job with
+        ``delayed_update`` has any outstanding between steps; ``close()`` flushes too."""
+        if not self._closed:
+            self._pusher.drain()
 
     def _recovering(self, run: Callable[[], float]) -> float:
         """``run()`` a step; when the connection is lost reconnect, and retry the step if the job
@@ -301,6 +354,7 @@ class Trainer:
                 continue
             if on_step is not None:
                 on_step(t, losses[t])
+        self.flush()
         return losses
 
     def _step_once(self, inputs: Any, targets: Any, loss_fn: LossFn, k: int) -> float:
@@ -311,10 +365,12 @@ class Trainer:
         assert self.plan is not None
         self._prefetcher.start(self._step, self._fetch_order)
         run = _PlanRun(join_lanes(as_boundary(x) for x in lanes), k=k, targets=lane_targets, last=len(self._runners) - 1)
+        started = time.monotonic_ns()
         try:
             for op, i in self.plan.actions:
                 self._execute(run, op, i, loss_fn)
-            self._pusher.drain()
+            if not self.delayed_update:  # see server/job.py NOTE [Versions ...] rule 5
+                self._pusher.drain()
         except (ServerUnavailable, SessionExpiredError):
             self._abort_step(run.pushed, recoverable=self.reconnect_s > 0)
             raise
@@ -322,6 +378,8 @@ class Trainer:
             self._abort_step(run.pushed)
             raise
         self._peak_boundary = max(self._peak_boundary, run.peak_bytes)
+        if self._tracer is not None:
+            self._tracer.add(f"step {self._step}", "step", "steps", started, step=self._step, micro_batches=k)
         self._step += 1
         self._steps_done += 1
         return run.loss
@@ -416,6 +474,10 @@ class Trainer:
         """Leave the job (the server detaches this worker) and stop every thread."""
         if self._closed:
             return
+        try:
+            self._pusher.drain()  # a delayed-update job's last gradients
+        except WstreamError as exc:
+            log.warning("the last gradients were not acknowledged: %s", exc)
         self._closed = True
         self._heartbeat.close()
         self._prefetcher.close()
@@ -521,9 +583,12 @@ class Trainer:
             weights = fetched.weights if fetched is not None else run.loop_weights
             runner = self._runners[0 if fetched is None else i]
             outs: list[Boundary] = []
-            for j, lane in enumerate(lanes_of(run.current[1], run.k)):  # stage-major: every micro-batch
-                with torch.no_grad(), self._stage_rng(run, i, j):
-                    outs.append(as_boundary(runner(weights, lane)))
+            first = i not in run.advanced
+            run.advanced.add(i)
+            with self._span(("forward " if first else "recompute ") + str(i), "forward" if first else "recompute", i):
+                for j, lane in enumerate(lanes_of(run.current[1], run.k)):  # stage-major: every micro-batch
+                    with torch.no_grad(), self._stage_rng(run, i, j):
+                        outs.append(as_boundary(runner(weights, lane)))
             if fetched is not None:
                 self._prefetcher.release(fetched)
             run.set_current(i + 1, join_lanes(outs))
@@ -545,6 +610,12 @@ class Trainer:
             assert run.current is not None and run.current[0] == i
             self._backward_stage(run, i, loss_fn)
 
+    def _span(self, name: str, cat: str, stage: int) -> contextlib.AbstractContextManager[None]:
+        """A compute span on the timeline (nothing when not tracing)."""
+        if self._tracer is None:
+            return contextlib.nullcontext()
+        return self._tracer.span(name, cat, "compute", stage=stage, step=self._step)
+
     def _host_mover(self) -> HostMover:
         if self._mover is None:
             self._mover = HostMover(self.device)
@@ -560,11 +631,35 @@ class Trainer:
         fetched = self._prefetcher.get(i) if run.loop_weights is None else None
         runner = self._runners[i if fetched is not None else 0]
         params = runner.leaves(fetched.weights if fetched is not None else run.loop_weights)
-        leaves = [params[p.name] for p in runner.spec.params]
-        k = run.k
-        lanes = lanes_of(run.current[1], k)
-        grad_lanes = [None] * k if i == run.last else lanes_of(tuple(run.grad_out or ()), k)
+        lanes = lanes_of(run.current[1], run.k)
+        grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
         run.drop_current()
+        with self._span(f"backward {i}", "backward", i):
+            param_grads, grad_out = self._backward_lanes(run, i, runner, params, lanes, grad_lanes, loss_fn)
+        run.grad_out = grad_out
+        del params
+        if fetched is None:  # a loop body: sum over its applications, push once at the end
+            run.add_loop_grads(param_grads)
+            return
+        if self.delayed_update:  # (i, t) applies to version t: the update of (i, t - 1) must be done
+            self._pusher.wait_stage(i)
+        self._pusher.push(i, self._step, runner.spec, param_grads)
+        run.pushed = True
+        self._prefetcher.release(fetched)
+
+    def _backward_lanes(
+        self,
+        run: _PlanRun,
+        i: int,
+        runner: StageRunner,
+        params: dict[str, torch.Tensor],
+        lanes: list[Boundary],
+        grad_lanes: list[Boundary | None],
+        loss_fn: LossFn,
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Backpropagate stage i for every micro-batch: (summed parameter gradients, the input
+        gradients of every micro-batch, packed)."""
+        leaves = [params[p.name] for p in runner.spec.params]
         param_grads: list[torch.Tensor | None] = [None] * len(leaves)
         grad_out: list[torch.Tensor | None] = []
         for j, (lane, lane_grad_out) in enumerate(zip(lanes, grad_lanes)):
@@ -581,14 +676,7 @@ class Trainer:
             it = iter(grads[len(leaves) :])
             grad_out.extend(next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs)
             del out, roots, root_grads, grads, inputs, grad_inputs
-        run.grad_out = grad_out
-        del leaves, params
-        if fetched is None:  # a loop body: sum over its applications, push once at the end
-            run.add_loop_grads(param_grads)
-            return
-        self._pusher.push(i, self._step, runner.spec, param_grads)
-        run.pushed = True
-        self._prefetcher.release(fetched)
+        return param_grads, grad_out
 
     @staticmethod
     def _roots(
@@ -658,7 +746,7 @@ class _PlanRun:
     __slots__ = (
         "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last",
         "loop_weights", "loop_grads", "_kept_bytes", "_arriving_bytes", "_current_bytes", "_current_kept",
-        "k", "targets",
+        "k", "targets", "advanced",
     )
 
     def __init__(
@@ -671,6 +759,7 @@ class _PlanRun:
         loop_weights: torch.Tensor | None = None,
     ) -> None:
         self.k = k  # micro-batches: every state is k lanes packed (see ``join_lanes``)
+        self.advanced: set[int] = set()  # stages run forward this step (a rerun is a recomputation)
         self.targets = targets  # one per micro-batch
         self.last = last  # the position whose BACKWARD computes the loss
         self.loop_weights = loop_weights  # a loop body's weights, the same for every position

@@ -25,6 +25,7 @@ MAX_NUMEL = 2**40
 MAX_GRAD_SLOTS = 64
 MAX_STEP = 2**62
 MAX_DATA_FRAMES = 1 << 16
+MAX_TRACE_EVENTS = 65_536
 CHUNK_BYTES = 4 * 2**20
 """Tensor bytes travel in data frames of at most this size: one 64 MiB ZeroMQ frame moves several
 times slower than the same bytes in 4 MiB frames (see BENCHMARKS.md)."""
@@ -153,6 +154,9 @@ class CreateJob(Message, tag="create_job"):
     dtype: Dtype = "float32"
     double_buffer: bool = False
     total_numel: Numel | None = None
+    delayed_update: bool = False
+    """One-step delayed parameter update: step t reads the weights of step t - 1, so the update of
+    step t - 1 runs while step t computes (implies two published slots)."""
 
 
 class AddStage(SessionMessage, tag="add_stage"):
@@ -245,9 +249,16 @@ class Shutdown(SessionMessage, tag="shutdown"):
     """Stop the server cleanly, as SIGTERM does (admin sessions only); answered with ``ok`` first."""
 
 
+class Timeline(SessionMessage, tag="timeline"):
+    """The server's side of the session's job's timeline: events that ended at or after
+    ``since_ns`` (the server's monotonic clock; 0: all it keeps). Answered with ``timeline_reply``."""
+
+    since_ns: Annotated[int, Meta(ge=0)] = 0
+
+
 Request = Union[
     Hello, CreateJob, AddStage, Seal, Attach, AdminAttach, Join, Fetch, Push, Pull, Heartbeat, Leave, DropJob,
-    Status, Save, Shutdown,
+    Status, Save, Shutdown, Timeline,
 ]
 _REQUESTS: tuple[type[Message], ...] = Request.__args__  # type: ignore[attr-defined]
 
@@ -278,6 +289,7 @@ class Attached(Message, tag="attached"):
     """Byte offsets in the published segment of each stage's two slots (equal when single)."""
     published_dtype: Dtype
     lease_s: float
+    delayed_update: bool = False
 
 
 class Joined(Message, tag="joined"):
@@ -343,6 +355,29 @@ class JobInfo(Struct, frozen=True, kw_only=True):
     """The step of the job's newest snapshot on disk (None: none yet, or no store)."""
 
 
+class TraceEvent(Struct, frozen=True, kw_only=True, array_like=True):
+    """One span of server work for a job: ``name`` on ``lane`` (a thread, or a kind of wait), from
+    ``start_ns`` (server monotonic clock) for ``dur_ns``."""
+
+    name: str
+    cat: str
+    lane: str
+    start_ns: int
+    dur_ns: int
+    stage: int
+    step: int
+
+
+class TimelineReply(Message, tag="timeline_reply"):
+    """``now_ns``: the server's monotonic clock when it answered (to align the two clocks);
+    ``events``: the newest ``MAX_TRACE_EVENTS`` at most, oldest first; ``dropped``: older ones the
+    server no longer kept."""
+
+    now_ns: int
+    events: list[TraceEvent]
+    dropped: int = 0
+
+
 class StatusReply(Message, tag="status_reply"):
     protocol: int
     pid: int
@@ -357,7 +392,9 @@ class Error(Message, tag="error"):
     message: str
 
 
-Reply = Union[Challenge, Attached, AdminAttached, Joined, Weights, Pushed, Master, Ok, Saved, StatusReply, Error]
+Reply = Union[
+    Challenge, Attached, AdminAttached, Joined, Weights, Pushed, Master, Ok, Saved, StatusReply, TimelineReply, Error
+]
 _REPLIES: tuple[type[Message], ...] = Reply.__args__  # type: ignore[attr-defined]
 
 

@@ -14,6 +14,13 @@ queues stage updates through the ``submit`` callback; :mod:`wstream.server.servi
 #    when the version flips. ``pull(i)`` is deferred while stage i updates (no torn reads).
 # 4. Gradient slot s of a worker is busy from its push until the reply ``pushed`` (sent after the
 #    update consumed it); a push into a busy slot is an error.
+# 5. A job with ``delayed_update`` reads one version behind: step t reads w_i(t - 1) (and the
+#    first step after creation or a restore reads the weights it starts from), while the update
+#    of (i, t - 1) may be running. Its gradient for (i, t) is still applied to version t, and
+#    only once that version exists (the worker waits for the acknowledgement of (i, t - 1)
+#    before pushing (i, t)). Such a job always has two slots: version v is in slot v % 2, and the
+#    update (i, t) -> t + 1 writes slot (t + 1) % 2 = (t - 1) % 2 only after every expected
+#    worker pushed (i, t), i.e. after its last read of w_i(t - 1) (rule 2).
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ import hmac
 import logging
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -79,6 +86,7 @@ class Deferred:
     step: int = 0
     shm: bool = True
     worker: Worker | None = None
+    since_ns: int = field(default_factory=time.monotonic_ns)
 
 
 MAX_WAITING_FETCHES = 1024
@@ -90,6 +98,7 @@ class PendingPush:
     slot: int
     identity: bytes
     request_id: int
+    arrived_ns: int = field(default_factory=time.monotonic_ns)
 
 
 @dataclass(slots=True)
@@ -151,8 +160,13 @@ class UpdateTask:
     stage: StageState
     grads: list[torch.Tensor]
     seconds: float = 0.0
+    submitted_ns: int = field(default_factory=time.monotonic_ns)
+    started_ns: int = 0
+    thread: str = ""
 
     def run(self) -> UpdateTask:
+        self.started_ns = time.monotonic_ns()
+        self.thread = threading.current_thread().name
         t0 = time.perf_counter()
         st = self.stage
         snap = self.job.snapshot
@@ -194,7 +208,9 @@ class Job:
         self._token = record.token_digest
         self.optimizer_spec = record.optimizer
         self.dtype = record.dtype
-        self.double_buffer = record.double_buffer or record.dtype != "float32"
+        self.delayed_update = record.delayed_update
+        self.double_buffer = record.double_buffer or record.dtype != "float32" or record.delayed_update
+        self.base_step = 0  # delayed updates read max(t - 1, base_step): see NOTE rule 5
         self.published_dtype = record.dtype if self.double_buffer else "float32"
         self.memory = memory
         if total_numel is not None:
@@ -211,6 +227,8 @@ class Job:
         self.updates = 0
         self.optimizer_seconds = 0.0
         self.sealed = False
+        self.timeline: deque[m.TraceEvent] = deque(maxlen=m.MAX_TRACE_EVENTS)  # for ``timeline``
+        self.timeline_dropped = 0
         self.world_size: int | None = None  # set by the first join; see Join
         self.started = False  # the start barrier opened
         self.max_stage_numel = 0
@@ -229,7 +247,9 @@ class Job:
 
     @classmethod
     def create(cls, msg: m.CreateJob, memory: MemoryAccount) -> Job:
-        record = JobRecord(msg.name, token_digest(msg.token), msg.optimizer, msg.dtype, msg.double_buffer, [])
+        record = JobRecord(
+            msg.name, token_digest(msg.token), msg.optimizer, msg.dtype, msg.double_buffer, [], msg.delayed_update
+        )
         return cls(record, memory, msg.total_numel)
 
     @classmethod
@@ -256,6 +276,7 @@ class Job:
             job.close()
             raise
         job.last_snapshot_step = step
+        job.base_step = step  # the weights before ``step`` are gone: the first step reads ``step``
         return job
 
     def snapshot_sources(self) -> list[tuple[threading.Lock, Callable[[], dict[str, torch.Tensor]]]]:
@@ -264,7 +285,13 @@ class Job:
 
     def record(self) -> JobRecord:
         return JobRecord(
-            self.name, self._token, self.optimizer_spec, self.dtype, self.double_buffer, [s.spec for s in self.stages]
+            self.name,
+            self._token,
+            self.optimizer_spec,
+            self.dtype,
+            self.double_buffer,
+            [s.spec for s in self.stages],
+            self.delayed_update,
         )
 
     # ---- creation --------------------------------------------------------------------------------
@@ -402,6 +429,7 @@ class Job:
             slot_offsets=[s.slot_offsets for s in self.stages],
             published_dtype=self.published_dtype,
             lease_s=lease_s,
+            delayed_update=self.delayed_update,
         )
 
     def info(self) -> m.JobInfo:
@@ -503,10 +531,12 @@ class Job:
         if not self.ready:
             raise NotReadyError(f"job {self.name!r} is still uploading its weights")
         st = self.stage(msg.stage)
-        t = msg.step
-        if t == st.version and not st.updating:
-            return self._weights_reply(st, identity, msg.id, worker.shm)
-        if t == st.version + 1 or (t == st.version and st.updating and not st.single_slot):
+        t = self.read_version(msg.step)
+        if t == st.version and (not st.updating or not st.single_slot):  # an update writes the other slot
+            return self._weights_reply(st, t, identity, msg.id, worker.shm)
+        if self.delayed_update and t == st.version - 1 and not st.updating:  # NOTE rule 5
+            return self._weights_reply(st, t, identity, msg.id, worker.shm)
+        if t == st.version + 1:
             if worker.waiting >= MAX_WAITING_FETCHES:
                 raise StateError(
                     f"this worker already has {worker.waiting} fetches waiting for updates (the limit is "
@@ -517,16 +547,20 @@ class Job:
             return None
         if t > st.version + 1:
             raise StaleStepError(
-                f"stage {msg.stage} is at step {st.version}; step {t} is more than one step ahead"
+                f"stage {msg.stage} is at step {st.version}; step {msg.step} is more than one step ahead"
             )
         raise StaleStepError(
             f"stage {msg.stage} weights of step {t} were replaced (the stage is at step "
             f"{st.version}{', updating' if st.updating else ''})"
         )
 
-    def _weights_reply(self, st: StageState, identity: bytes, request_id: int, shm: bool) -> Outgoing:
-        k = st.slot_for(st.version)
-        reply = m.Weights(id=request_id, stage=st.index, step=st.version, offset=st.slot_offsets[k])
+    def read_version(self, step: int) -> int:
+        """The weights version step ``step`` computes on (NOTE rule 5)."""
+        return max(step - 1, self.base_step) if self.delayed_update else step
+
+    def _weights_reply(self, st: StageState, version: int, identity: bytes, request_id: int, shm: bool) -> Outgoing:
+        k = st.slot_for(version)
+        reply = m.Weights(id=request_id, stage=st.index, step=version, offset=st.slot_offsets[k])
         frames: list[object] = [] if shm else list(tensor_frames(st.slots[k]))
         return Outgoing(identity, reply, frames)
 
@@ -570,6 +604,8 @@ class Job:
         if not expected.issubset(st.pending):
             return
         grads = [self.workers[wid].slots[p.slot][: st.spec.numel] for wid, p in sorted(st.pending.items())]
+        first = min(p.arrived_ns for p in st.pending.values())
+        self._trace(f"gradients {st.index}", "gather", "gradients in", first, time.monotonic_ns(), st.index, st.version)
         st.updating = True
         self._updating += 1
         submit(UpdateTask(self, st, grads))
@@ -592,6 +628,10 @@ class Job:
                 out.append(
                     Outgoing(p.identity, m.Error(id=p.request_id, code="internal", message=f"update failed: {error}"))
                 )
+        if task.started_ns:
+            end = task.started_ns + int(task.seconds * 1e9)
+            self._trace(f"queued {st.index}", "queue", "update queue", task.submitted_ns, task.started_ns, st.index, st.version)
+            self._trace(f"update {st.index}", "optimizer", task.thread, task.started_ns, end, st.index, st.version)
         if error is None:
             log.debug("job %r stage %d: step %d applied (workers %s)", self.name, st.index, st.version, sorted(pending))
             self._set_version(st, st.version + 1)
@@ -599,6 +639,16 @@ class Job:
             self.optimizer_seconds += task.seconds
         out.extend(self._answer_waiters(st))
         return out
+
+    def _trace(self, name: str, cat: str, lane: str, start_ns: int, end_ns: int, stage: int, step: int) -> None:
+        if len(self.timeline) == self.timeline.maxlen:
+            self.timeline_dropped += 1
+        self.timeline.append(
+            m.TraceEvent(name=name, cat=cat, lane=lane, start_ns=start_ns, dur_ns=end_ns - start_ns, stage=stage, step=step)
+        )
+
+    def timeline_since(self, since_ns: int) -> list[m.TraceEvent]:
+        return [e for e in self.timeline if e.start_ns + e.dur_ns >= since_ns]
 
     def _set_version(self, st: StageState, version: int) -> None:
         self._versions[st.version] -= 1
@@ -613,7 +663,8 @@ class Job:
         st.waiting_fetch = []
         for d in waiting:
             if d.step == st.version:
-                out.append(self._weights_reply(st, d.identity, d.request_id, d.shm))
+                out.append(self._weights_reply(st, d.step, d.identity, d.request_id, d.shm))
+                self._trace(f"fetch {st.index} waited", "deferred", "deferred fetches", d.since_ns, time.monotonic_ns(), st.index, d.step)
                 if d.worker is not None:
                     d.worker.waiting -= 1
             else:

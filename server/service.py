@@ -128,6 +128,7 @@ class Server:
             m.DropJob: self._on_drop_job,
             m.Status: self._on_status,
             m.Save: self._on_save,
+            m.Timeline: self._on_timeline,
         }
         self._last_seen: dict[bytes, float] = {}
         self._nonces = NonceStore(config.nonce_ttl_s, config.max_pending_nonces)
@@ -507,6 +508,15 @@ class Server:
             self._writer.submit(self.store.delete_job, job.name)
         job.close()
         log.info("job %r %s; %d bytes free", job.name, reason, self.memory.free)
+
+    def _on_timeline(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        assert isinstance(msg, m.Timeline)
+        job = self._session(msg.session).job
+        if job is None:
+            raise StateError("timeline needs a job's session, not an admin session")
+        events = job.timeline_since(msg.since_ns)
+        reply = m.TimelineReply(id=msg.id, now_ns=time.monotonic_ns(), events=events, dropped=job.timeline_dropped)
+        return Outgoing(identity, reply)
 
     def _on_status(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
         reply = m.StatusReply(

@@ -86,6 +86,7 @@ class JobRecord:
     dtype: str
     double_buffer: bool
     specs: list[m.StageSpec]
+    delayed_update: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -94,6 +95,7 @@ class JobRecord:
             "optimizer": msgspec.to_builtins(self.optimizer),
             "dtype": self.dtype,
             "double_buffer": self.double_buffer,
+            "delayed_update": self.delayed_update,
             "stages": [msgspec.to_builtins(s) for s in self.specs],
         }
 
@@ -106,6 +108,7 @@ class JobRecord:
             dtype=d["dtype"],
             double_buffer=bool(d["double_buffer"]),
             specs=[msgspec.convert(s, m.StageSpec) for s in d["stages"]],
+            delayed_update=bool(d.get("delayed_update", False)),
         )
 
 

@@ -1,0 +1,82 @@
+"""trainer.trace(): one Chrome-trace file with the worker's and the server's side of the steps."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import models
+from wstream.client import AdamW, Client
+from wstream.client.timeline import Span, _assign_sublanes
+
+STEPS = 2
+
+
+def load(path: Path) -> tuple[list[dict], dict[int, str], dict]:
+    trace = json.loads(path.read_text())
+    names = {e["pid"]: e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"}
+    spans = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    return spans, names, trace["otherData"]
+
+
+@pytest.mark.parametrize("delayed", [False, True])
+def test_trace_shows_every_fetch_compute_push_and_update(client: Client, tmp_path: Path, delayed: bool) -> None:
+    job = client.create_job("traced", models.mixed(), optimizer=AdamW(lr=1e-3), token="t", delayed_update=delayed)
+    n = len(job.specs)
+    with job.trainer(zero_copy=False, schedule="revolve", slots=2) as trainer:
+        trainer.step(*models.batch("mixed", 0), models.loss_fn)  # untraced
+        with trainer.trace(tmp_path / "step.json"):
+            for s in range(1, 1 + STEPS):
+                trainer.step(*models.batch("mixed", s), models.loss_fn)
+        plan = trainer.plan
+        assert plan is not None
+        trainer.step(*models.batch("mixed", 3), models.loss_fn)  # untraced again
+    spans, procs, meta = load(tmp_path / "step.json")
+    worker_pid = next(p for p, name in procs.items() if name.startswith("worker"))
+    server_pid = next(p for p, name in procs.items() if name.startswith("wstream-server"))
+    worker = [e for e in spans if e["pid"] == worker_pid]
+    server = [e for e in spans if e["pid"] == server_pid]
+    # (a delayed-update job acknowledges step 0's pushes, and updates it, during step 1)
+    count = Counter(e["cat"] for e in worker if e["args"].get("step", 1) in (1, 2))
+    assert count["step"] == STEPS  # only the traced steps
+    assert count["forward"] == STEPS * (n - 1)  # the last stage's forward runs in its backward
+    assert count["recompute"] == STEPS * (plan.advances - (n - 1))
+    assert count["backward"] == STEPS * n
+    assert count["fetch"] == count["copy"] == STEPS * len(plan.fetch_order())
+    assert count["push"] == 2 * STEPS * n  # the gradient copy and the push itself, per stage
+    assert {e["args"]["step"] for e in worker if e["cat"] == "backward"} == {1, 2}
+    updates = [e for e in server if e["cat"] == "optimizer" and e["args"]["step"] in (1, 2)]
+    assert sorted((e["args"]["stage"], e["args"]["step"]) for e in updates) == sorted(
+        (i, t) for i in range(n) for t in (1, 2)
+    )
+    assert Counter(e["cat"] for e in server if e["args"]["step"] in (1, 2))["queue"] == len(updates)
+    # the clocks agree: each update lies inside the push it answers, as the worker saw it
+    slack = meta["clock_uncertainty_ns"] / 1000 + 1.0  # microseconds
+    pushes = {
+        (e["args"]["stage"], e["args"]["step"]): e for e in worker if e["cat"] == "push" and e["name"].startswith("push")
+    }
+    for u in updates:
+        p = pushes[(u["args"]["stage"], u["args"]["step"])]
+        assert p["ts"] - slack <= u["ts"] and u["ts"] + u["dur"] <= p["ts"] + p["dur"] + slack
+
+
+def test_overlapping_spans_get_their_own_sub_lanes() -> None:
+    spans = [
+        Span("a", "fetch", "weight fetches", 0, 10),
+        Span("b", "fetch", "weight fetches", 5, 15),  # overlaps a without nesting
+        Span("c", "fetch", "weight fetches", 6, 8),  # nested in a... and in b: first free sub-lane
+        Span("d", "fetch", "weight fetches", 12, 20),  # a ended: back on the first
+    ]
+    lanes = {s.name: lane for lane, s in _assign_sublanes(spans)}
+    assert lanes == {"a": "weight fetches", "b": "weight fetches #2", "c": "weight fetches", "d": "weight fetches"}
+
+
+def test_tracing_twice_at_once_is_refused(client: Client, tmp_path: Path) -> None:
+    job = client.create_job("twice", models.mixed(), optimizer=AdamW(lr=1e-3), token="t")
+    with job.trainer() as trainer, trainer.trace(tmp_path / "a.json"):
+        with pytest.raises(Exception, match="already tracing"):
+            with trainer.trace(tmp_path / "b.json"):
+                pass
