@@ -79,6 +79,7 @@ class Client:
         dtype: m.Dtype = "float32",
         double_buffer: bool = False,
         delayed_update: bool = False,
+        delay_after: int = 0,
         progress: bool = False,
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
@@ -86,7 +87,9 @@ class Client:
         ``delayed_update``: the one-step delayed parameter update of the ZeRO-Offload paper. Step t
         computes on the weights of step t - 1 while the server applies step t - 1's gradients, so
         the CPU optimizer leaves the critical path; step t's gradient is then applied to the
-        weights of step t (one step stale). The default is exactly synchronous training.
+        weights of step t (one step stale). ``delay_after``: steps before this one run
+        synchronously, as the ZeRO-Offload paper warms up before delaying (early training moves
+        the weights fastest, where staleness costs most). The default is exactly synchronous.
 
         Each module's parameters are uploaded and the module is then moved to the meta device in
         place (its memory is freed; it stays usable as the job's skeleton), so a model larger than
@@ -107,6 +110,7 @@ class Client:
                 double_buffer=double_buffer,
                 total_numel=total,
                 delayed_update=delayed_update,
+                delay_after=delay_after,
             ),
             m.Attached,
         )
@@ -232,6 +236,7 @@ class Job:
         self.optimizer = attached.optimizer
         self.dtype = attached.dtype
         self.delayed_update = attached.delayed_update
+        self.delay_after = attached.delay_after
         self._token = token
         self._skeletons = skeletons
 

@@ -297,7 +297,7 @@ class Prefetcher:
         t0 = time.monotonic_ns()
         idx = self._ring.acquire(stop)
         if sc.tracer is not None and time.monotonic_ns() - t0 > TRACE_MIN_WAIT_NS:
-            sc.tracer.add(f"ring full {stage}", "wait", "weight copies", t0, stage=stage)
+            sc.tracer.add(f"ring full {stage}", "ring", "weight copies", t0, stage=stage)
         t0 = time.monotonic_ns()
         numel = sc.numels[stage]
         if sc.zero_copy:
@@ -331,8 +331,8 @@ class GradientPusher:
         self._chan = Channel(sc.ctx, sc.address, timeout_s=sc.timeout_s, signer=sc.signer)
         self._slots = slots  # shm views, or None in frames mode
         self._free = list(range(nslots))[::-1]
-        # request id -> (slot, frame keep-alive, stage, step, send time)
-        self._outstanding: dict[int, tuple[int, object, int, int, int]] = {}
+        # request id -> (slot, frame keep-alive, stage, step, send started, send returned)
+        self._outstanding: dict[int, tuple[int, object, int, int, int, int]] = {}
         self.stats = StreamStats()
 
     def push(self, stage: int, step: int, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
@@ -351,7 +351,7 @@ class GradientPusher:
         msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
         sent = time.monotonic_ns()
         rid = self._chan.send(msg, frames, copy=False)
-        self._outstanding[rid] = (slot, keep, stage, step, sent)
+        self._outstanding[rid] = (slot, keep, stage, step, sent, time.monotonic_ns())
         if self._sc.tracer is not None:
             self._sc.tracer.add(f"grad copy {stage}", "push", "compute", t0, sent, stage=stage, step=step)
         self.stats.pushes += 1
@@ -389,9 +389,10 @@ class GradientPusher:
             log.debug("dropping an unexpected reply %s", type(reply).__name__)
             return
         self._free.append(entry[0])
-        if self._sc.tracer is not None:
-            _, _, stage, step, sent = entry
-            self._sc.tracer.add(f"push {stage}", "push", "gradient pushes", sent, stage=stage, step=step)
+        if self._sc.tracer is not None:  # the send; when the worker saw the reply goes in args
+            _, _, stage, step, sent, returned = entry
+            seen_us = (time.monotonic_ns() - sent) / 1000
+            self._sc.tracer.add(f"push {stage}", "push", "gradient pushes", sent, returned, stage=stage, step=step, ack_seen_us=seen_us)
         raise_or_narrow(reply, m.Pushed)
 
     def forget_outstanding(self) -> None:

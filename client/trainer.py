@@ -173,6 +173,7 @@ class Trainer:
             raise StateError("zero_copy=True needs a CPU device and shared memory (shm)")
         self.zero_copy = cpu_shm if zero_copy is None else zero_copy
         self.delayed_update = attached.delayed_update
+        self.delay_after = attached.delay_after
         joined, _ = self._chan.request(
             m.Join(session=self.session, shm=self.shm, grad_slots=grad_slots, world_size=world_size), m.Joined
         )
@@ -369,7 +370,7 @@ class Trainer:
         try:
             for op, i in self.plan.actions:
                 self._execute(run, op, i, loss_fn)
-            if not self.delayed_update:  # see server/job.py NOTE [Versions ...] rule 5
+            if not self._delayed():  # see server/job.py NOTE [Versions ...] rule 5
                 self._pusher.drain()
         except (ServerUnavailable, SessionExpiredError):
             self._abort_step(run.pushed, recoverable=self.reconnect_s > 0)
@@ -610,6 +611,10 @@ class Trainer:
             assert run.current is not None and run.current[0] == i
             self._backward_stage(run, i, loss_fn)
 
+    def _delayed(self) -> bool:
+        """Whether this step may end before its updates (a delayed-update job past its warm-up)."""
+        return self.delayed_update and self._step >= self.delay_after
+
     def _span(self, name: str, cat: str, stage: int) -> contextlib.AbstractContextManager[None]:
         """A compute span on the timeline (nothing when not tracing)."""
         if self._tracer is None:
@@ -641,7 +646,7 @@ class Trainer:
         if fetched is None:  # a loop body: sum over its applications, push once at the end
             run.add_loop_grads(param_grads)
             return
-        if self.delayed_update:  # (i, t) applies to version t: the update of (i, t - 1) must be done
+        if self._delayed():  # (i, t) applies to version t: the update of (i, t - 1) must be done
             self._pusher.wait_stage(i)
         self._pusher.push(i, self._step, runner.spec, param_grads)
         run.pushed = True

@@ -11,6 +11,7 @@ next to what the whole model would need, and a sample of generated text.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
@@ -83,6 +84,10 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--micro-batches", type=int, default=1, help="run each stage for K micro-batches of the batch (stage-major)")
+    p.add_argument("--delayed-update", action="store_true", help="one-step delayed parameter update (off the critical path)")
+    p.add_argument("--delay-after", type=int, default=10, metavar="N", help="with --delayed-update: the first N steps are synchronous")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome-trace/Perfetto timeline of the last 2 steps to FILE")
     args = p.parse_args()
 
     text = TEXT.read_text()
@@ -97,7 +102,13 @@ def main() -> None:
         with Client(args.server) as client:
             torch.manual_seed(args.seed)
             job = client.create_job(
-                job_name, gpt_stages(cfg), optimizer=AdamW(lr=args.lr, weight_decay=0.1), token="demo", progress=True
+                job_name,
+                gpt_stages(cfg),
+                optimizer=AdamW(lr=args.lr, weight_decay=0.1),
+                token="demo",
+                progress=True,
+                delayed_update=args.delayed_update,
+                delay_after=args.delay_after,
             )
             print(f"job {job_name!r}: {job.num_stages} stages, {job.num_params:,} parameters")
             data_iter = batches(data, args.seq, args.batch, args.seed)
@@ -106,15 +117,20 @@ def main() -> None:
                 bar = tqdm(range(args.steps), desc="training", unit="step")
                 first = last = 0.0
                 t0 = time.perf_counter()
-                for step in bar:
-                    x, y = next(data_iter)
-                    last = trainer.step(x, y, lm_loss)
-                    first = first or last
-                    bar.set_postfix(loss=f"{last:.3f}")
+                with contextlib.ExitStack() as tracing:
+                    for step in bar:
+                        if args.trace and step == max(args.steps - 2, 0):
+                            tracing.enter_context(trainer.trace(args.trace))  # written when the loop ends
+                        x, y = next(data_iter)
+                        last = trainer.step(x, y, lm_loss, micro_batches=args.micro_batches)
+                        first = first or last
+                        bar.set_postfix(loss=f"{last:.3f}")
                 elapsed = time.perf_counter() - t0
                 stats = trainer.stats()
             rss = process.memory_info().rss
             params = job.num_params
+            if args.trace:
+                print(f"timeline of the last steps: {args.trace} (open in https://ui.perfetto.dev)")
             print(f"\nloss {first:.3f} -> {last:.3f} in {args.steps} steps ({args.steps / elapsed:.1f} steps/s)")
             print("memory:")
             print(f"  whole model, fp32 weights + grads + AdamW state (16 B/param): {format_bytes(16 * params)}")

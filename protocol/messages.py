@@ -157,6 +157,8 @@ class CreateJob(Message, tag="create_job"):
     delayed_update: bool = False
     """One-step delayed parameter update: step t reads the weights of step t - 1, so the update of
     step t - 1 runs while step t computes (implies two published slots)."""
+    delay_after: Step = 0
+    """With ``delayed_update``: steps before this one are synchronous (a warm-up)."""
 
 
 class AddStage(SessionMessage, tag="add_stage"):
@@ -290,6 +292,7 @@ class Attached(Message, tag="attached"):
     published_dtype: Dtype
     lease_s: float
     delayed_update: bool = False
+    delay_after: Step = 0
 
 
 class Joined(Message, tag="joined"):

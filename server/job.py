@@ -14,8 +14,9 @@ queues stage updates through the ``submit`` callback; :mod:`wstream.server.servi
 #    when the version flips. ``pull(i)`` is deferred while stage i updates (no torn reads).
 # 4. Gradient slot s of a worker is busy from its push until the reply ``pushed`` (sent after the
 #    update consumed it); a push into a busy slot is an error.
-# 5. A job with ``delayed_update`` reads one version behind: step t reads w_i(t - 1) (and the
-#    first step after creation or a restore reads the weights it starts from), while the update
+# 5. A job with ``delayed_update`` reads one version behind: step t reads w_i(t - 1) (but the
+#    first step after creation or a restore reads the weights it starts from, and steps before
+#    ``delay_after`` read w_i(t) as synchronous training does), while the update
 #    of (i, t - 1) may be running. Its gradient for (i, t) is still applied to version t, and
 #    only once that version exists (the worker waits for the acknowledgement of (i, t - 1)
 #    before pushing (i, t)). Such a job always has two slots: version v is in slot v % 2, and the
@@ -209,6 +210,7 @@ class Job:
         self.optimizer_spec = record.optimizer
         self.dtype = record.dtype
         self.delayed_update = record.delayed_update
+        self.delay_after = record.delay_after
         self.double_buffer = record.double_buffer or record.dtype != "float32" or record.delayed_update
         self.base_step = 0  # delayed updates read max(t - 1, base_step): see NOTE rule 5
         self.published_dtype = record.dtype if self.double_buffer else "float32"
@@ -248,7 +250,14 @@ class Job:
     @classmethod
     def create(cls, msg: m.CreateJob, memory: MemoryAccount) -> Job:
         record = JobRecord(
-            msg.name, token_digest(msg.token), msg.optimizer, msg.dtype, msg.double_buffer, [], msg.delayed_update
+            msg.name,
+            token_digest(msg.token),
+            msg.optimizer,
+            msg.dtype,
+            msg.double_buffer,
+            [],
+            msg.delayed_update,
+            msg.delay_after,
         )
         return cls(record, memory, msg.total_numel)
 
@@ -292,6 +301,7 @@ class Job:
             self.double_buffer,
             [s.spec for s in self.stages],
             self.delayed_update,
+            self.delay_after,
         )
 
     # ---- creation --------------------------------------------------------------------------------
@@ -430,6 +440,7 @@ class Job:
             published_dtype=self.published_dtype,
             lease_s=lease_s,
             delayed_update=self.delayed_update,
+            delay_after=self.delay_after,
         )
 
     def info(self) -> m.JobInfo:
@@ -556,7 +567,9 @@ class Job:
 
     def read_version(self, step: int) -> int:
         """The weights version step ``step`` computes on (NOTE rule 5)."""
-        return max(step - 1, self.base_step) if self.delayed_update else step
+        if not self.delayed_update or step < self.delay_after:
+            return step
+        return max(step - 1, self.base_step)
 
     def _weights_reply(self, st: StageState, version: int, identity: bytes, request_id: int, shm: bool) -> Outgoing:
         k = st.slot_for(version)

@@ -87,6 +87,7 @@ class JobRecord:
     double_buffer: bool
     specs: list[m.StageSpec]
     delayed_update: bool = False
+    delay_after: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -96,6 +97,7 @@ class JobRecord:
             "dtype": self.dtype,
             "double_buffer": self.double_buffer,
             "delayed_update": self.delayed_update,
+            "delay_after": self.delay_after,
             "stages": [msgspec.to_builtins(s) for s in self.specs],
         }
 
@@ -109,6 +111,7 @@ class JobRecord:
             double_buffer=bool(d["double_buffer"]),
             specs=[msgspec.convert(s, m.StageSpec) for s in d["stages"]],
             delayed_update=bool(d.get("delayed_update", False)),
+            delay_after=int(d.get("delay_after", 0)),
         )
 
 

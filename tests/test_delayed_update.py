@@ -19,17 +19,18 @@ STEPS = 8
 
 
 def delayed_reference(
-    stages: list[nn.Module], steps: int, ranks: int = 1, model: str = "mixed", lr: float = 3e-3
+    stages: list[nn.Module], steps: int, ranks: int = 1, model: str = "mixed", lr: float = 3e-3, warmup: int = 0
 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     """Plain PyTorch with the delayed update written out: the gradient of step t is taken at the
-    weights after t - 1 updates (after 0 for the first step) and applied to the weights after t."""
+    weights after t - 1 updates (after 0 for the first step; after t for the ``warmup`` first
+    steps) and applied to the weights after t."""
     master = nn.Sequential(*stages)
     reader = copy.deepcopy(master)
     opt = torch.optim.AdamW(master.parameters(), lr=lr, weight_decay=0.05)
     versions = [copy.deepcopy(master.state_dict())]
     losses = []
     for step in range(steps):
-        reader.load_state_dict(versions[max(step - 1, 0)])
+        reader.load_state_dict(versions[step if step < warmup else max(step - 1, 0)])
         reader.zero_grad()
         per_rank = [models.loss_fn(reader(x), y) for x, y in (models.batch(model, step, r) for r in range(ranks))]
         loss = sum(per_rank) / ranks
@@ -42,16 +43,17 @@ def delayed_reference(
     return master.state_dict(), losses
 
 
-@pytest.mark.parametrize("mode", ["zero-copy", "shm-copy", "frames"])
-def test_delayed_update_is_the_delayed_update_exactly(client: Client, mode: str) -> None:
+@pytest.mark.parametrize(("mode", "warmup"), [("zero-copy", 0), ("shm-copy", 3), ("frames", 0)])
+def test_delayed_update_is_the_delayed_update_exactly(client: Client, mode: str, warmup: int) -> None:
     stages = models.mixed()
     start = copy.deepcopy(stages)
-    job = client.create_job("dpu", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t", delayed_update=True)
-    assert job.delayed_update
+    opt = AdamW(lr=3e-3, weight_decay=0.05)
+    job = client.create_job("dpu", stages, optimizer=opt, token="t", delayed_update=True, delay_after=warmup)
+    assert job.delayed_update and job.delay_after == warmup
     kwargs = {"shm": False} if mode == "frames" else {"zero_copy": mode == "zero-copy"}
     with job.trainer(schedule="revolve", slots=2, **kwargs) as trainer:
         losses = [trainer.step(*models.batch("mixed", s), models.loss_fn) for s in range(STEPS)]
-    want, ref_losses = delayed_reference(start, STEPS)
+    want, ref_losses = delayed_reference(start, STEPS, warmup=warmup)
     assert_weights_equal(job.state_dict(), want, atol=1e-6)
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     # and it is not synchronous training: that ends elsewhere

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -18,6 +19,7 @@ def test_gpt_demo_starts_a_server_trains_and_reports_memory(tmp_path: Path) -> N
             sys.executable,
             str(ROOT / "examples" / "train_gpt.py"),
             *("--server", f"ipc://{tmp_path}/demo.sock", "--steps", "12", "--layers", "2", "--embd", "64"),
+            *("--micro-batches", "2", "--trace", str(tmp_path / "trace.json")),
         ],
         capture_output=True,
         text=True,
@@ -31,5 +33,9 @@ def test_gpt_demo_starts_a_server_trains_and_reports_memory(tmp_path: Path) -> N
     assert last < first  # 12 steps from random init already lower the loss
     assert "worker peak: weight ring" in text and "2 of 4 stages resident at most, peak 2" in text
     assert "sample:\nShall I " in text
+    trace = json.loads((tmp_path / "trace.json").read_text())
+    steps = [e for e in trace["traceEvents"] if e.get("cat") == "step"]
+    assert [e["args"]["step"] for e in steps] == [10, 11] and all(e["args"]["micro_batches"] == 2 for e in steps)
+    assert any(e.get("cat") == "optimizer" for e in trace["traceEvents"])  # the server's side
     pid = int(re.search(r"started wstream-server \(pid (\d+)\)", text).group(1))
     assert segment_paths(pid) == []  # the demo's server cleaned up (other servers may be running)
