@@ -21,7 +21,7 @@ from wstream.protocol import ServerUnavailable, SessionExpiredError, StateError,
 from wstream.protocol import messages as m
 from wstream.protocol.shm import map_segment
 
-from .channel import Channel, attach_session
+from .channel import attach_session
 from .offload import HostMover, PendingMove
 from .plans import OnlineBisection, Op, Plan, StageCosts
 from .stages import Boundary, StageRunner, as_boundary, boundary_bytes
@@ -120,7 +120,7 @@ class Trainer:
         self._fetch_order = self.plan.fetch_order() if self.plan is not None else []
         self._mover: HostMover | None = None
         client = job.client
-        self._chan = Channel(client.ctx, client.address, timeout_s=client.timeout_s)
+        self._chan = client.channel()
         try:
             self._connect(*self._connect_args)
         except BaseException:
@@ -182,6 +182,7 @@ class Trainer:
         self._sc = StreamContext(
             ctx=client.ctx,
             address=client.address,
+            curve=client.curve,
             timeout_s=client.timeout_s,
             wait_timeout_s=client.wait_timeout_s,
             session=self.session,
@@ -211,7 +212,7 @@ class Trainer:
         self._chan.close()
         client = self.job.client
         with contextlib.suppress(WstreamError):  # if the server is alive, drop the old worker at once
-            probe = Channel(client.ctx, client.address, timeout_s=1.0, signer=old_signer)
+            probe = client.channel(timeout_s=1.0, signer=old_signer)
             try:
                 probe.request(m.Leave(session=old_session), m.Ok)
             finally:
@@ -219,7 +220,7 @@ class Trainer:
         deadline = time.monotonic() + self.reconnect_s
         delay = 0.05
         while True:
-            self._chan = Channel(client.ctx, client.address, timeout_s=min(client.timeout_s, 5.0))
+            self._chan = client.channel(timeout_s=min(client.timeout_s, 5.0))
             try:
                 self._connect(*self._connect_args)
                 break
