@@ -12,6 +12,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psutil
 import torch
@@ -34,15 +35,16 @@ def machine() -> str:
 
 
 @contextlib.contextmanager
-def server(*extra: str) -> Iterator[str]:
-    """A wstream-server subprocess on a fresh ipc endpoint; yields its address."""
+def server(*extra: str, address: str | None = None, **client_options: Any) -> Iterator[str]:
+    """A wstream-server subprocess on ``address`` (default: a fresh ipc endpoint); yields its
+    address. ``client_options``: what a ``Client`` needs to reach it (CURVE keys)."""
     with tempfile.TemporaryDirectory() as tmp:
-        address = f"ipc://{tmp}/bench.sock"
+        address = address or f"ipc://{tmp}/bench.sock"
         proc = subprocess.Popen(
             [sys.executable, "-m", "wstream.server", "--bind", address, "--log-level", "WARNING", *extra]
         )
         try:
-            wait_for_server(address, timeout=60, alive=lambda: proc.poll() is None)
+            wait_for_server(address, timeout=60, alive=lambda: proc.poll() is None, **client_options)
             yield address
         finally:
             proc.send_signal(signal.SIGTERM)

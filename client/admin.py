@@ -11,12 +11,18 @@ from typing import Any
 import msgspec
 
 from wstream.protocol import WstreamError, format_bytes
+from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY, write_keypair
 
 from .client import Client
 
 
+def _client(args: argparse.Namespace, **kw: Any) -> Client:
+    """A client of ``--server`` with the command's CURVE keys (default: the environment's)."""
+    return Client(args.server, server_public_key=args.server_key, client_secret_key=args.client_key, **kw)
+
+
 def _status(args: argparse.Namespace) -> int:
-    with Client(args.server, timeout=args.timeout) as client:
+    with _client(args, timeout=args.timeout) as client:
         st = client.status()
     if args.json:
         print(json.dumps(msgspec.to_builtins(st), indent=2))
@@ -59,7 +65,7 @@ def _admin_secret(args: argparse.Namespace) -> str | None:
 
 def _save(args: argparse.Namespace) -> int:
     secret = _admin_secret(args)
-    with Client(args.server, admin_secret=secret, timeout=args.timeout, wait_timeout=args.wait) as client:
+    with _client(args, admin_secret=secret, timeout=args.timeout, wait_timeout=args.wait) as client:
         token = None if secret is not None else _token(args)
         step, path = client.save_job(args.job, token=token, timeout=args.wait)
     print(f"job {args.job!r}: snapshot of step {step} written to {path}")
@@ -68,7 +74,7 @@ def _save(args: argparse.Namespace) -> int:
 
 def _drop(args: argparse.Namespace) -> int:
     secret = _admin_secret(args)
-    with Client(args.server, admin_secret=secret, timeout=args.timeout) as client:
+    with _client(args, admin_secret=secret, timeout=args.timeout) as client:
         client.drop_job(args.job, token=None if secret is not None else _token(args))
     print(f"job {args.job!r} dropped")
     return 0
@@ -78,18 +84,46 @@ def _shutdown(args: argparse.Namespace) -> int:
     secret = _admin_secret(args)
     if secret is None:
         raise SystemExit("wstream: shutdown needs the server's admin secret: --admin-secret-file FILE")
-    with Client(args.server, admin_secret=secret, timeout=args.timeout) as client:
+    with _client(args, admin_secret=secret, timeout=args.timeout) as client:
         client.shutdown()
     print(f"server {args.server} is shutting down")
     return 0
 
 
 def _export(args: argparse.Namespace) -> int:
-    with Client(args.server, timeout=args.timeout) as client:
+    with _client(args, timeout=args.timeout) as client:
         job = client.attach_job(args.job, token=_token(args))
         job.export(args.out)
     print(f"job {args.job!r}: weights written to {args.out}")
     return 0
+
+
+def _keys(args: argparse.Namespace) -> int:
+    public, secret = write_keypair(args.dir, args.name)
+    print(f"public key: {public}\nsecret key: {secret} (mode 0600; keep it private)")
+    print(
+        f"as a server's key: wstream-server --curve-secret-key {secret}; clients then connect with "
+        f"--server-key {public} (or {ENV_SERVER_KEY}={public})\n"
+        f"as a client's key: --client-key {secret} (or {ENV_CLIENT_KEY}={secret}), with {public} copied "
+        "into the server's --curve-authorized-keys directory"
+    )
+    return 0
+
+
+def _connection(c: argparse.ArgumentParser, timeout: float) -> None:
+    """The options every command that talks to a server has."""
+    c.add_argument("--server", default="tcp://127.0.0.1:5555", help="server endpoint (default %(default)s)")
+    c.add_argument(
+        "--server-key", metavar="FILE",
+        help=f"the server's public CURVE certificate, for a server with --curve-secret-key "
+        f"(default ${ENV_SERVER_KEY})",
+    )
+    c.add_argument(
+        "--client-key", metavar="FILE",
+        help=f"this client's secret CURVE certificate, for a server with --curve-authorized-keys "
+        f"(default ${ENV_CLIENT_KEY})",
+    )
+    c.add_argument("--timeout", type=float, default=timeout, help="seconds to wait for an answer")
 
 
 _ADMIN_HELP = "file holding the server's admin secret (needed where the server has one; the job token is not used then)"
@@ -98,11 +132,10 @@ _ADMIN_HELP = "file holding the server's admin secret (needed where the server h
 def _job_command(sub: Any, name: str, help: str, *, admin: bool = False) -> argparse.ArgumentParser:
     c = sub.add_parser(name, help=help)
     c.add_argument("job", help="the job's name")
-    c.add_argument("--server", default="tcp://127.0.0.1:5555", help="server endpoint (default %(default)s)")
+    _connection(c, timeout=10.0)
     c.add_argument("--token-file", help="file holding the job's token (default: $WSTREAM_TOKEN)")
     if admin:
         c.add_argument("--admin-secret-file", help=_ADMIN_HELP)
-    c.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     return c
 
 
@@ -110,9 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wstream", description="Inspect and manage a wstream-server.")
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("status", help="jobs, workers, steps and memory of a server")
-    s.add_argument("--server", default="tcp://127.0.0.1:5555", help="server endpoint (default %(default)s)")
+    _connection(s, timeout=5.0)
     s.add_argument("--json", action="store_true", help="print the raw status as JSON")
-    s.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
     s.set_defaults(func=_status)
     c = _job_command(sub, "save", "snapshot a job on the server's store now (its next consistent step)", admin=True)
     c.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the snapshot to be durable")
@@ -123,10 +155,13 @@ def build_parser() -> argparse.ArgumentParser:
     c = _job_command(sub, "drop", "delete a job from the server (and its snapshots)", admin=True)
     c.set_defaults(func=_drop)
     d = sub.add_parser("shutdown", help="stop the server cleanly, as SIGTERM does (needs the admin secret)")
-    d.add_argument("--server", default="tcp://127.0.0.1:5555", help="server endpoint (default %(default)s)")
+    _connection(d, timeout=10.0)
     d.add_argument("--admin-secret-file", required=True, help="file holding the server's admin secret")
-    d.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for an answer")
     d.set_defaults(func=_shutdown)
+    k = sub.add_parser("keys", help="write a CURVE keypair (NAME.key public, NAME.key_secret mode 0600) into DIR")
+    k.add_argument("dir", help="directory to write into (created, mode 0700, if missing)")
+    k.add_argument("--name", default="server", help="file name of the pair (default %(default)s)")
+    k.set_defaults(func=_keys)
     return p
 
 
@@ -137,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
     except WstreamError as exc:
         print(f"wstream: {exc}", file=sys.stderr)
         return 1
+    except (ValueError, OSError) as exc:  # a bad key file or directory, a key that exists already
+        print(f"wstream: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

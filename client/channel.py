@@ -8,6 +8,10 @@ has a deadline; a server that does not answer in time makes the channel *broken*
 A channel signs the session requests it sends with its ``signer`` (NOTE [Signed requests] in
 ``wstream.protocol.auth``): every channel of one session shares one :class:`SessionSigner`, whose
 counter keeps ``seq`` unique across them.
+
+A channel is the only place the client opens a socket, so it is where CURVE keys are applied
+(:func:`curve_keys` resolves them once per client; NOTE [Which endpoints are encrypted] in
+``wstream.protocol.curve``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import zmq
 from wstream.protocol import AuthError, ServerUnavailable, decode_reply, encode, error_from_code
 from wstream.protocol import messages as m
 from wstream.protocol.auth import SessionSigner, admin_proof, attach_proof, secret_key, session_key
+from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY, ClientKeys, KeySource, client_keys, uses_curve
 
 log = logging.getLogger(__name__)
 
@@ -58,17 +63,46 @@ class Keyring:
         return message if signer is None else signer.sign(message)  # unknown: the server refuses it
 
 
+def curve_keys(
+    server_public_key: KeySource | None = None, client_secret_key: str | os.PathLike[str] | None = None
+) -> ClientKeys | None:
+    """A client's CURVE keys: from the arguments, else from ``$WSTREAM_SERVER_KEY`` and
+    ``$WSTREAM_CLIENT_KEY``; None (plaintext) when no server key is given either way. Without a
+    client key an ephemeral keypair is made (encryption, but no place in an authorized-keys list)."""
+    server = server_public_key if server_public_key is not None else os.environ.get(ENV_SERVER_KEY) or None
+    mine = client_secret_key if client_secret_key is not None else os.environ.get(ENV_CLIENT_KEY) or None
+    if server is None:
+        if mine is not None:
+            raise ValueError(
+                f"a client secret key ({mine}) without the server's public key: give server_public_key= "
+                f"(or ${ENV_SERVER_KEY}) too"
+            )
+        return None
+    return client_keys(server, mine)
+
+
 class Channel:
-    """One DEALER socket with request ids, reply matching and deadlines. One thread only."""
+    """One DEALER socket with request ids, reply matching and deadlines. One thread only.
+
+    ``curve``: the client's CURVE keys, applied when ``address`` is an encrypted endpoint (tcp)."""
 
     def __init__(
-        self, ctx: zmq.Context[Any], address: str, *, timeout_s: float, signer: Signer | None = None
+        self,
+        ctx: zmq.Context[Any],
+        address: str,
+        *,
+        timeout_s: float,
+        signer: Signer | None = None,
+        curve: ClientKeys | None = None,
     ) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.signer = signer
+        self.curve = curve if curve is not None and uses_curve(address) else None
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.linger = 0
+        if self.curve is not None:
+            self.curve.apply(self._sock)
         self._sock.connect(address)
         self._next_id = 1
         self._broken: str | None = None
@@ -108,10 +142,7 @@ class Channel:
                 raise InterruptedError("channel wait interrupted by shutdown")
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
-                self._broken = (
-                    f"wstream-server at {self.address} did not answer within {limit:g} s; "
-                    "this connection is closed (is the server running?)"
-                )
+                self._broken = no_answer(self.address, limit, self.curve)
                 raise ServerUnavailable(self._broken)
             if self._sock.poll(min(remaining_ms, _POLL_SLICE_MS), zmq.POLLIN):
                 frames = self._sock.recv_multipart(copy=False)
@@ -134,6 +165,41 @@ class Channel:
                 log.debug("dropping a late reply %s to request %d", type(reply).__name__, reply.id)
                 continue
             return raise_or_narrow(reply, reply_type), data
+
+
+def no_answer(address: str, limit: float, curve: ClientKeys | None) -> str:
+    """The message of a request that got no answer in time."""
+    text = (
+        f"wstream-server at {address} did not answer within {limit:g} s; this connection is closed. "
+        "Is the server running?"
+    )
+    hint = curve_hint(address, curve)
+    return f"{text} {hint}" if hint else text
+
+
+def curve_hint(address: str, curve: ClientKeys | None) -> str:
+    """What to check about CURVE keys when a server at ``address`` does not answer: a failed CURVE
+    handshake is silent in ZeroMQ (NOTE [Which endpoints are encrypted], point 4). Empty for ipc."""
+    if not uses_curve(address):
+        return ""
+    if curve is None:
+        return (
+            f"If it uses CURVE encryption (--curve-secret-key), give this client the server's public key "
+            f"(server_public_key=, ${ENV_SERVER_KEY} or --server-key): a CURVE server never answers a "
+            "plaintext client."
+        )
+    hint = (
+        f"This client used CURVE (server key {curve.server_public.decode()}): check that it is the "
+        "server's public key (its NAME.key; a CURVE server never answers a client holding another key), "
+        "and, if the server has --curve-authorized-keys, that this client's public key "
+        f"({curve.public.decode()}) is in that directory."
+    )
+    if curve.ephemeral:
+        hint += (
+            " This client has a temporary key, which no such directory holds: give client_secret_key= "
+            f"(${ENV_CLIENT_KEY} or --client-key) if the server authorizes clients by key."
+        )
+    return hint
 
 
 def raise_or_narrow(reply: m.Message, reply_type: type[R]) -> R:

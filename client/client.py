@@ -28,8 +28,19 @@ from wstream.protocol.frames import copy_frames_into, tensor_frames
 from wstream.protocol.layout import describe_mismatch, numel_of
 
 from wstream.protocol.auth import SessionSigner, secret_key, session_key
+from wstream.protocol.curve import ClientKeys, KeySource, uses_curve
 
-from .channel import Channel, Keyring, admin_session, attach_session, challenge, client_nonce
+from .channel import (
+    Channel,
+    Keyring,
+    Signer,
+    admin_session,
+    attach_session,
+    challenge,
+    client_nonce,
+    curve_hint,
+    curve_keys,
+)
 from .plans import PLANNERS, Plan, StageCosts, auto, min_peak, offload, optimal
 from .stages import StageRunner, flatten, skeleton_of, spec_of
 from .trainer import Trainer
@@ -46,6 +57,12 @@ class Client:
     (weights of the next step, acknowledgement of an update), which can legitimately take longer.
     ``admin_secret``: the server's admin secret (``--admin-secret-file``), for :meth:`drop_job`,
     :meth:`save_job` and :meth:`shutdown`; it is never sent, only proven.
+    ``server_public_key``: for a server with CURVE encryption (``--curve-secret-key``), its public
+    certificate file (``NAME.key``) or z85 public key; default ``$WSTREAM_SERVER_KEY``, else no
+    encryption. ``client_secret_key``: this client's secret certificate file, for a server that
+    authorizes clients by key (``--curve-authorized-keys``); default ``$WSTREAM_CLIENT_KEY``, else a
+    temporary keypair. Keys apply to ``tcp://`` addresses; for ``ipc://``, which is never encrypted,
+    they are not read.
     """
 
     def __init__(
@@ -55,19 +72,31 @@ class Client:
         admin_secret: str | None = None,
         timeout: float = 60.0,
         wait_timeout: float = 600.0,
+        server_public_key: KeySource | None = None,
+        client_secret_key: str | os.PathLike[str] | None = None,
     ) -> None:
         if "://" not in address:
             raise ValueError(f"{address!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555 or ipc:///path")
         self.address = address
         self.timeout_s = timeout
         self.wait_timeout_s = wait_timeout
+        self.curve: ClientKeys | None = (
+            curve_keys(server_public_key, client_secret_key) if uses_curve(address) else None
+        )
+        """This client's CURVE keys (every socket it and its trainers open uses them), or None."""
         self.ctx: zmq.Context[Any] = zmq.Context()
         self._keys = Keyring()
-        self._chan = Channel(self.ctx, address, timeout_s=timeout, signer=self._keys)
+        self._chan = self.channel(signer=self._keys)
         self._admin_secret = admin_secret
         self._admin: SessionSigner | None = None
         self._trainers: weakref.WeakSet[Trainer] = weakref.WeakSet()
         self._closed = False
+
+    def channel(self, timeout_s: float | None = None, signer: Signer | None = None) -> Channel:
+        """A new channel to the server (its own socket, with this client's CURVE keys), for one
+        thread; ``timeout_s`` defaults to the client's ``timeout``."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        return Channel(self.ctx, self.address, timeout_s=limit, signer=signer, curve=self.curve)
 
     def create_job(
         self,
@@ -362,20 +391,35 @@ class Job:
 
 
 def wait_for_server(
-    address: str, *, timeout: float = 60.0, alive: Callable[[], bool] | None = None
+    address: str,
+    *,
+    timeout: float = 60.0,
+    alive: Callable[[], bool] | None = None,
+    server_public_key: KeySource | None = None,
+    client_secret_key: str | os.PathLike[str] | None = None,
 ) -> m.StatusReply:
     """Wait until a server answers ``status`` at ``address``; return its status.
 
     ``alive`` (e.g. ``lambda: proc.poll() is None``) stops the wait early when it turns False.
-    Raises :class:`ServerUnavailable` when no server answered in time."""
+    The keys are :class:`Client`'s. Raises :class:`ServerUnavailable` when no server answered in
+    time (saying, for a tcp address, which CURVE keys to check)."""
     deadline = time.monotonic() + timeout
     while True:
+        client = Client(
+            address,
+            timeout=min(1.0, max(timeout, 0.05)),
+            server_public_key=server_public_key,
+            client_secret_key=client_secret_key,
+        )
         try:
-            with Client(address, timeout=min(1.0, max(timeout, 0.05))) as c:
-                return c.status()
+            return client.status()
         except ServerUnavailable:
             if time.monotonic() >= deadline or (alive is not None and not alive()):
-                raise ServerUnavailable(f"no wstream-server answered at {address} within {timeout:g} s") from None
+                why = f"no wstream-server answered at {address} within {timeout:g} s"
+                hint = curve_hint(address, client.curve)
+                raise ServerUnavailable(f"{why}. {hint}" if hint else why) from None
+        finally:
+            client.close()
 
 
 def _progress(enabled: bool, total: int | None, desc: str) -> Any:

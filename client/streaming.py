@@ -27,6 +27,7 @@ import zmq
 from wstream.protocol import ServerUnavailable, StageSpec, WstreamError
 from wstream.protocol import messages as m
 from wstream.protocol.auth import SessionSigner
+from wstream.protocol.curve import ClientKeys
 
 from wstream.protocol.frames import copy_frames_into, tensor_frames
 
@@ -149,6 +150,7 @@ class StreamContext:
 
     ctx: zmq.Context[Any]
     address: str
+    curve: ClientKeys | None  # the client's CURVE keys, for every channel the threads open
     timeout_s: float
     wait_timeout_s: float
     session: bytes
@@ -160,6 +162,11 @@ class StreamContext:
     tracer: Tracer | None = None  # set while ``Trainer.trace`` records a timeline
     abort: threading.Event = field(default_factory=threading.Event)
     abort_reason: list[WstreamError] = field(default_factory=list)
+
+    def channel(self, timeout_s: float | None = None) -> Channel:
+        """A channel of this session for one streaming thread (its own socket)."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        return Channel(self.ctx, self.address, timeout_s=limit, signer=self.signer, curve=self.curve)
 
     def raise_aborted(self) -> None:
         if self.abort_reason:
@@ -230,7 +237,7 @@ class Prefetcher:
     def _run(self) -> None:
         sc = self._sc
         stop = self._stop
-        chan = Channel(sc.ctx, sc.address, timeout_s=sc.timeout_s, signer=sc.signer)
+        chan = sc.channel()
         try:
             while not stop.is_set():
                 try:
@@ -328,7 +335,7 @@ class GradientPusher:
 
     def __init__(self, sc: StreamContext, slots: list[torch.Tensor] | None, nslots: int) -> None:
         self._sc = sc
-        self._chan = Channel(sc.ctx, sc.address, timeout_s=sc.timeout_s, signer=sc.signer)
+        self._chan = sc.channel()
         self._slots = slots  # shm views, or None in frames mode
         self._free = list(range(nslots))[::-1]
         # request id -> (slot, frame keep-alive, stage, step, send started, send returned)
@@ -415,7 +422,7 @@ class HeartbeatThread:
 
     def _run(self) -> None:
         sc = self._sc
-        chan = Channel(sc.ctx, sc.address, timeout_s=self._timeout_s, signer=sc.signer)
+        chan = sc.channel(self._timeout_s)
         try:
             while not self._stop.wait(self._interval):
                 try:

@@ -22,7 +22,7 @@ from wstream.protocol import ServerUnavailable, SessionExpiredError, StateError,
 from wstream.protocol import messages as m
 from wstream.protocol.shm import map_segment
 
-from .channel import Channel, attach_session
+from .channel import attach_session
 from .offload import HostMover, PendingMove
 from .plans import OnlineBisection, Op, Plan, StageCosts
 from .stages import Boundary, StageRunner, as_boundary, boundary_bytes, join_lanes, lanes_of, split_micro_batches
@@ -127,7 +127,7 @@ class Trainer:
         self._mover: HostMover | None = None
         self._tracer: Tracer | None = None
         client = job.client
-        self._chan = Channel(client.ctx, client.address, timeout_s=client.timeout_s)
+        self._chan = client.channel()
         try:
             self._connect(*self._connect_args)
         except BaseException:
@@ -191,6 +191,7 @@ class Trainer:
         self._sc = StreamContext(
             ctx=client.ctx,
             address=client.address,
+            curve=client.curve,
             timeout_s=client.timeout_s,
             wait_timeout_s=client.wait_timeout_s,
             session=self.session,
@@ -221,7 +222,7 @@ class Trainer:
         self._chan.close()
         client = self.job.client
         with contextlib.suppress(WstreamError):  # if the server is alive, drop the old worker at once
-            probe = Channel(client.ctx, client.address, timeout_s=1.0, signer=old_signer)
+            probe = client.channel(timeout_s=1.0, signer=old_signer)
             try:
                 probe.request(m.Leave(session=old_session), m.Ok)
             finally:
@@ -229,7 +230,7 @@ class Trainer:
         deadline = time.monotonic() + self.reconnect_s
         delay = 0.05
         while True:
-            self._chan = Channel(client.ctx, client.address, timeout_s=min(client.timeout_s, 5.0))
+            self._chan = client.channel(timeout_s=min(client.timeout_s, 5.0))
             try:
                 self._connect(*self._connect_args)
                 break

@@ -1,17 +1,26 @@
-"""Server-side state of authentication: outstanding nonces and per-session replay windows.
+"""Server-side state of authentication: outstanding nonces, per-session replay windows, and the
+CURVE client keys the transport lets in.
 
-Both are bounded whatever clients send: a flood of ``hello`` evicts the oldest nonces, and a replay
-window is a fixed-size bitmap.
+All are bounded whatever clients send: a flood of ``hello`` evicts the oldest nonces, a replay
+window is a fixed-size bitmap, and refused keys are remembered (to rate-limit the log) up to a cap.
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from wstream.protocol import AuthError
+from wstream.protocol.curve import public_keys_in
+
+log = logging.getLogger(__name__)
 
 NONCE_BYTES = 32
 
@@ -94,3 +103,47 @@ class ReplayWindow:
             return
         if self._flip(seq, True):
             raise AuthError(f"replayed message: seq {seq} was already used in this session")
+
+
+class AuthorizedKeys:
+    """The CURVE client keys a server lets in (the ``*.key`` certificates of a directory, read
+    once), as a ``zmq.auth`` credentials provider.
+
+    pyzmq's own directory check (``configure_curve(location=DIR)``) logs refusals at DEBUG only;
+    this provider, plugged in with ``configure_curve_callback``, logs each refused key at WARNING,
+    at most once a minute per key (a refused client reconnects by itself)."""
+
+    def __init__(self, directory: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self.directory = directory
+        self.keys = public_keys_in(directory)
+        self._clock = clock
+        self._last_warned: OrderedDict[bytes, float] = OrderedDict()
+        self.refused = 0
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP: may the client with z85 public key ``key`` connect? (On the authenticator thread.)"""
+        if key in self.keys:
+            return True
+        self.refused += 1
+        now = self._clock()
+        last = self._last_warned.get(key)
+        if last is None or now - last >= 60.0:
+            log.warning(
+                "refused a CURVE connection: client key %s is not in %s", key.decode(errors="replace"), self.directory
+            )
+            self._last_warned[key] = now
+            self._last_warned.move_to_end(key)
+            while len(self._last_warned) > 1024:
+                self._last_warned.popitem(last=False)
+        return False
+
+
+def start_authenticator(ctx: zmq.Context[Any], directory: str) -> ThreadAuthenticator:
+    """A ZAP handler on ``ctx`` that admits only the CURVE clients whose public certificates are in
+    ``directory``. Start it before binding; stop it (``.stop()``) before terminating ``ctx``."""
+    authorized = AuthorizedKeys(directory)
+    auth = ThreadAuthenticator(ctx, log=logging.getLogger(f"{__name__}.zap"))
+    auth.start()
+    auth.configure_curve_callback(domain="*", credentials_provider=authorized)
+    log.info("CURVE clients authorized: %d keys from %s", len(authorized.keys), directory)
+    return auth

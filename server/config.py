@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from wstream.protocol.curve import curve_available, load_secret_certificate, public_keys_in, uses_curve
+
 
 def default_memory_limit() -> int:
     """80% of physical memory: room for the OS and the workers on the same host."""
@@ -66,6 +68,18 @@ class ServerConfig:
     """Outstanding nonces kept at most; beyond this the oldest are dropped (a flood of ``hello``
     cannot grow memory)."""
 
+    curve_secret_key_file: str | None = None
+    """The server's secret CURVE certificate (``NAME.key_secret``, as ``wstream keys`` or
+    ``zmq.auth.create_certificates`` write it). With it every non-ipc endpoint (``tcp://``) is
+    encrypted and clients need the matching public key (``NAME.key``); ``ipc://`` endpoints stay
+    plaintext, protected by the socket file's permissions (NOTE [Which endpoints are encrypted] in
+    ``wstream.protocol.curve``). The file must not be readable by group or others."""
+
+    curve_authorized_keys_dir: str | None = None
+    """Directory of client public certificates (``*.key``), read at start. With it only those
+    clients may connect over CURVE; without it any client that has the server's public key may
+    (encryption only: jobs still authenticate by HMAC). Needs ``curve_secret_key_file``."""
+
     def __post_init__(self) -> None:
         if not self.bind:
             raise ValueError("ServerConfig.bind: give at least one endpoint to listen on")
@@ -94,8 +108,29 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_pending_nonces must be >= 1, got {self.max_pending_nonces}")
         if self.admin_secret_file is not None:
             read_admin_secret(self.admin_secret_file)
+        self._check_curve()
         if self.store is not None:
             os.makedirs(self.store, exist_ok=True, mode=0o700)
+
+    def _check_curve(self) -> None:
+        if self.curve_authorized_keys_dir is not None and self.curve_secret_key_file is None:
+            raise ValueError(
+                "ServerConfig.curve_authorized_keys_dir needs curve_secret_key_file (the server's own "
+                "secret key): authorizing client keys only means something with CURVE on"
+            )
+        if self.curve_secret_key_file is None:
+            return
+        curve_available()
+        load_secret_certificate(self.curve_secret_key_file, "server secret key (curve_secret_key_file)")
+        if self.curve_authorized_keys_dir is not None:
+            public_keys_in(self.curve_authorized_keys_dir)
+
+    @property
+    def curve_endpoints(self) -> list[str]:
+        """The endpoints that CURVE encrypts (none without a server key)."""
+        if self.curve_secret_key_file is None:
+            return []
+        return [addr for addr in self.bind if uses_curve(addr)]
 
 
 def read_admin_secret(path: str) -> str:

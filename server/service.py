@@ -22,6 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
 
 from wstream.protocol import (
     PROTOCOL_VERSION,
@@ -42,9 +43,10 @@ from wstream.protocol import (
 )
 from wstream.protocol import messages as m
 from wstream.protocol.auth import admin_proof, mac_matches, secret_key, session_key
+from wstream.protocol.curve import load_secret_certificate, uses_curve
 from wstream.protocol.shm import SegmentSpaceError, reap_stale_segments
 
-from .auth import NonceStore, ReplayWindow
+from .auth import NonceStore, ReplayWindow, start_authenticator
 from .config import ServerConfig, read_admin_secret
 from .job import Job, Outgoing, UpdateTask
 from .memory import MemoryAccount
@@ -94,6 +96,7 @@ class Server:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wstream-snapshot")
         self._snap_done: queue.SimpleQueue[tuple[Job, Snapshot, str | None, BaseException | None]] = queue.SimpleQueue()
         self._save_waiters: dict[str, list[Waiter]] = {}
+        self._shutdown_requested = False  # read by _close_sockets, also when a bind fails below
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
@@ -103,14 +106,14 @@ class Server:
         # peer (a worker's deferred fetches alone can be answered 1,024 at once).
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.sndhwm = 65_536
+        self._authenticator: ThreadAuthenticator | None = None
         self.endpoints: list[str] = []
+        self.curve_public_key: bytes | None = None
         try:
-            for addr in config.bind:
-                self._sock.bind(addr)
-                self.endpoints.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        except zmq.ZMQError as exc:
+            self._listen(config)
+        except BaseException:
             self._close_sockets()
-            raise OSError(f"cannot listen on {addr}: {exc}") from None
+            raise
         self._handlers: dict[type[m.Message], Callable[[bytes, m.Message, list[zmq.Frame]], Outgoing | None]] = {
             m.Hello: self._on_hello,
             m.CreateJob: self._on_create_job,
@@ -135,7 +138,50 @@ class Server:
         self._admin_key = (
             secret_key(read_admin_secret(config.admin_secret_file)) if config.admin_secret_file is not None else None
         )
-        self._shutdown_requested = False
+
+    def _listen(self, config: ServerConfig) -> None:
+        """Bind every endpoint: CURVE on the non-ipc ones when the server has a key (NOTE [Which
+        endpoints are encrypted] in ``wstream.protocol.curve``), behind the authorized-keys check
+        when there is a directory of them."""
+        if config.curve_secret_key_file is not None:
+            public, secret = load_secret_certificate(config.curve_secret_key_file, "server secret key")
+            self._sock.curve_publickey = public
+            self._sock.curve_secretkey = secret
+            self.curve_public_key = public
+            if config.curve_authorized_keys_dir is not None:  # the ZAP handler must be up before a bind
+                self._authenticator = start_authenticator(self._ctx, config.curve_authorized_keys_dir)
+        for addr in config.bind:
+            if self.curve_public_key is not None:  # security options apply to the binds after them
+                self._sock.curve_server = uses_curve(addr)
+            try:
+                self._sock.bind(addr)
+            except zmq.ZMQError as exc:
+                raise OSError(f"cannot listen on {addr}: {exc}") from None
+            self.endpoints.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    def _transport_security(self, endpoint: str) -> str:
+        """How ``endpoint`` is protected, for the start-up log."""
+        if not uses_curve(endpoint):
+            return "plaintext: local socket, file permissions"
+        if self.curve_public_key is None:
+            return "plaintext"
+        if self._authenticator is not None:
+            return f"CURVE, only clients of {self.config.curve_authorized_keys_dir}"
+        return "CURVE, any client with the server's public key"
+
+    def _log_security(self) -> None:
+        if self.curve_public_key is not None:
+            log.info("CURVE public key of this server: %s", self.curve_public_key.decode())
+            if not any(uses_curve(ep) for ep in self.endpoints):
+                log.warning("a CURVE key was given but every endpoint is ipc://: nothing is encrypted")
+            return
+        exposed = [ep for ep in self.endpoints if uses_curve(ep) and not _loopback(ep)]
+        if exposed:
+            log.warning(
+                "%s not encrypted: job tokens (sent once, by create_job) and tensor data cross the network "
+                "in clear; start with --curve-secret-key to encrypt them",
+                ", ".join(exposed),
+            )
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -151,9 +197,10 @@ class Server:
             "wstream-server (protocol %d, pid %d) listening on %s, memory limit %d bytes",
             PROTOCOL_VERSION,
             os.getpid(),
-            ", ".join(self.endpoints),
+            ", ".join(f"{ep} ({self._transport_security(ep)})" for ep in self.endpoints),
             self.memory.limit,
         )
+        self._log_security()
         try:
             self._loop()
         finally:
@@ -184,6 +231,9 @@ class Server:
     def _close_sockets(self) -> None:
         # after a 'shutdown' request, give its 'ok' a moment to leave
         self._sock.close(linger=1000 if self._shutdown_requested else 0)
+        if self._authenticator is not None:  # its sockets are on the context: before term()
+            self._authenticator.stop()
+            self._authenticator = None
         self._ctx.term()
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -648,6 +698,12 @@ class Server:
                 log.info("job %r: snapshot of step %d written at shutdown to %s", job.name, step, path)
             except OSError as exc:
                 log.error("job %r: the shutdown snapshot failed: %s", job.name, exc)
+
+
+def _loopback(endpoint: str) -> bool:
+    """Whether a tcp endpoint listens on the loopback interface only."""
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")
 
 
 def _saved(request_id: int, step: int, path: str) -> m.Message:

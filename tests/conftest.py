@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -24,6 +26,8 @@ class ServerProcess:
     address: str
     proc: subprocess.Popen[bytes]
     log_path: Path
+    client_options: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments a ``Client`` of this server needs (its CURVE keys)."""
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -39,10 +43,18 @@ class ServerProcess:
             raise AssertionError(f"server did not exit within {timeout} s of signal {sig}\n{self.log()}") from None
 
 
-def start_server(tmp_path: Path, *extra: str, name: str = "server", address: str | None = None) -> ServerProcess:
+def start_server(
+    tmp_path: Path,
+    *extra: str,
+    name: str = "server",
+    address: str | None = None,
+    client_options: dict[str, Any] | None = None,
+) -> ServerProcess:
     """A server subprocess; ``address`` (default: an ipc socket named after ``name``) lets a
-    restarted server listen where its clients look for it."""
+    restarted server listen where its clients look for it. ``client_options`` are the ``Client``
+    keyword arguments it takes to reach the server (CURVE keys), used to wait for it."""
     address = address or f"ipc://{tmp_path / f'{name}.sock'}"
+    client_options = client_options or {}
     log_path = tmp_path / f"{name}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
@@ -50,13 +62,20 @@ def start_server(tmp_path: Path, *extra: str, name: str = "server", address: str
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    srv = ServerProcess(address, proc, log_path)
+    srv = ServerProcess(address, proc, log_path, client_options)
     try:  # ready when it answers a status request
-        wait_for_server(address, timeout=60, alive=lambda: proc.poll() is None)
+        wait_for_server(address, timeout=60, alive=lambda: proc.poll() is None, **client_options)
     except ServerUnavailable:
         srv.stop(signal.SIGKILL)
         raise AssertionError(f"server did not come up (exit code {proc.returncode})\n{srv.log()}") from None
     return srv
+
+
+def free_tcp_address() -> str:
+    """A loopback tcp endpoint on a port that was free a moment ago."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
 @pytest.fixture
