@@ -94,6 +94,7 @@ class Server:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wstream-snapshot")
         self._snap_done: queue.SimpleQueue[tuple[Job, Snapshot, str | None, BaseException | None]] = queue.SimpleQueue()
         self._save_waiters: dict[str, list[Waiter]] = {}
+        self._shutdown_requested = False  # read by _close_sockets, also on a failed start below
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
@@ -134,7 +135,6 @@ class Server:
         self._admin_key = (
             secret_key(read_admin_secret(config.admin_secret_file)) if config.admin_secret_file is not None else None
         )
-        self._shutdown_requested = False
 
     # ---- lifecycle -----------------------------------------------------------------------------
     def run(self) -> None:

@@ -91,6 +91,17 @@ def test_server_refuses_a_bad_bind_address(tmp_path: Path) -> None:
     assert "not a ZeroMQ endpoint" in out.stderr
 
 
+def test_server_refuses_an_address_it_cannot_listen_on(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "wstream.server", "--bind", f"ipc://{tmp_path}/no-such-dir/s.sock"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "cannot listen on ipc://" in out.stderr
+
+
 def test_worker_lease_expiry_lets_the_other_worker_go_on(tmp_path: Path) -> None:
     """A worker that stops talking is detached after its lease; the job goes on without it."""
     srv = start_server(tmp_path, "--lease", "1.0")
