@@ -47,6 +47,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--torch-threads", type=int, default=None, metavar="N", help="torch intra-op threads")
     p.add_argument("--config", metavar="FILE", help="TOML file of settings keyed by field name (memory_limit = \"64GiB\", "
                    "lease_s = 30); flags on the command line override it (docs/operating.md)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port (0: any free one)")
+    p.add_argument("--metrics-addr", default=default_of("metrics_addr"), metavar="ADDR",
+                   help="address of the metrics endpoint (default %(default)s; it has no authentication)")
+    p.add_argument("--metrics-stage-limit", type=int, default=default_of("metrics_stage_limit"), metavar="N",
+                   help="export per-stage series for jobs of at most N stages (default %(default)s)")
     p.add_argument("--snapshot-buffer", type=parse_size, default=default_of("snapshot_buffer"), metavar="SIZE",
                    help="stage copies a snapshot may hold while the disk catches up (default 512MiB)")
     p.add_argument("--max-sessions-per-job", type=int, default=default_of("max_sessions_per_job"), metavar="N",
@@ -68,6 +73,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "creation_timeout_s": args.creation_timeout,
         "optimizer_workers": args.optimizer_workers,
         "torch_threads": args.torch_threads,
+        "metrics_port": args.metrics_port,
+        "metrics_addr": args.metrics_addr,
+        "metrics_stage_limit": args.metrics_stage_limit,
         "snapshot_buffer": args.snapshot_buffer,
         "max_sessions_per_job": args.max_sessions_per_job,
         "max_pending_nonces": args.max_pending_nonces,
