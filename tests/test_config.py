@@ -11,7 +11,7 @@ import pytest
 
 from wstream.server.cli import build_parser, config_from_args
 from wstream.server.config import ServerConfig
-from wstream.server.config_file import apply_config_file
+from wstream.server.config_file import apply_config_file, setting_types
 
 
 def config_of(argv: list[str]) -> ServerConfig:
@@ -122,3 +122,12 @@ def test_the_server_exits_2_on_a_bad_config_file(tmp_path: Path) -> None:
     )
     assert missing.returncode == 2
     assert "cannot read the config file" in missing.stderr
+
+
+def test_every_flag_and_key_is_in_the_operating_guide() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "operating.md").read_text()
+    parser = build_parser()
+    flags = [a.option_strings[0] for a in parser._actions if a.option_strings and a.dest != "help"]
+    missing = [f for f in flags if f"`{f}" not in doc]
+    missing += [k for k in setting_types() if f"`{k}`" not in doc]
+    assert not missing, f"docs/operating.md does not describe {missing}"

@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import models
 from conftest import ServerProcess, run_workers, start_server
 from wstream.client import AdamW, Client
-from wstream.server.metrics import Histogram, StepRate
+from wstream.server.metrics import HELP, Histogram, StepRate
 
 STEPS = 3  # per subprocess worker
 RANKS = 2
@@ -123,6 +123,12 @@ def test_metrics_agree_with_the_work_done_and_with_status(tmp_path: Path) -> Non
     # a dropped job's series go with it
     assert not [k for k in after_drop if ("job", "m") in k[1]]
     assert value(after_drop, "wstream_job_step", job="deep") == 0
+
+
+def test_every_metric_is_documented() -> None:
+    doc = (Path(__file__).parent.parent / "docs" / "operating.md").read_text()
+    missing = [name for name in HELP if f"`{name}`" not in doc]
+    assert not missing, f"docs/operating.md does not describe {missing}"
 
 
 def test_a_metrics_port_in_use_stops_the_server_with_a_clear_error(tmp_path: Path) -> None:
