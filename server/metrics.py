@@ -84,7 +84,7 @@ class StepRate:
     """Steps completed per second over the last :data:`RATE_WINDOW_S` seconds, counted in
     one-second bins (memory bounded by the window, whatever the step rate)."""
 
-    __slots__ = ("since", "_bins")
+    __slots__ = ("_bins", "since")
 
     def __init__(self) -> None:
         self.since: float | None = None  # when training started: the rate is 0 before

@@ -14,10 +14,10 @@ from wstream.protocol import messages as m
 
 
 def job_info(name: str, **kw: object) -> m.JobInfo:
-    fields: dict[str, object] = dict(
-        name=name, stages=1, params=10, step=0, ready=True, optimizer="AdamW", dtype="float32", bytes=1024,
-        workers=[], updates=0, optimizer_s=0.0,
-    )
+    fields: dict[str, object] = {
+        "name": name, "stages": 1, "params": 10, "step": 0, "ready": True, "optimizer": "AdamW",
+        "dtype": "float32", "bytes": 1024, "workers": [], "updates": 0, "optimizer_s": 0.0,
+    }
     return m.JobInfo(**{**fields, **kw})  # type: ignore[arg-type]
 
 

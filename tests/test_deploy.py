@@ -22,7 +22,6 @@ from urllib.parse import urlsplit
 import pytest
 
 from wstream.client.admin import build_parser as admin_parser
-from wstream.protocol import parse_size
 from wstream.server.cli import build_parser as server_parser
 from wstream.server.config_file import read_config_file
 
