@@ -12,6 +12,7 @@ import msgspec
 
 from wstream.protocol import WstreamError, format_bytes
 from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY, write_keypair
+from wstream.protocol import messages as m
 
 from .client import Client
 
@@ -27,22 +28,61 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(msgspec.to_builtins(st), indent=2))
         return 0
-    print(
-        f"server {args.server}  pid {st.pid}  protocol {st.protocol}  up {st.uptime_s:.0f} s  "
+    print(format_status(st, args.server))
+    return 0
+
+
+_STATUS_COLUMNS = ("job", "state", "step", "steps/s", "workers", "memory", "snapshot", "stages", "params", "optimizer", "opt-time")
+_LEFT = {"job", "state", "optimizer"}
+
+
+def format_status(st: m.StatusReply, server: str) -> str:
+    """``wstream status`` as text: a line about the server, then one row per job (columns
+    :data:`_STATUS_COLUMNS`, sized to their contents). Scripts should use ``--json``."""
+    head = (
+        f"server {server}  pid {st.pid}  protocol {st.protocol}  up {st.uptime_s:.0f} s  "
         f"memory {format_bytes(st.memory_used)} of {format_bytes(st.memory_limit)}"
     )
     if not st.jobs:
-        print("no jobs")
+        return f"{head}\nno jobs"
+    rows = [
+        [
+            j.name,
+            "ready" if j.ready else "creating",
+            str(j.step),
+            f"{j.steps_per_s:.2f}",
+            str(len(j.workers)),
+            format_bytes(j.bytes),
+            "-" if j.last_snapshot is None else str(j.last_snapshot),
+            str(j.stages),
+            f"{j.params:,}",
+            j.optimizer,
+            f"{j.optimizer_s:.2f}s",
+        ]
+        for j in st.jobs
+    ]
+    return "\n".join([head, *_table(list(_STATUS_COLUMNS), rows)])
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: list[str]) -> str:
+        padded = (c.ljust(w) if h in _LEFT else c.rjust(w) for h, c, w in zip(header, cells, widths))
+        return "  ".join(padded).rstrip()
+
+    return [line(header), *(line(r) for r in rows)]
+
+
+def _jobs(args: argparse.Namespace) -> int:
+    with Client(args.server, timeout=args.timeout) as client:
+        st = client.status()
+    if args.json:
+        print(json.dumps([{"name": j.name, "step": j.step, "ready": j.ready} for j in st.jobs], indent=2))
         return 0
-    header = f"{'job':<20} {'stages':>6} {'params':>12} {'step':>8} {'workers':>7} {'memory':>12} {'optimizer':>10} {'opt time':>9}"
-    print(header)
-    print("-" * len(header))
+    width = max((len(j.name) for j in st.jobs), default=0)
     for j in st.jobs:
-        state = "" if j.ready else " (creating)"
-        print(
-            f"{j.name + state:<20} {j.stages:>6} {j.params:>12,} {j.step:>8} {len(j.workers):>7} "
-            f"{format_bytes(j.bytes):>12} {j.optimizer:>10} {j.optimizer_s:>8.2f}s"
-        )
+        print(f"{j.name:<{width}}  {j.step}")
     return 0
 
 
@@ -146,6 +186,11 @@ def build_parser() -> argparse.ArgumentParser:
     _connection(s, timeout=5.0)
     s.add_argument("--json", action="store_true", help="print the raw status as JSON")
     s.set_defaults(func=_status)
+    j = sub.add_parser("jobs", help="the jobs of a server: one line each, name and step")
+    j.add_argument("--server", default="tcp://127.0.0.1:5555", help="server endpoint (default %(default)s)")
+    j.add_argument("--json", action="store_true", help="a JSON list of {name, step, ready}")
+    j.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
+    j.set_defaults(func=_jobs)
     c = _job_command(sub, "save", "snapshot a job on the server's store now (its next consistent step)", admin=True)
     c.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the snapshot to be durable")
     c.set_defaults(func=_save)

@@ -109,7 +109,7 @@ class Client:
         double_buffer: bool = False,
         delayed_update: bool = False,
         delay_after: int = 0,
-        progress: bool = False,
+        progress: bool | None = None,
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
 
@@ -123,6 +123,7 @@ class Client:
         Each module's parameters are uploaded and the module is then moved to the meta device in
         place (its memory is freed; it stays usable as the job's skeleton), so a model larger than
         this process's memory can be created stage by stage from a generator.
+        ``progress``: a progress bar of the upload on stderr (None: only when stderr is a terminal).
         """
         total = None
         if isinstance(stages, Sequence):  # known up front: let the server refuse before uploading
@@ -155,8 +156,7 @@ class Client:
                 self._chan.request(m.AddStage(session=session, index=i, spec=spec), m.Ok, tensor_frames(flat))
                 del flat
                 skeletons.append(skeleton_of(module))
-                if bar is not None:
-                    bar.update(sum(numel_of(p.shape) for p in spec.params))
+                bar.update(sum(numel_of(p.shape) for p in spec.params))
             sealed, _ = self._chan.request(m.Seal(session=session), m.Attached, timeout_s=self.wait_timeout_s)
         except BaseException:
             try:  # leave nothing half-made on the server
@@ -165,8 +165,7 @@ class Client:
                 pass
             raise
         finally:
-            if bar is not None:
-                bar.close()
+            bar.close()
         return Job(self, sealed, token, skeletons, signer)
 
     def attach_job(self, name: str, *, token: str, stages: Iterable[nn.Module] | None = None) -> Job:
@@ -353,16 +352,25 @@ class Job:
             reconnect_s=reconnect_s,
         )
 
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """The job's current fp32 weights as ``{"<stage>.<param>": tensor}`` (pulled from the server)."""
+    def state_dict(self, *, progress: bool | None = None) -> dict[str, torch.Tensor]:
+        """The job's current fp32 weights as ``{"<stage>.<param>": tensor}`` (pulled from the server).
+
+        ``progress``: a progress bar on stderr (None: only when stderr is a terminal)."""
         out: dict[str, torch.Tensor] = {}
-        for i, spec in enumerate(self.specs):
-            _, data = self.client._chan.request(m.Pull(session=self.session, stage=i), m.Master)
-            flat = torch.empty(spec.numel, dtype=torch.float32)
-            copy_frames_into(flat, data)
-            for p in spec.params:
-                n = numel_of(p.shape)
-                out[f"{i}.{p.name}"] = flat[p.offset : p.offset + n].view(p.shape).clone()
+        with _progress(progress, self.num_params, f"pulling {self.name}") as bar:
+            for i, spec in enumerate(self.specs):
+                out.update(self._pull_stage(i, spec))
+                bar.update(sum(numel_of(p.shape) for p in spec.params))
+        return out
+
+    def _pull_stage(self, i: int, spec: StageSpec) -> dict[str, torch.Tensor]:
+        _, data = self.client._chan.request(m.Pull(session=self.session, stage=i), m.Master)
+        flat = torch.empty(spec.numel, dtype=torch.float32)
+        copy_frames_into(flat, data)
+        out: dict[str, torch.Tensor] = {}
+        for p in spec.params:
+            n = numel_of(p.shape)
+            out[f"{i}.{p.name}"] = flat[p.offset : p.offset + n].view(p.shape).clone()
         return out
 
     def save(self, timeout: float | None = None) -> tuple[int, str]:
@@ -375,12 +383,12 @@ class Job:
         )
         return reply.step, reply.path
 
-    def export(self, path: str | os.PathLike[str]) -> None:
+    def export(self, path: str | os.PathLike[str], *, progress: bool | None = None) -> None:
         """Write the job's current fp32 weights to a plain safetensors file (names as
-        :meth:`state_dict`), for use outside wstream."""
+        :meth:`state_dict`), for use outside wstream. ``progress`` as for :meth:`state_dict`."""
         from safetensors.torch import save_file
 
-        save_file(self.state_dict(), os.fspath(path), metadata={"job": self.name})
+        save_file(self.state_dict(progress=progress), os.fspath(path), metadata={"job": self.name})
 
     def drop(self) -> None:
         """Delete the job from the server, freeing its memory (workers get errors afterwards).
@@ -422,9 +430,9 @@ def wait_for_server(
             client.close()
 
 
-def _progress(enabled: bool, total: int | None, desc: str) -> Any:
-    if not enabled:
-        return None
+def _progress(enabled: bool | None, total: int | None, desc: str) -> Any:
+    """A tqdm bar counting parameters on stderr; ``enabled`` None: only when stderr is a terminal
+    (never in a pipe, a log file or a test)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, desc=desc, unit="param", unit_scale=True)
+    return tqdm(total=total, desc=desc, unit="param", unit_scale=True, disable=None if enabled is None else not enabled)

@@ -356,6 +356,9 @@ class JobInfo(Struct, frozen=True, kw_only=True):
     optimizer_s: float
     last_snapshot: int | None = None
     """The step of the job's newest snapshot on disk (None: none yet, or no store)."""
+    steps_per_s: float = 0.0
+    """Steps completed per second over the last 30 s (0 before training starts; added in version 2,
+    absent from older servers' replies)."""
 
 
 class TraceEvent(Struct, frozen=True, kw_only=True, array_like=True):

@@ -9,6 +9,7 @@ import sys
 from wstream.protocol import format_bytes, parse_size
 
 from .config import ServerConfig, default_memory_limit
+from .config_file import apply_config_file, default_of
 from .service import Server
 
 
@@ -44,6 +45,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--optimizer-workers", type=int, default=1, metavar="N", help="threads running stage updates")
     p.add_argument("--torch-threads", type=int, default=None, metavar="N", help="torch intra-op threads")
+    p.add_argument("--config", metavar="FILE", help="TOML file of settings keyed by field name (memory_limit = \"64GiB\", "
+                   "lease_s = 30); flags on the command line override it (docs/operating.md)")
+    p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port (0: any free one)")
+    p.add_argument("--metrics-addr", default=default_of("metrics_addr"), metavar="ADDR",
+                   help="address of the metrics endpoint (default %(default)s; it has no authentication)")
+    p.add_argument("--metrics-stage-limit", type=int, default=default_of("metrics_stage_limit"), metavar="N",
+                   help="export per-stage series for jobs of at most N stages (default %(default)s)")
+    p.add_argument("--snapshot-buffer", type=parse_size, default=default_of("snapshot_buffer"), metavar="SIZE",
+                   help="stage copies a snapshot may hold while the disk catches up (default 512MiB)")
+    p.add_argument("--max-sessions-per-job", type=int, default=default_of("max_sessions_per_job"), metavar="N",
+                   help="non-worker sessions kept per job, oldest evicted beyond (default %(default)s)")
+    p.add_argument("--max-pending-nonces", type=int, default=default_of("max_pending_nonces"), metavar="N",
+                   help="handshake nonces outstanding at most (default %(default)s)")
     p.add_argument(
         "--admin-secret-file", metavar="FILE",
         help="file (mode 0600) holding the admin secret: needed to drop or save jobs and to shut down over the wire",
@@ -68,6 +82,12 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "creation_timeout_s": args.creation_timeout,
         "optimizer_workers": args.optimizer_workers,
         "torch_threads": args.torch_threads,
+        "metrics_port": args.metrics_port,
+        "metrics_addr": args.metrics_addr,
+        "metrics_stage_limit": args.metrics_stage_limit,
+        "snapshot_buffer": args.snapshot_buffer,
+        "max_sessions_per_job": args.max_sessions_per_job,
+        "max_pending_nonces": args.max_pending_nonces,
         "store": args.store,
         "snapshot_every": args.snapshot_every,
         "keep_snapshots": args.keep_snapshots,
@@ -85,6 +105,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        apply_config_file(args, argv, build_parser)
+    except ValueError as exc:
+        print(f"wstream-server: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -51,6 +51,18 @@ class ServerConfig:
     torch_threads: int | None = None
     """torch intra-op threads for updates; None keeps torch's default (the number of cores)."""
 
+    metrics_port: int | None = None
+    """Serve Prometheus metrics at ``http://metrics_addr:PORT/metrics`` (0: any free port, logged).
+    None: no metrics endpoint."""
+
+    metrics_addr: str = "127.0.0.1"
+    """Address the metrics endpoint listens on. The endpoint has no authentication and names the
+    jobs: widen it (``0.0.0.0``) only where the network is trusted."""
+
+    metrics_stage_limit: int = 256
+    """Jobs with at most this many stages also export per-stage optimizer series (labels job and
+    stage); deeper jobs only per-job ones, so a 10,000-stage model does not make 20,000 series."""
+
     max_sessions_per_job: int = 1024
     """Non-worker sessions beyond this are evicted oldest first (bounds memory per job); admin
     sessions are bounded by the same number."""
@@ -96,6 +108,12 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.optimizer_workers must be >= 1, got {self.optimizer_workers}")
         if self.torch_threads is not None and self.torch_threads < 1:
             raise ValueError(f"ServerConfig.torch_threads must be >= 1, got {self.torch_threads}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"ServerConfig.metrics_port must be a TCP port in [0, 65535], got {self.metrics_port}")
+        if not self.metrics_addr:
+            raise ValueError("ServerConfig.metrics_addr: give an address to listen on, e.g. 127.0.0.1")
+        if self.metrics_stage_limit < 0:
+            raise ValueError(f"ServerConfig.metrics_stage_limit must be >= 0, got {self.metrics_stage_limit}")
         if self.snapshot_every < 0:
             raise ValueError(f"ServerConfig.snapshot_every must be >= 0 steps, got {self.snapshot_every}")
         if self.keep_snapshots < 1:

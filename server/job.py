@@ -52,6 +52,7 @@ from wstream.protocol.layout import numel_of, validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
+from .metrics import JobCounters
 from .optimizer import StageOptimizer, state_bytes_per_element
 from .snapshot import JobRecord, Snapshot
 
@@ -133,6 +134,9 @@ class StageState:
     waiting_pull: list[Deferred] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held by the optimizer while it changes the stage and by a snapshot capturing it."""
+    updates: int = 0
+    optimizer_s: float = 0.0
+    last_optimizer_s: float = 0.0
 
     def capture(self) -> dict[str, torch.Tensor]:
         """Copies of what a snapshot keeps of this stage (call with ``lock`` held)."""
@@ -226,8 +230,8 @@ class Job:
         self.stages: list[StageState] = []
         self.workers: dict[int, Worker] = {}
         self._next_worker = 0
-        self.updates = 0
-        self.optimizer_seconds = 0.0
+        self.counters = JobCounters()  # bytes served, gradients, durations (server/metrics.py)
+        self.num_params = 0
         self.sealed = False
         self.timeline: deque[m.TraceEvent] = deque(maxlen=m.MAX_TRACE_EVENTS)  # for ``timeline``
         self.timeline_dropped = 0
@@ -359,6 +363,7 @@ class Job:
         st = StageState(index, spec, master, slots, offsets, StageOptimizer(self.optimizer_spec, master))
         self.stages.append(st)
         self.max_stage_numel = max(self.max_stage_numel, numel)
+        self.num_params += sum(numel_of(p.shape) for p in spec.params)
         return st
 
     def seal(self) -> None:
@@ -411,7 +416,30 @@ class Job:
     @property
     def step(self) -> int:
         """Steps completed by every stage."""
-        return min((s.version for s in self.stages), default=0)
+        return min(self._versions, default=0)
+
+    @property
+    def updates(self) -> int:
+        """Stage updates applied since the job was created or resumed."""
+        return self.counters.optimizer.count
+
+    @property
+    def updates_in_flight(self) -> int:
+        """Stage updates handed to the optimizer pool and not finished."""
+        return self._updating
+
+    def memory_by_kind(self, workers: list[Worker] | None = None) -> dict[str, int]:
+        """The bytes this job holds in the server's memory account, by kind (their sum is what
+        admission control counts for it). ``workers``: a copy of the workers (the metrics thread
+        passes one, NOTE in server/metrics.py)."""
+        if workers is None:
+            workers = list(self.workers.values())
+        return {
+            "published": self.published_bytes,
+            "private": max(0, self.reserved - self.published_bytes),  # 0 once closed
+            "gradients": sum(w.reserved for w in workers),
+            "reserve": self._slack,
+        }
 
     def stage(self, index: int) -> StageState:
         if index >= len(self.stages):
@@ -448,19 +476,20 @@ class Job:
         return m.JobInfo(
             name=self.name,
             stages=len(self.stages),
-            params=sum(numel_of(p.shape) for s in self.stages for p in s.spec.params),
+            params=self.num_params,
             step=self.step,
             ready=self.ready,
             optimizer=type(self.optimizer_spec).__name__,
             dtype=self.dtype,
-            bytes=self.reserved + sum(w.reserved for w in self.workers.values()),
+            bytes=sum(self.memory_by_kind().values()),
             workers=[
                 m.WorkerInfo(id=w.id, shm=w.shm, first_step=w.first_step, idle_s=now - w.last_seen)
                 for w in self.workers.values()
             ],
             updates=self.updates,
-            optimizer_s=self.optimizer_seconds,
+            optimizer_s=self.counters.optimizer.sum,
             last_snapshot=self.last_snapshot_step,
+            steps_per_s=self.counters.steps.rate(now),
         )
 
     # ---- workers -----------------------------------------------------------------------------------
@@ -512,6 +541,7 @@ class Job:
         """Start training once ``world_size`` workers have joined (checked after every join)."""
         if not self.started and self.world_size is not None and len(self.workers) >= self.world_size:
             self.started = True
+            self.counters.steps.start(time.monotonic())
             log.info("job %r: %d worker(s) joined, training starts", self.name, len(self.workers))
             for st in self.stages:
                 self._maybe_update(st, submit)
@@ -574,6 +604,7 @@ class Job:
     def _weights_reply(self, st: StageState, version: int, identity: bytes, request_id: int, shm: bool) -> Outgoing:
         k = st.slot_for(version)
         reply = m.Weights(id=request_id, stage=st.index, step=version, offset=st.slot_offsets[k])
+        self.counters.served["fetch", "shm" if shm else "frames"] += st.slots[k].nbytes
         frames: list[object] = [] if shm else list(tensor_frames(st.slots[k]))
         return Outgoing(identity, reply, frames)
 
@@ -608,6 +639,8 @@ class Job:
             copy_frames_into(worker.slots[msg.slot][: st.spec.numel], frames)
         worker.busy.add(msg.slot)
         st.pending[worker.id] = PendingPush(msg.slot, identity, msg.id)
+        self.counters.gradients += 1
+        self.counters.gradient_bytes += st.spec.numel * 4
         self._maybe_update(st, submit)
 
     def _maybe_update(self, st: StageState, submit: Callable[[UpdateTask], None]) -> None:
@@ -648,8 +681,10 @@ class Job:
         if error is None:
             log.debug("job %r stage %d: step %d applied (workers %s)", self.name, st.index, st.version, sorted(pending))
             self._set_version(st, st.version + 1)
-            self.updates += 1
-            self.optimizer_seconds += task.seconds
+            self.counters.optimizer.observe(task.seconds)
+            st.updates += 1
+            st.optimizer_s += task.seconds
+            st.last_optimizer_s = task.seconds
         out.extend(self._answer_waiters(st))
         return out
 
@@ -664,11 +699,15 @@ class Job:
         return [e for e in self.timeline if e.start_ns + e.dur_ns >= since_ns]
 
     def _set_version(self, st: StageState, version: int) -> None:
-        self._versions[st.version] -= 1
-        if not self._versions[st.version]:
-            del self._versions[st.version]
+        old = st.version
+        self._versions[old] -= 1
         st.version = version
         self._versions[version] += 1
+        if not self._versions[old]:
+            del self._versions[old]
+            step = min(self._versions)
+            if step > old:  # ``old`` was the job's step and no stage is left at it
+                self.counters.steps.add(step - old, time.monotonic())
 
     def _answer_waiters(self, st: StageState) -> list[Outgoing]:
         out = []
@@ -722,5 +761,6 @@ class Job:
 
     def pull_reply(self, st: StageState, identity: bytes, request_id: int) -> Outgoing:
         snapshot = st.master.clone()  # the master changes in place with the next update
+        self.counters.served["pull", "frames"] += snapshot.nbytes
         return Outgoing(identity, m.Master(id=request_id, stage=st.index, version=st.version), list(tensor_frames(snapshot)))
 

@@ -50,6 +50,7 @@ from .auth import NonceStore, ReplayWindow, start_authenticator
 from .config import ServerConfig, read_admin_secret
 from .job import Job, Outgoing, UpdateTask
 from .memory import MemoryAccount
+from .metrics import MetricsEndpoint, ServerCounters
 from .snapshot import Snapshot, SnapshotError, SnapshotStore, Waiter
 
 log = logging.getLogger(__name__)
@@ -114,6 +115,14 @@ class Server:
         except BaseException:
             self._close_sockets()
             raise
+        self.counters = ServerCounters()
+        self.metrics: MetricsEndpoint | None = None
+        if config.metrics_port is not None:
+            try:
+                self.metrics = MetricsEndpoint(self, config.metrics_addr, config.metrics_port)
+            except OSError as exc:
+                self._close_sockets()
+                raise OSError(f"cannot serve metrics on {config.metrics_addr}:{config.metrics_port}: {exc}") from None
         self._handlers: dict[type[m.Message], Callable[[bytes, m.Message, list[zmq.Frame]], Outgoing | None]] = {
             m.Hello: self._on_hello,
             m.CreateJob: self._on_create_job,
@@ -201,6 +210,8 @@ class Server:
             self.memory.limit,
         )
         self._log_security()
+        if self.metrics is not None:
+            log.info("Prometheus metrics at %s", self.metrics.url)
         try:
             self._loop()
         finally:
@@ -216,6 +227,8 @@ class Server:
             pass
 
     def _shutdown(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._writer.shutdown(wait=True)
         self._final_snapshots()
@@ -269,6 +282,7 @@ class Server:
             log.warning("could not send %s: %s", type(out.message).__name__, exc)
 
     def _error(self, identity: bytes, request_id: int, exc: WstreamError) -> None:
+        self.counters.errors[exc.code.value] += 1
         self._send(Outgoing(identity, m.Error(id=request_id, code=exc.code.value, message=exc.message)))
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
@@ -282,6 +296,7 @@ class Server:
         try:
             request_id = peek_id(header)
             msg = decode_request(header)
+            self.counters.requests[m.op_of(type(msg))] += 1
             check_frames(msg, data)
             if isinstance(msg, m.SessionMessage):
                 self._authenticate(msg)
@@ -658,11 +673,14 @@ class Server:
             job.snapshot = None
         seconds = time.monotonic() - snap.started
         if error is not None:
+            job.counters.snapshot_failures += 1
             log.error("snapshot of job %r at step %d failed: %r", job.name, snap.step, error)
             for w in snap.waiters:
                 self._error(w.identity, w.request_id, InternalError(f"snapshot failed: {error}"))
         elif path is not None:
             job.last_snapshot_step = snap.step
+            job.counters.snapshots.observe(seconds)
+            job.counters.snapshot_bytes += snap.bytes_written
             log.info(
                 "job %r: snapshot of step %d (%s) written to %s: %d bytes in %.2f s",
                 job.name, snap.step, snap.reason, path, snap.bytes_written, seconds,

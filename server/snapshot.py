@@ -50,6 +50,9 @@ FORMAT = 1
 SHARD_BYTES = 256 * 2**20
 """Stages are grouped into files of about this size (one file per stage would mean thousands of
 fsyncs for a deep model; one file for all would need the whole state in memory at once)."""
+PROGRESS_EVERY_S = 10.0
+"""A resume that takes longer than this logs how far it got, this often (a big job's state takes
+minutes to read back)."""
 
 
 class SnapshotError(Exception):
@@ -329,7 +332,11 @@ def _file_sha256(path: Path) -> tuple[int, str]:
 
 def _stage_tensors(path: Path, shards: list[dict[str, Any]]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
     """(stage, {"master": ..., "opt.<key>": ...}) for every stage in stage order, one file in
-    memory at a time (files hold descending ranges of stages: the writer goes last to first)."""
+    memory at a time (files hold descending ranges of stages: the writer goes last to first).
+    Logs progress every :data:`PROGRESS_EVERY_S` (the consumer's time included)."""
+    total = sum(f["bytes"] for f in shards)
+    done = 0
+    last_log = time.monotonic()
     for f in sorted(shards, key=lambda f: min(f["stages"])):
         by_stage: dict[int, dict[str, torch.Tensor]] = {}
         for key, t in load_file(path / f["name"]).items():
@@ -337,3 +344,8 @@ def _stage_tensors(path: Path, shards: list[dict[str, Any]]) -> Iterator[tuple[i
             by_stage.setdefault(int(stage), {})[name] = t
         for i in sorted(by_stage):
             yield i, by_stage.pop(i)
+        done += f["bytes"]
+        now = time.monotonic()
+        if done < total and now - last_log >= PROGRESS_EVERY_S:
+            log.info("loading %s: %d%% (%d of %d bytes)", path, 100 * done // total, done, total)
+            last_log = now

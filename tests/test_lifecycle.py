@@ -64,10 +64,14 @@ def test_status_command_prints_jobs_workers_steps_and_memory(tmp_path: Path) -> 
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
         assert "of 1.00 GiB" in lines[0]
+        assert lines[1].split() == [
+            "job", "state", "step", "steps/s", "workers", "memory", "snapshot", "stages", "params", "optimizer", "opt-time"
+        ]
         row = next(line for line in lines if line.startswith("status-demo"))
-        fields = row.split()
+        fields = row.split()  # the memory cell is two words ("12.34 KiB")
         params = sum(p.numel() for m in models.mixed() for p in m.parameters())
-        assert fields[1:5] == ["5", f"{params:,}", "3", "1"]  # stages, params, step, workers
+        assert fields[1:3] == ["ready", "3"] and float(fields[3]) > 0 and fields[4] == "1"  # state, step, steps/s, workers
+        assert fields[-5:-1] == ["-", "5", f"{params:,}", "AdamW"]  # no snapshot (no store), stages, params
     finally:
         assert srv.stop() == 0
 
@@ -89,6 +93,17 @@ def test_server_refuses_a_bad_bind_address(tmp_path: Path) -> None:
     )
     assert out.returncode == 2
     assert "not a ZeroMQ endpoint" in out.stderr
+
+
+def test_server_refuses_an_address_it_cannot_listen_on(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "wstream.server", "--bind", f"ipc://{tmp_path}/no-such-dir/s.sock"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2, out.stderr
+    assert "cannot listen on ipc://" in out.stderr
 
 
 def test_worker_lease_expiry_lets_the_other_worker_go_on(tmp_path: Path) -> None:

@@ -110,6 +110,8 @@ def main() -> None:
                 "shm": trainer.shm,
                 "zero_copy": trainer.zero_copy,
                 "fetches": stats.fetches,
+                "bytes_fetched": stats.bytes_fetched,
+                "pushes": stats.pushes,
                 "fetch_latency_s": stats.fetch_latency.samples(),
                 "fetch_latency_skipped": stats.fetch_latency_skipped,
             },

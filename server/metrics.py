@@ -1,0 +1,290 @@
+"""Prometheus metrics of a server (``--metrics-port``): what it serves, receives and holds, per job.
+
+# NOTE [Metrics are read from the server's state at scrape time]
+# 1. Gauges (step, workers, memory, queue depths) are not kept a second time: the collector reads
+#    them from the jobs when Prometheus scrapes, on the HTTP endpoint's thread.
+# 2. What no state holds (bytes served, gradients received, optimizer and snapshot durations) is
+#    counted in plain ints and floats (:class:`JobCounters`, :class:`ServerCounters`) written by the
+#    loop thread only. Optimizer durations are measured on pool threads but recorded when the loop
+#    finishes the update, so the hot path takes no lock.
+# 3. The scrape thread only reads. It copies a container before walking it (``list(d.values())``
+#    runs in C: under the GIL it cannot see a dict change size) and reads each number once. A scrape
+#    may fall between two stage updates of one step; each figure was true at some instant during
+#    the scrape, and counters never go backwards (a histogram's count is summed from one copy of
+#    its buckets, so ``+Inf`` and ``_count`` always agree).
+# 4. Each server has a CollectorRegistry of its own, not prometheus_client's global one: several
+#    servers in one process (tests) do not collide, and a job's series vanish with the job.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+if TYPE_CHECKING:
+    from .job import Job
+    from .service import Server
+
+log = logging.getLogger(__name__)
+
+OPTIMIZER_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
+"""Seconds of one stage update: from a small layer (tens of microseconds) to a huge one."""
+SNAPSHOT_BUCKETS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0)
+"""Seconds of one snapshot, from start to durable."""
+RATE_WINDOW_S = 30
+"""``steps_per_s`` counts the steps completed over this many seconds."""
+
+
+class Histogram:
+    """Observations in fixed buckets (Prometheus ``le`` semantics); one writer, read at scrape."""
+
+    __slots__ = ("bounds", "counts", "sum")
+
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self.bounds = bounds
+        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
+        self.sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        """``[(le, observations <= le), ..., ("+Inf", count)]`` from one copy of the buckets."""
+        total = 0
+        out = []
+        for bound, n in zip((*self.bounds, math.inf), list(self.counts)):
+            total += n
+            out.append((floatToGoString(bound), total))
+        return out
+
+
+class StepRate:
+    """Steps completed per second over the last :data:`RATE_WINDOW_S` seconds, counted in
+    one-second bins (memory bounded by the window, whatever the step rate)."""
+
+    __slots__ = ("_bins", "since")
+
+    def __init__(self) -> None:
+        self.since: float | None = None  # when training started: the rate is 0 before
+        self._bins: deque[list[int]] = deque()  # [second, steps completed in it], oldest first
+
+    def start(self, now: float) -> None:
+        if self.since is None:
+            self.since = now
+
+    def add(self, steps: int, now: float) -> None:
+        sec = int(now)
+        if self._bins and self._bins[-1][0] == sec:
+            self._bins[-1][1] += steps
+        else:
+            self._bins.append([sec, steps])
+        while self._bins[0][0] <= sec - RATE_WINDOW_S:
+            self._bins.popleft()
+
+    def rate(self, now: float) -> float:
+        """Steps per second; read-only, so safe from the scrape thread (NOTE rule 3)."""
+        if self.since is None:
+            return 0.0
+        cutoff = int(now) - RATE_WINDOW_S
+        steps = sum(n for sec, n in list(self._bins) if sec > cutoff)
+        return steps / min(float(RATE_WINDOW_S), max(now - self.since, 1.0))
+
+
+@dataclass(slots=True)
+class JobCounters:
+    """What one job counts for its metrics and status (NOTE rule 2: loop thread only)."""
+
+    served: dict[tuple[str, str], int] = field(
+        default_factory=lambda: {("fetch", "shm"): 0, ("fetch", "frames"): 0, ("pull", "frames"): 0}
+    )
+    """Bytes of weights served, by (op, via): a shared-memory reply counts the bytes it points at."""
+    gradients: int = 0
+    gradient_bytes: int = 0
+    optimizer: Histogram = field(default_factory=lambda: Histogram(OPTIMIZER_BUCKETS))
+    """Seconds of every stage update (its count is the job's updates, its sum its optimizer time)."""
+    snapshots: Histogram = field(default_factory=lambda: Histogram(SNAPSHOT_BUCKETS))
+    snapshot_bytes: int = 0
+    snapshot_failures: int = 0
+    steps: StepRate = field(default_factory=StepRate)
+
+
+@dataclass(slots=True)
+class ServerCounters:
+    """Requests decoded, by op, and error replies sent, by code (loop thread only)."""
+
+    requests: Counter[str] = field(default_factory=Counter)
+    errors: Counter[str] = field(default_factory=Counter)
+
+
+HELP: dict[str, str] = {
+    "wstream_memory_limit_bytes": "Bytes all jobs together may hold (--memory-limit).",
+    "wstream_memory_used_bytes": "Bytes the jobs hold now (what admission control counts).",
+    "wstream_jobs": "Jobs on the server, sealed or being created.",
+    "wstream_sessions": "Open sessions by kind: job (attached, not training), worker, admin.",
+    "wstream_requests_total": "Requests decoded, by op.",
+    "wstream_request_errors_total": "Error replies sent, by code.",
+    "wstream_job_info": "Always 1; labels carry the job's optimizer and compute dtype.",
+    "wstream_job_ready": "1 once the job is sealed (its weights are all uploaded).",
+    "wstream_job_step": "Steps every stage of the job has completed.",
+    "wstream_job_steps_per_second": f"Steps completed per second over the last {RATE_WINDOW_S} s.",
+    "wstream_job_stages": "Stages of the job.",
+    "wstream_job_parameters": "Parameters of the job.",
+    "wstream_job_workers": "Workers training the job now.",
+    "wstream_job_memory_bytes": (
+        "Bytes the job holds, by kind: published (shared-memory weights workers read), private "
+        "(optimizer state and a separate fp32 master), gradients (workers' shared-memory gradient "
+        "rings), reserve (room held ahead in the weights segment while the job is created)."
+    ),
+    "wstream_job_deferred_fetches": "Fetches waiting for a stage update to finish.",
+    "wstream_job_deferred_pulls": "Pulls waiting for a stage update to finish.",
+    "wstream_job_pending_gradients": "Gradients received whose stage update has not finished.",
+    "wstream_job_updates_in_flight": "Stage updates handed to the optimizer pool, queued or running.",
+    "wstream_bytes_served_total": (
+        "Bytes of weights served, by op (fetch, pull) and via (shm: bytes a reply pointed at in "
+        "shared memory; frames: bytes sent in data frames)."
+    ),
+    "wstream_gradients_received_total": "Gradients accepted (one per stage, step and worker).",
+    "wstream_gradient_bytes_received_total": "Bytes of the gradients accepted.",
+    "wstream_optimizer_seconds": "Seconds of each stage update (mean of the workers' gradients, optimizer, publication).",
+    "wstream_stage_optimizer_seconds": "Seconds of each update of one stage (jobs up to --metrics-stage-limit stages).",
+    "wstream_stage_optimizer_last_seconds": "Seconds of the last update of one stage (jobs up to --metrics-stage-limit stages).",
+    "wstream_snapshot_seconds": "Seconds from the start of a snapshot to its being durable.",
+    "wstream_snapshot_bytes_total": "Bytes of snapshot files written.",
+    "wstream_snapshot_failures_total": "Snapshots that failed.",
+    "wstream_job_last_snapshot_step": "Step of the job's newest durable snapshot (absent: none yet).",
+}
+
+
+class _Families:
+    """Metric families of one scrape, made on first use and filled label set by label set."""
+
+    def __init__(self) -> None:
+        self._families: dict[str, Metric] = {}
+
+    def _get(self, make: type[Metric], name: str, labels: dict[str, str]) -> Metric:
+        fam = self._families.get(name)
+        if fam is None:
+            fam = self._families[name] = make(name, HELP[name], labels=list(labels))
+        return fam
+
+    def gauge(self, name: str, value: float, **labels: str) -> None:
+        self._get(GaugeMetricFamily, name, labels).add_metric(list(labels.values()), value)
+
+    def counter(self, name: str, value: float, **labels: str) -> None:
+        self._get(CounterMetricFamily, name, labels).add_metric(list(labels.values()), value)
+
+    def histogram(self, name: str, hist: Histogram, **labels: str) -> None:
+        fam = self._get(HistogramMetricFamily, name, labels)
+        fam.add_metric(list(labels.values()), buckets=hist.cumulative(), sum_value=hist.sum)
+
+    def summary(self, name: str, count: int, total: float, **labels: str) -> None:
+        self._get(SummaryMetricFamily, name, labels).add_metric(list(labels.values()), count, total)
+
+    def __iter__(self) -> Iterator[Metric]:
+        return iter(self._families.values())
+
+
+class ServerCollector(Collector):
+    """Builds every ``wstream_*`` family from the server's state when scraped (see the NOTE)."""
+
+    def __init__(self, server: Server) -> None:
+        self._server = server
+
+    def describe(self) -> list[Metric]:
+        return []  # families depend on the jobs present; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        srv = self._server
+        out = _Families()
+        out.gauge("wstream_memory_limit_bytes", srv.memory.limit)
+        out.gauge("wstream_memory_used_bytes", srv.memory.used)
+        jobs = list(srv.jobs.values())
+        out.gauge("wstream_jobs", len(jobs))
+        kinds = Counter("admin" if s.admin else "worker" if s.worker is not None else "job" for s in list(srv.sessions.values()))
+        for kind in ("job", "worker", "admin"):
+            out.gauge("wstream_sessions", kinds[kind], kind=kind)
+        for op, n in sorted(srv.counters.requests.items()):
+            out.counter("wstream_requests_total", n, op=op)
+        for code, n in sorted(srv.counters.errors.items()):
+            out.counter("wstream_request_errors_total", n, code=code)
+        now = time.monotonic()
+        for job in jobs:
+            _collect_job(out, job, now, srv.config.metrics_stage_limit)
+        return iter(out)
+
+
+def _collect_job(out: _Families, job: Job, now: float, stage_limit: int) -> None:
+    name = job.name
+    stages = list(job.stages)
+    workers = list(job.workers.values())
+    c = job.counters
+    out.gauge("wstream_job_info", 1, job=name, optimizer=type(job.optimizer_spec).__name__, dtype=job.dtype)
+    out.gauge("wstream_job_ready", int(job.ready), job=name)
+    out.gauge("wstream_job_step", job.step, job=name)
+    out.gauge("wstream_job_steps_per_second", c.steps.rate(now), job=name)
+    out.gauge("wstream_job_stages", len(stages), job=name)
+    out.gauge("wstream_job_parameters", job.num_params, job=name)
+    out.gauge("wstream_job_workers", len(workers), job=name)
+    for kind, nbytes in job.memory_by_kind(workers).items():
+        out.gauge("wstream_job_memory_bytes", nbytes, job=name, kind=kind)
+    out.gauge("wstream_job_deferred_fetches", sum(len(st.waiting_fetch) for st in stages), job=name)
+    out.gauge("wstream_job_deferred_pulls", sum(len(st.waiting_pull) for st in stages), job=name)
+    out.gauge("wstream_job_pending_gradients", sum(len(st.pending) for st in stages), job=name)
+    out.gauge("wstream_job_updates_in_flight", job.updates_in_flight, job=name)
+    for (op, via), nbytes in list(c.served.items()):
+        out.counter("wstream_bytes_served_total", nbytes, job=name, op=op, via=via)
+    out.counter("wstream_gradients_received_total", c.gradients, job=name)
+    out.counter("wstream_gradient_bytes_received_total", c.gradient_bytes, job=name)
+    out.histogram("wstream_optimizer_seconds", c.optimizer, job=name)
+    if len(stages) <= stage_limit:
+        for st in stages:
+            out.summary("wstream_stage_optimizer_seconds", st.updates, st.optimizer_s, job=name, stage=str(st.index))
+            out.gauge("wstream_stage_optimizer_last_seconds", st.last_optimizer_s, job=name, stage=str(st.index))
+    out.histogram("wstream_snapshot_seconds", c.snapshots, job=name)
+    out.counter("wstream_snapshot_bytes_total", c.snapshot_bytes, job=name)
+    out.counter("wstream_snapshot_failures_total", c.snapshot_failures, job=name)
+    if job.last_snapshot_step is not None:
+        out.gauge("wstream_job_last_snapshot_step", job.last_snapshot_step, job=name)
+
+
+class MetricsEndpoint:
+    """``http://ADDR:PORT/metrics`` for one server, on a daemon thread, from a registry of its own."""
+
+    def __init__(self, server: Server, addr: str, port: int) -> None:
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(ServerCollector(server))
+        ProcessCollector(registry=self.registry)  # process_* : CPU, resident memory, open fds
+        self._httpd, self._thread = start_http_server(port, addr=addr, registry=self.registry)
+        self.port: int = self._httpd.server_port
+        self.url = f"http://{_host_for_url(addr)}:{self.port}/metrics"
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()  # releases the port (shutdown alone does not)
+        self._thread.join()
+
+
+def _host_for_url(addr: str) -> str:
+    return f"[{addr}]" if ":" in addr else addr

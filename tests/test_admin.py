@@ -1,0 +1,59 @@
+"""``wstream`` commands' output: the status table and the job list (in-process, against a real server)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import models
+from conftest import ServerProcess
+from wstream.client import AdamW, Client
+from wstream.client.admin import format_status, main
+from wstream.protocol import messages as m
+
+
+def job_info(name: str, **kw: object) -> m.JobInfo:
+    fields: dict[str, object] = {
+        "name": name, "stages": 1, "params": 10, "step": 0, "ready": True, "optimizer": "AdamW",
+        "dtype": "float32", "bytes": 1024, "workers": [], "updates": 0, "optimizer_s": 0.0,
+    }
+    return m.JobInfo(**{**fields, **kw})  # type: ignore[arg-type]
+
+
+def test_status_table_is_sized_to_its_contents() -> None:
+    st = m.StatusReply(
+        id=1, protocol=2, pid=42, uptime_s=12.4, memory_limit=2**30, memory_used=3 * 2**20,
+        jobs=[
+            job_info(
+                "gpt", stages=26, params=1234567, step=120, bytes=3 * 2**20, optimizer_s=1.234, last_snapshot=100,
+                steps_per_s=2.5, workers=[m.WorkerInfo(id=0, shm=True, first_step=0, idle_s=0.1)],
+            ),
+            job_info("a-much-longer-name", ready=False, optimizer="SGD", bytes=2**20),
+        ],
+    )
+    assert format_status(st, "tcp://h:5555").splitlines() == [
+        "server tcp://h:5555  pid 42  protocol 2  up 12 s  memory 3.00 MiB of 1.00 GiB",
+        "job                 state     step  steps/s  workers    memory  snapshot  stages     params  optimizer  opt-time",
+        "gpt                 ready      120     2.50        1  3.00 MiB       100      26  1,234,567  AdamW         1.23s",
+        "a-much-longer-name  creating     0     0.00        0  1.00 MiB         -       1         10  SGD           0.00s",
+    ]
+    empty = m.StatusReply(id=1, protocol=2, pid=42, uptime_s=1, memory_limit=2**30, memory_used=0, jobs=[])
+    assert format_status(empty, "ipc:///s").splitlines()[1:] == ["no jobs"]
+
+
+def test_jobs_lists_names_and_steps(server: ServerProcess, client: Client, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["jobs", "--server", server.address]) == 0
+    assert capsys.readouterr().out == ""
+    job = client.create_job("first", models.mixed(), optimizer=AdamW(), token="t")
+    client.create_job("second-job", models.mixed(), optimizer=AdamW(), token="t")
+    with job.trainer() as tr:
+        for s in range(2):
+            tr.step(*models.batch("mixed", s), models.loss_fn)
+    assert main(["jobs", "--server", server.address]) == 0
+    assert capsys.readouterr().out.splitlines() == ["first       2", "second-job  0"]
+    assert main(["jobs", "--server", server.address, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == [
+        {"name": "first", "step": 2, "ready": True},
+        {"name": "second-job", "step": 0, "ready": True},
+    ]
