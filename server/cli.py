@@ -63,12 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="file (mode 0600) holding the admin secret: needed to drop or save jobs and to shut down over the wire",
     )
     p.add_argument(
-        "--curve-secret-key", metavar="FILE",
+        "--curve-secret-key", metavar="FILE", dest="curve_secret_key_file",
         help="the server's secret CURVE certificate (mode 0600; 'wstream keys DIR' writes one): encrypt every "
         "tcp endpoint (ipc endpoints stay plaintext); clients need the public NAME.key",
     )
     p.add_argument(
-        "--curve-authorized-keys", metavar="DIR",
+        "--curve-authorized-keys", metavar="DIR", dest="curve_authorized_keys_dir",
         help="with --curve-secret-key: only clients whose public certificate (*.key) is in DIR may connect",
     )
     p.add_argument("--nonce-ttl", type=float, default=30.0, metavar="SECONDS", help="lifetime of a handshake nonce")
@@ -93,8 +93,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "keep_snapshots": args.keep_snapshots,
         "admin_secret_file": args.admin_secret_file,
         "nonce_ttl_s": args.nonce_ttl,
-        "curve_secret_key_file": args.curve_secret_key,
-        "curve_authorized_keys_dir": args.curve_authorized_keys,
+        "curve_secret_key_file": args.curve_secret_key_file,
+        "curve_authorized_keys_dir": args.curve_authorized_keys_dir,
     }
     if args.bind:
         kwargs["bind"] = args.bind

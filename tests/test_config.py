@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from wstream.protocol.curve import write_keypair
 from wstream.server.cli import build_parser, config_from_args
 from wstream.server.config import ServerConfig
 from wstream.server.config_file import apply_config_file, setting_types
@@ -27,6 +28,9 @@ def every_setting(tmp_path: Path) -> dict[str, tuple[str, list[str], object]]:
     secret.write_text("s3cret\n")
     secret.chmod(0o600)
     store = str(tmp_path / "store")
+    server_public, server_secret = write_keypair(tmp_path / "keys", "server")
+    clients = tmp_path / "clients"
+    write_keypair(clients, "worker")
     return {
         "bind": (
             '["ipc:///tmp/a.sock", "tcp://127.0.0.1:7001"]',
@@ -49,6 +53,8 @@ def every_setting(tmp_path: Path) -> dict[str, tuple[str, list[str], object]]:
         "admin_secret_file": (f'"{secret}"', ["--admin-secret-file", str(secret)], str(secret)),
         "nonce_ttl_s": ("5", ["--nonce-ttl", "5"], 5.0),
         "max_pending_nonces": ("100", ["--max-pending-nonces", "100"], 100),
+        "curve_secret_key_file": (f'"{server_secret}"', ["--curve-secret-key", server_secret], server_secret),
+        "curve_authorized_keys_dir": (f'"{clients}"', ["--curve-authorized-keys", str(clients)], str(clients)),
     }
 
 

@@ -54,6 +54,10 @@ REQUESTS: list[m.Message] = [
     m.Status(),
     m.Save(session=SID, job="j"),
     m.Shutdown(session=SID, seq=2**63 - 1, mac=b"m" * 32),
+    m.Timeline(session=SID, since_ns=12345),
+    m.CreateJob(
+        name="d", token="t", nonce=NONCE, client_nonce=CNONCE, optimizer=AdamW(), delayed_update=True, delay_after=5
+    ),
 ]
 
 
@@ -80,6 +84,12 @@ def test_replies_round_trip() -> None:
         m.Joined(worker=1, step=0, grad_path="/dev/shm/x", grad_slot_bytes=64, grad_slots=2),
         m.Challenge(id=2, nonce=NONCE),
         m.AdminAttached(id=2, session=SID),
+        m.TimelineReply(
+            id=5,
+            now_ns=10**12,
+            events=[m.TraceEvent(name="update 3", cat="optimizer", lane="t0", start_ns=5, dur_ns=7, stage=3, step=2)],
+            dropped=1,
+        ),
     ]
     for r in replies:
         assert decode_reply(encode(r)) == r
