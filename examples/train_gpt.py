@@ -86,7 +86,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--micro-batches", type=int, default=1, help="run each stage for K micro-batches of the batch (stage-major)")
     p.add_argument("--delayed-update", action="store_true", help="one-step delayed parameter update (off the critical path)")
-    p.add_argument("--delay-after", type=int, default=10, metavar="N", help="with --delayed-update: the first N steps are synchronous")
+    p.add_argument("--delay-after", type=int, default=0, metavar="N", help="with --delayed-update: the first N steps are synchronous")
     p.add_argument("--trace", metavar="FILE", help="write a Chrome-trace/Perfetto timeline of the last 2 steps to FILE")
     args = p.parse_args()
 
