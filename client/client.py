@@ -290,6 +290,7 @@ class Job:
         slots: int | None = None,
         memory_budget: int | str | None = None,
         reconnect_s: float = 300.0,
+        reduce: str = "server",
     ) -> Trainer:
         """Join the job as a data-parallel worker.
 
@@ -313,6 +314,10 @@ class Job:
         profile), Revolve within segments. Gradients are the same for every plan.
         ``reconnect_s``: when the server restarts (from its snapshots) or detaches this worker, the
         trainer attaches and joins again, retrying with backoff for this long (0: raise at once).
+        ``reduce``: how data-parallel ranks combine gradients: ``"server"`` (each worker pushes, the
+        server averages over ``world_size`` workers) or ``"allreduce"`` (ranks of an initialized
+        ``torch.distributed`` group average each stage's gradient among themselves and rank 0
+        alone pushes; leave ``world_size=1``). See ``wstream.client.distributed``.
         """
         if self._skeletons is None:
             raise StateError(
@@ -350,6 +355,7 @@ class Job:
             plan=plan,
             plan_from_profile=from_profile,
             reconnect_s=reconnect_s,
+            reduce=reduce,
         )
 
     def state_dict(self, *, progress: bool | None = None) -> dict[str, torch.Tensor]:

@@ -355,12 +355,28 @@ class GradientPusher:
             keep = torch.empty(numel, dtype=torch.float32)
             scatter_grads(keep, spec, grads)
             frames = list(tensor_frames(keep))
+        if self._sc.tracer is not None:
+            self._sc.tracer.add(f"grad copy {stage}", "push", "compute", t0, stage=stage, step=step)
+        self._send(stage, step, slot, numel, keep, frames)
+
+    def push_flat(self, stage: int, step: int, flat: torch.Tensor) -> None:
+        """Send an already flat fp32 gradient (``numel`` of the stage) into a free slot."""
+        slot = self._acquire(stage)
+        numel = flat.numel()
+        keep: object = None
+        frames: list[object] = []
+        if self._slots is not None:
+            self._slots[slot][:numel].copy_(flat)
+        else:
+            keep = flat.detach().to("cpu", copy=True)
+            frames = list(tensor_frames(keep))
+        self._send(stage, step, slot, numel, keep, frames)
+
+    def _send(self, stage: int, step: int, slot: int, numel: int, keep: object, frames: list[object]) -> None:
         msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
         sent = time.monotonic_ns()
         rid = self._chan.send(msg, frames, copy=False)
         self._outstanding[rid] = (slot, keep, stage, step, sent, time.monotonic_ns())
-        if self._sc.tracer is not None:
-            self._sc.tracer.add(f"grad copy {stage}", "push", "compute", t0, sent, stage=stage, step=step)
         self.stats.pushes += 1
         self.stats.bytes_pushed += numel * 4
 

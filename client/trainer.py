@@ -23,6 +23,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.shm import map_segment
 
 from .channel import attach_session
+from .distributed import AllReduceGradients
 from .offload import HostMover, PendingMove
 from .plans import OnlineBisection, Op, Plan, StageCosts
 from .stages import Boundary, StageRunner, as_boundary, boundary_bytes, join_lanes, lanes_of, split_micro_batches
@@ -97,6 +98,7 @@ class Trainer:
         plan: Plan | None,
         plan_from_profile: Callable[[StageCosts], Plan] | None = None,
         reconnect_s: float = 300.0,
+        reduce: str = "server",
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
@@ -104,6 +106,16 @@ class Trainer:
             raise ValueError(f"the plan is for {plan.n} stages, the job has {len(runners)}")
         if (plan is None) == (plan_from_profile is None):
             raise ValueError("give either a plan or a planner to apply to the first step's profile")
+        if reduce not in ("server", "allreduce"):
+            raise ValueError(f"reduce must be 'server' or 'allreduce', got {reduce!r}")
+        self._allreduce = (
+            AllReduceGradients(max(r.spec.numel for r in runners)) if reduce == "allreduce" else None
+        )
+        if self._allreduce is not None and world_size != 1:
+            raise ValueError(
+                "with reduce='allreduce' the ranks reduce among themselves and rank 0 alone pushes: leave "
+                f"world_size at 1 (the server sees one worker), got {world_size}"
+            )
         self.plan: Plan | None = plan
         self._plan_from = plan_from_profile
         self.profile: StageCosts | None = None
@@ -174,13 +186,15 @@ class Trainer:
         self.zero_copy = cpu_shm if zero_copy is None else zero_copy
         self.delayed_update = attached.delayed_update
         self.delay_after = attached.delay_after
+        self.reader = self._allreduce is not None and self._allreduce.rank != 0
         joined, _ = self._chan.request(
-            m.Join(session=self.session, shm=self.shm, grad_slots=grad_slots, world_size=world_size), m.Joined
+            m.Join(session=self.session, shm=self.shm, grad_slots=grad_slots, world_size=world_size, reader=self.reader),
+            m.Joined,
         )
         self.worker_id = joined.worker
         self._step = joined.step
         grad_views = None
-        if self.shm:
+        if self.shm and joined.grad_slots:
             ring = map_segment(joined.grad_path, joined.grad_slot_bytes * joined.grad_slots)
             max_numel = max(s.numel for s in attached.stages)
             grad_views = [
@@ -647,9 +661,15 @@ class Trainer:
         if fetched is None:  # a loop body: sum over its applications, push once at the end
             run.add_loop_grads(param_grads)
             return
-        if self._delayed():  # (i, t) applies to version t: the update of (i, t - 1) must be done
+        if self._delayed() and not self.reader:  # (i, t) applies to version t: (i, t - 1) must be done
             self._pusher.wait_stage(i)
-        self._pusher.push(i, self._step, runner.spec, param_grads)
+        if self._allreduce is None:
+            self._pusher.push(i, self._step, runner.spec, param_grads)
+        else:  # every rank averages; rank 0 pushes the mean (client/distributed.py)
+            device = next((g.device for g in param_grads if g is not None), self.device)
+            mean = self._allreduce.mean(runner.spec, param_grads, device)
+            if not self.reader:
+                self._pusher.push_flat(i, self._step, mean)
         run.pushed = True
         self._prefetcher.release(fetched)
 

@@ -200,6 +200,10 @@ class Join(SessionMessage, tag="join"):
     shm: bool
     grad_slots: Annotated[int, Meta(ge=1, le=MAX_GRAD_SLOTS)] = 2
     world_size: Annotated[int, Meta(ge=1, le=65_536)] = 1
+    reader: bool = False
+    """A worker that fetches weights but never pushes: a rank whose gradients reach the server
+    through another rank (reduced over torch.distributed first). It has no gradient ring, no step
+    waits for it and it does not count towards ``world_size``."""
 
 
 class Fetch(SessionMessage, tag="fetch"):

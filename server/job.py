@@ -114,6 +114,7 @@ class Worker:
     slots: list[torch.Tensor]  # fp32 views, one per slot, max_stage_numel each
     slot_bytes: int
     reserved: int
+    reader: bool = False  # fetches only (see Join.reader)
     busy: set[int] = field(default_factory=set)
     last_seen: float = field(default_factory=time.monotonic)
     waiting: int = 0  # its fetches deferred now
@@ -504,17 +505,19 @@ class Job:
                 f"{msg.world_size}: give every worker the same world_size"
             )
         slot_bytes = _align(self.max_stage_numel * 4)
-        nbytes = slot_bytes * msg.grad_slots
-        self.memory.reserve(nbytes, f"gradient ring of a worker of job {self.name!r}")
-        try:
-            path = create_segment(nbytes)
-        except BaseException:
-            self.memory.release(nbytes)
-            raise
-        buf = map_segment(path, nbytes)
+        nslots = 0 if msg.reader else msg.grad_slots
+        nbytes = slot_bytes * nslots
+        path, buf = "", torch.empty(0, dtype=torch.uint8)
+        if nslots:
+            self.memory.reserve(nbytes, f"gradient ring of a worker of job {self.name!r}")
+            try:
+                path = create_segment(nbytes)
+            except BaseException:
+                self.memory.release(nbytes)
+                raise
+            buf = map_segment(path, nbytes)
         slots = [
-            buf[k * slot_bytes : k * slot_bytes + self.max_stage_numel * 4].view(torch.float32)
-            for k in range(msg.grad_slots)
+            buf[k * slot_bytes : k * slot_bytes + self.max_stage_numel * 4].view(torch.float32) for k in range(nslots)
         ]
         wid = self._next_worker
         self._next_worker += 1
@@ -530,24 +533,29 @@ class Job:
             slots=slots,
             slot_bytes=slot_bytes,
             reserved=nbytes,
+            reader=msg.reader,
         )
         self.workers[wid] = w
-        log.info("job %r: worker %d joined at step %d (shm=%s)", self.name, wid, w.first_step, w.shm)
+        log.info(
+            "job %r: %s %d joined at step %d (shm=%s)", self.name, "reader" if w.reader else "worker", wid, w.first_step, w.shm
+        )
         if self.world_size is None:
             self.world_size = msg.world_size
         return w
 
     def open_barrier(self, submit: Callable[[UpdateTask], None]) -> None:
         """Start training once ``world_size`` workers have joined (checked after every join)."""
-        if not self.started and self.world_size is not None and len(self.workers) >= self.world_size:
+        pushers = sum(not w.reader for w in self.workers.values())
+        if not self.started and self.world_size is not None and pushers >= self.world_size:
             self.started = True
             self.counters.steps.start(time.monotonic())
-            log.info("job %r: %d worker(s) joined, training starts", self.name, len(self.workers))
+            log.info("job %r: %d worker(s) joined, training starts", self.name, pushers)
             for st in self.stages:
                 self._maybe_update(st, submit)
 
     def _free_worker(self, w: Worker) -> None:
-        unlink_segment(w.grad_path)
+        if w.grad_path:
+            unlink_segment(w.grad_path)
         self.memory.release(w.reserved)
         w.reserved = 0
 
@@ -565,7 +573,7 @@ class Job:
         return self.skip_abandoned_step()
 
     def _expected(self, step: int) -> set[int]:
-        return {w.id for w in self.workers.values() if w.first_step <= step}
+        return {w.id for w in self.workers.values() if w.first_step <= step and not w.reader}
 
     # ---- fetch / push / pull -------------------------------------------------------------------
     def fetch(self, msg: m.Fetch, identity: bytes, worker: Worker) -> Outgoing | None:
@@ -613,6 +621,8 @@ class Job:
     ) -> None:
         st = self.stage(msg.stage)
         where = f"gradient of stage {msg.stage} step {msg.step}"
+        if worker.reader:
+            raise GradientError(f"{where}: this worker joined as a reader, which never pushes")
         if msg.step < worker.first_step:
             raise StaleStepError(f"{where}: this worker joined at step {worker.first_step}")
         if msg.step != st.version or st.updating:

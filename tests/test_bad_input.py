@@ -117,6 +117,11 @@ def test_every_bad_message_is_answered_while_another_job_trains(server: ServerPr
         header = framed.header("push", nframes=2, stage=0, step=0, slot=0, numel=numel0)
         reply, _ = peer.send_frames([header, b"\x00" * 12])  # one frame dropped on the way
         assert reply["code"] == "bad_message" and "nframes=2" in reply["message"]
+        reader = peer.attach("victim", "victim-token")
+        joined, _ = reader.request("join", shm=True, reader=True)
+        assert joined["op"] == "joined" and joined["grad_slots"] == 0 and joined["grad_path"] == ""
+        reply, _ = reader.request("push", stage=0, step=0, slot=0, numel=numel0)
+        assert reply["code"] == "bad_gradient" and "reader" in reply["message"]
         unjoined = peer.attach("victim", "victim-token")
         reply, _ = unjoined.request("push", stage=0, step=0, slot=0, numel=numel0)
         assert reply["code"] == "bad_state" and "join" in reply["message"]

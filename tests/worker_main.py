@@ -3,6 +3,8 @@
 Usage: python worker_main.py ADDRESS JOB TOKEN MODEL STEPS RANK OUT.json [--frames] [--prefetch K]
        [--data-offset D]  (batches of ``models.batch(model, step, D + RANK)``)
        [--barrier DIR]  (after joining, touch DIR/ready-JOB-RANK and wait for DIR/go before training)
+       RANK -1: launched by torchrun (rank and world size from its environment; OUT may hold
+       "{rank}"), combining gradients by --reduce server|allreduce
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import models  # noqa: E402
 
 from wstream.client import Client  # noqa: E402
+from wstream.client.distributed import from_torchrun  # noqa: E402
 
 
 def rss_anon() -> int:
@@ -69,7 +72,13 @@ def main() -> None:
     p.add_argument("--data-offset", type=int, default=0, help="train on the batches of rank D + RANK")
     p.add_argument("--barrier", help="directory: announce the join there and wait for its 'go' file")
     p.add_argument("--warmup-width", type=int, default=0, help="initialize torch's kernels before measuring")
+    p.add_argument("--reduce", default="server", choices=["server", "allreduce"])
     args = p.parse_args()
+    if args.rank < 0:  # torchrun
+        launch = from_torchrun()
+        args.rank = launch.rank
+        args.world_size = launch.world_size if args.reduce == "server" else 1
+        args.out = args.out.format(rank=launch.rank)
     torch.manual_seed(1234 + args.rank)
     with torch.device("meta"):
         stages = models.BUILDERS[args.model]()
@@ -87,15 +96,19 @@ def main() -> None:
             shm=False if args.frames else None,
             world_size=args.world_size,
             zero_copy=False if args.copy else None,
+            reduce=args.reduce,
         )
         if args.barrier:  # lets a test start many jobs' workers training at the same moment
             (Path(args.barrier) / f"ready-{args.job}-{args.rank}").touch()
             while not (Path(args.barrier) / "go").exists():
                 time.sleep(0.01)
         losses = []
+        step_s = []
         for _ in range(args.steps):
             x, y = models.batch(args.model, trainer.step_index, args.data_offset + args.rank)
+            t0 = time.perf_counter()
             losses.append(trainer.step(x, y, models.loss_fn))
+            step_s.append(time.perf_counter() - t0)
         peak_anon = sampler.stop()
         stats = trainer.stats()
         trainer.close()
@@ -103,6 +116,7 @@ def main() -> None:
         json.dump(
             {
                 "losses": losses,
+                "step_s": step_s,
                 "anon_before": anon0,
                 "peak_anon": peak_anon,
                 "peak_resident_stages": stats.peak_resident_stages,

@@ -1,0 +1,84 @@
+"""Data-parallel ranks launched by ``torchrun``: attach every rank to one job.
+
+Two ways to combine the ranks' gradients (``job.trainer(reduce=...)``):
+
+* ``"server"``: every rank is a worker of the job and pushes its own gradient; the server
+  averages them (``world_size`` = the number of ranks). No process group is needed.
+* ``"allreduce"``: the ranks average each stage's gradient over ``torch.distributed`` first
+  (gloo on CPU, NCCL on GPUs) and only rank 0 pushes it; the other ranks join as *readers*
+  (they fetch weights, never push). One gradient per stage reaches the server whatever the
+  number of ranks, which is what ranks on other hosts want (one push over the network instead of
+  one per rank). docs/distributed.md compares the two.
+
+Safety of ``"allreduce"`` with in-place (single-slot) publication: the update of (i, t) starts
+when rank 0 pushes, which is after the all-reduce of stage i, which every rank enters only after
+its own last use of w_i(t) (its BACKWARD of stage i). So the server's rule 2 (NOTE [Versions and
+who may read what]) still holds for the readers.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from wstream.protocol import StageSpec
+
+from .stages import scatter_grads
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """Where this process sits in a ``torchrun`` launch."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+
+    @property
+    def device(self) -> torch.device:
+        """This rank's device: ``cuda:<local rank>`` when there are GPUs, else the CPU."""
+        return torch.device("cuda", self.local_rank) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def from_torchrun(*, init_process_group: bool = True, backend: str | None = None) -> Launch:
+    """Read ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` (set by ``torchrun``), and start the default
+    process group (gloo on CPU, NCCL with GPUs) unless it is running or not wanted. Outside
+    ``torchrun`` this is rank 0 of 1."""
+    launch = Launch(
+        rank=int(os.environ.get("RANK", "0")),
+        local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+        world_size=int(os.environ.get("WORLD_SIZE", "1")),
+    )
+    dist = torch.distributed
+    if init_process_group and launch.world_size > 1 and not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    return launch
+
+
+class AllReduceGradients:
+    """Averages a stage's gradient over the ranks of a process group, into one flat buffer."""
+
+    def __init__(self, max_numel: int, group: torch.distributed.ProcessGroup | None = None) -> None:
+        dist = torch.distributed
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "reduce='allreduce' needs torch.distributed initialized (launch with torchrun and call "
+                "wstream.client.distributed.from_torchrun() first), or use reduce='server'"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.size = dist.get_world_size(group)
+        self._max_numel = max_numel
+        self._flat: torch.Tensor | None = None
+
+    def mean(self, spec: StageSpec, grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
+        """The mean over the ranks of this stage's gradient, flat fp32 (``spec.numel`` elements);
+        a view of a buffer reused by the next call."""
+        if self._flat is None or self._flat.device != device:
+            self._flat = torch.empty(self._max_numel, dtype=torch.float32, device=device)
+        flat = self._flat[: spec.numel]
+        scatter_grads(flat, spec, grads)
+        torch.distributed.all_reduce(flat, group=self.group)
+        return flat.div_(self.size)

@@ -1,0 +1,63 @@
+"""Data-parallel ranks launched by torchrun: the server averages, or the ranks all-reduce first."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import models
+from conftest import HERE, ServerProcess
+from test_equivalence import assert_weights_equal, reference_train
+from wstream.client import AdamW, Client
+
+STEPS = 4
+
+
+def torchrun(address: str, job: str, ranks: int, reduce: str, tmp_path: Path, *extra: str) -> list[dict]:
+    """``torchrun --standalone --nproc-per-node RANKS tests/worker_main.py ...``; the ranks' reports."""
+    log = tmp_path / f"torchrun-{reduce}.log"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}",
+        str(HERE / "worker_main.py"), address, job, "t", "mixed", str(STEPS), "-1",
+        str(tmp_path / f"{reduce}-{{rank}}.json"), "--reduce", reduce, *extra,
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with open(log, "wb") as out:
+        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, timeout=240).returncode
+    assert rc == 0, log.read_text(errors="replace")
+    return [json.loads((tmp_path / f"{reduce}-{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.parametrize("reduce", ["server", "allreduce"])
+def test_torchrun_ranks_train_like_one_process_on_the_mean_gradient(
+    server: ServerProcess, tmp_path: Path, reduce: str
+) -> None:
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    with Client(server.address, timeout=30) as c:
+        c.create_job(f"tr-{reduce}", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t")
+        reports = torchrun(server.address, f"tr-{reduce}", 2, reduce, tmp_path)
+        got = c.attach_job(f"tr-{reduce}", token="t").state_dict()
+        info = {j.name: j for j in c.status().jobs}[f"tr-{reduce}"]
+    want = reference_train(start, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05), "mixed", STEPS, ranks=2)
+    assert_weights_equal(got, want, atol=1e-6)
+    n = len(models.mixed())
+    pushes = [r["pushes"] for r in reports]
+    # the server averages 2 pushes per stage, or rank 0 alone pushes the all-reduced mean
+    assert pushes == ([STEPS * n, STEPS * n] if reduce == "server" else [STEPS * n, 0])
+    assert info.updates == STEPS * n
+
+
+def test_allreduce_needs_a_process_group(client: Client) -> None:
+    job = client.create_job("no-pg", models.mixed(), optimizer=AdamW(), token="t")
+    with pytest.raises(RuntimeError, match="torch.distributed initialized"):
+        job.trainer(reduce="allreduce")
+    with pytest.raises(ValueError, match="reduce must be"):
+        job.trainer(reduce="nccl")
