@@ -43,6 +43,9 @@ def accumulated_reference(stages: list[nn.Module], k: int, steps: int, size: int
         (4, 16, "dnc", {}),
         (2, 16, "offload", {"memory_budget": "64KiB"}),
         (4, 16, "optimal", {"memory_budget": "24KiB"}),
+        (2, 16, "sqrt", {}),
+        (2, 16, "auto", {"memory_budget": "32KiB"}),
+        (2, 16, "min_peak", {}),
     ],
 )
 def test_gradients_equal_ordinary_accumulation(client: Client, k: int, size: int, schedule: str, extra: dict) -> None:
@@ -54,7 +57,7 @@ def test_gradients_equal_ordinary_accumulation(client: Client, k: int, size: int
             trainer.step(*models.batch("mixed", s, size=size), models.loss_fn, micro_batches=k) for s in range(STEPS)
         ]
         summary = trainer.plan_summary()
-        if schedule in ("optimal", "offload"):
+        if schedule in ("optimal", "offload", "auto", "min_peak"):
             assert trainer.profile is not None and trainer._profile_one is not None
             one = trainer._profile_one
             assert trainer.profile.state_bytes == tuple(b * k for b in one.state_bytes)
