@@ -28,6 +28,7 @@ from wstream.protocol import (
 )
 
 from .client import Client, Job, wait_for_server
+from .local import local_server
 from .trainer import Resynced, Trainer, TrainerStats
 
 __all__ = [
@@ -50,5 +51,6 @@ __all__ = [
     "TrainerStats",
     "UnknownJobError",
     "WstreamError",
+    "local_server",
     "wait_for_server",
 ]

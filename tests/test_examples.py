@@ -39,3 +39,34 @@ def test_gpt_demo_starts_a_server_trains_and_reports_memory(tmp_path: Path) -> N
     assert any(e.get("cat") == "optimizer" for e in trace["traceEvents"])  # the server's side
     pid = int(re.search(r"started wstream-server \(pid (\d+)\)", text).group(1))
     assert segment_paths(pid) == []  # the demo's server cleaned up (other servers may be running)
+
+
+def run_example(name: str, *args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True, timeout=240
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_concepts_example_equals_plain_pytorch(tmp_path: Path) -> None:
+    text = run_example("concepts.py", "--server", f"ipc://{tmp_path}/c.sock", "--steps", "3")
+    assert "6 stages" in text and "plan revolve: 8 forwards for 6 stages, at most 3 stage inputs live" in text
+    diff = float(re.search(r"largest difference from plain PyTorch training: (\S+)", text).group(1))
+    assert diff < 1e-6
+
+
+def test_watch_server_example_shows_status_and_metrics() -> None:
+    text = run_example("watch_server.py", "--steps", "3")
+    assert re.search(r"watched\s+ready\s+3\s", text), text  # the status table: job, state, step
+    assert "of 1.00 GiB" in text  # the TOML file's memory limit applies
+    assert 'wstream_job_step{job="watched"} 3.0' in text
+    assert 'wstream_gradients_received_total{job="watched"} 12.0' in text  # 3 steps x 4 stages
+
+
+def test_raw_protocol_example_talks_msgpack_by_hand() -> None:
+    text = run_example("raw_protocol.py")
+    assert "status -> status_reply: protocol 2, jobs ['raw']" in text
+    assert "attach -> attached: session" in text and "('weight', [4, 4])" in text
+    assert "error auth_failed" in text and "error bad_message" in text
+    assert "status again -> status_reply" in text

@@ -1,0 +1,68 @@
+"""The wire protocol by hand: plain pyzmq and msgpack, no wstream code on this side of the socket.
+
+A job is created with the wstream client (the only use of the library here); then a DEALER socket
+speaks protocol 2 directly (``protocol/README.md``): ``status``; ``hello`` for a nonce; ``attach``
+with an HMAC proof of the job's token, computed with ``hmac``/``hashlib``; and a bad message, which
+gets an ``error`` reply while the server goes on.
+
+    python examples/raw_protocol.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import tempfile
+
+import msgpack
+import zmq
+from torch import nn
+
+from wstream.client import Client, local_server
+
+VERSION = 2
+ATTACH_LABEL = b"wstream/attach/2\0"
+
+
+def request(sock: zmq.Socket, op: str, request_id: int, **fields: object) -> dict:
+    """Send one header (a msgpack map: v, op, id and the op's fields) and read the reply's header."""
+    sock.send(msgpack.packb({"v": VERSION, "op": op, "id": request_id, **fields}))
+    return msgpack.unpackb(sock.recv_multipart()[0])  # data frames, if any, would follow the header
+
+
+def main() -> None:
+    token = "raw-secret"
+    with tempfile.TemporaryDirectory() as tmp, local_server(f"ipc://{tmp}/raw.sock", reuse=False) as address:
+        with Client(address) as client:
+            client.create_job("raw", [nn.Linear(4, 4), nn.Linear(4, 2)], token=token)
+        ctx = zmq.Context()
+        sock = ctx.socket(zmq.DEALER)
+        sock.connect(address)
+        sock.rcvtimeo = 10_000
+        try:
+            status = request(sock, "status", 1)
+            print(f"status -> {status['op']}: protocol {status['protocol']}, jobs {[j['name'] for j in status['jobs']]}")
+            challenge = request(sock, "hello", 2)
+            nonce, client_nonce = challenge["nonce"], os.urandom(16)
+            key = hashlib.sha256(token.encode()).digest()  # the server keeps only this digest
+            proof = hmac.new(key, ATTACH_LABEL + b"raw\0" + nonce + client_nonce, hashlib.sha256).digest()
+            attached = request(sock, "attach", 3, name="raw", nonce=nonce, client_nonce=client_nonce, proof=proof)
+            print(
+                f"attach -> {attached['op']}: session {attached['session'].hex()[:12]}..., "
+                f"stages {[[(name, shape) for name, shape, _offset in s['params']] for s in attached['stages']]}, step {attached['step']}"
+            )
+            wrong = hmac.new(hashlib.sha256(b"guess").digest(), ATTACH_LABEL + b"raw\0" + nonce, hashlib.sha256).digest()
+            nonce2 = request(sock, "hello", 4)["nonce"]
+            refused = request(sock, "attach", 5, name="raw", nonce=nonce2, client_nonce=client_nonce, proof=wrong)
+            print(f"attach with a wrong proof -> {refused['op']} {refused['code']}: {refused['message']}")
+            bad = request(sock, "fetch", 6, session=b"x" * 16, stage=0, step=-1)
+            print(f"a malformed fetch -> {bad['op']} {bad['code']}: {bad['message']}")
+            print(f"status again -> {request(sock, 'status', 7)['op']} (the server is still serving)")
+        finally:
+            sock.close(linger=0)
+            ctx.term()
+
+
+if __name__ == "__main__":
+    main()
