@@ -27,7 +27,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, tensor_frames
 from wstream.protocol.layout import describe_mismatch, numel_of
 
-from wstream.protocol.auth import SessionSigner, secret_key, session_key
+from wstream.protocol.auth import SessionSigner, base_proof, secret_key, session_key
 from wstream.protocol.curve import ClientKeys, KeySource, uses_curve
 
 from .channel import (
@@ -42,7 +42,7 @@ from .channel import (
     curve_keys,
 )
 from .plans import PLANNERS, Plan, StageCosts, auto, min_peak, offload, optimal
-from .stages import StageRunner, flatten, skeleton_of, spec_of
+from .stages import StageRunner, flatten, frozen_params, skeleton_of, spec_of
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -109,9 +109,18 @@ class Client:
         double_buffer: bool = False,
         delayed_update: bool = False,
         delay_after: int = 0,
+        frozen: bool = False,
+        base: str | None = None,
+        base_token: str | None = None,
         progress: bool | None = None,
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
+
+        ``frozen=True``: a base model, weights only (no optimizer state), that jobs created with
+        ``base=name`` train on top of; the server holds it once however many use it.
+        ``base`` (with ``base_token``, the base's token): stage i trains its parameters that have
+        ``requires_grad`` (adapters, a head, a trainable copy) and reads the others, by name, from
+        stage i of the frozen base; only the trainable ones are uploaded and optimized.
 
         ``delayed_update``: the one-step delayed parameter update of the ZeRO-Offload paper. Step t
         computes on the weights of step t - 1 while the server applies step t - 1's gradients, so
@@ -125,10 +134,14 @@ class Client:
         this process's memory can be created stage by stage from a generator.
         ``progress``: a progress bar of the upload on stderr (None: only when stderr is a terminal).
         """
+        if (base is None) != (base_token is None):
+            raise ValueError("base= and base_token= go together")
+        own = (lambda p: p.requires_grad) if base is not None else (lambda p: True)
         total = None
         if isinstance(stages, Sequence):  # known up front: let the server refuse before uploading
-            total = sum(p.numel() for s in stages for p in s.parameters())
+            total = sum(p.numel() for s in stages for p in s.parameters() if own(p))
         nonce, mine = challenge(self._chan), client_nonce()
+        proof = base_proof(secret_key(base_token), base, nonce, mine) if base and base_token else None
         created, _ = self._chan.request(
             m.CreateJob(
                 name=name,
@@ -141,6 +154,9 @@ class Client:
                 total_numel=total,
                 delayed_update=delayed_update,
                 delay_after=delay_after,
+                frozen=frozen,
+                base=base,
+                base_proof=proof,
             ),
             m.Attached,
         )
@@ -151,7 +167,11 @@ class Client:
         bar = _progress(progress, total, f"uploading {name}")
         try:
             for i, module in enumerate(stages):
-                spec = spec_of(i, module)
+                if base is not None:
+                    if i >= len(created.base_stages):
+                        raise LayoutError(f"stage {i}: the base {base!r} has {len(created.base_stages)} stages")
+                    frozen_params(i, module, created.base_stages[i])  # they match the base, or raise
+                spec = spec_of(i, module, trainable_only=base is not None)
                 flat = flatten(module, spec)
                 self._chan.request(m.AddStage(session=session, index=i, spec=spec), m.Ok, tensor_frames(flat))
                 del flat
@@ -176,7 +196,10 @@ class Client:
         skeletons = None
         if stages is not None:
             mods = list(stages)
-            specs = [spec_of(i, mod) for i, mod in enumerate(mods)]
+            on_base = attached.base is not None
+            for i, mod in enumerate(mods[: len(attached.base_stages)] if on_base else ()):
+                frozen_params(i, mod, attached.base_stages[i])
+            specs = [spec_of(i, mod, trainable_only=on_base) for i, mod in enumerate(mods)]
             mismatch = describe_mismatch(attached.stages, specs)
             if mismatch is not None:
                 raise LayoutError(f"the given stages do not match job {name!r}: {mismatch}")
@@ -265,6 +288,9 @@ class Job:
         self.dtype = attached.dtype
         self.delayed_update = attached.delayed_update
         self.delay_after = attached.delay_after
+        self.frozen = attached.frozen
+        self.base = attached.base
+        self.base_stages: list[StageSpec] = list(attached.base_stages)
         self._token = token
         self._skeletons = skeletons
 
@@ -324,7 +350,16 @@ class Job:
                 f"job {self.name!r} was attached without its stages: pass stages= to attach_job "
                 "(modules built under torch.device('meta') are enough)"
             )
-        runners = [StageRunner(i, sk, spec) for i, (sk, spec) in enumerate(zip(self._skeletons, self.specs))]
+        runners = [
+            StageRunner(
+                i,
+                sk,
+                spec,
+                base_spec=self.base_stages[i] if self.base_stages else None,
+                frozen=frozen_params(i, sk, self.base_stages[i]) if self.base_stages else (),
+            )
+            for i, (sk, spec) in enumerate(zip(self._skeletons, self.specs))
+        ]
         profiled = ("optimal", "min_peak", "auto", "offload")
         if schedule not in PLANNERS and schedule not in profiled:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted([*PLANNERS, *profiled])}")

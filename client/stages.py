@@ -28,8 +28,9 @@ Boundary = tuple[Any, ...]
 """What flows between stages: the positional arguments of the next stage."""
 
 
-def spec_of(index: int, module: nn.Module) -> StageSpec:
-    """The flat layout of ``module``'s parameters (in ``named_parameters`` order)."""
+def spec_of(index: int, module: nn.Module, *, trainable_only: bool = False) -> StageSpec:
+    """The flat layout of ``module``'s parameters (in ``named_parameters`` order); with
+    ``trainable_only``, of those with ``requires_grad`` (a job on a base holds only those)."""
     buffers = [name for name, _ in module.named_buffers()]
     if buffers:
         raise LayoutError(
@@ -38,6 +39,8 @@ def spec_of(index: int, module: nn.Module) -> StageSpec:
         )
     params = []
     for name, p in module.named_parameters():
+        if trainable_only and not p.requires_grad:
+            continue
         if not p.is_floating_point():
             raise LayoutError(f"stage {index}: parameter {name!r} has dtype {p.dtype}; only floating point is streamed")
         params.append((name, tuple(p.shape)))
@@ -66,24 +69,69 @@ def specs_of(modules: Iterable[nn.Module]) -> Iterator[StageSpec]:
         yield spec_of(i, mod)
 
 
-class StageRunner:
-    """Runs one stage on flat weights through its meta skeleton."""
+def frozen_params(index: int, module: nn.Module, base: StageSpec) -> list[str]:
+    """The parameters of ``module`` that stage ``index`` reads from its frozen base (those without
+    ``requires_grad``); each must be in the base's stage with the same shape."""
+    have = {p.name: tuple(p.shape) for p in base.params}
+    names = []
+    for name, p in module.named_parameters():
+        if p.requires_grad:
+            continue
+        if name not in have:
+            raise LayoutError(f"stage {index}: frozen parameter {name!r} is not in the base's stage {index}")
+        if have[name] != tuple(p.shape):
+            raise LayoutError(
+                f"stage {index}: frozen parameter {name!r} has shape {tuple(p.shape)}, the base's {have[name]}"
+            )
+        names.append(name)
+    return names
 
-    def __init__(self, index: int, skeleton: nn.Module, spec: StageSpec) -> None:
+
+class StageRunner:
+    """Runs one stage on flat weights through its meta skeleton. A stage of a job on a frozen base
+    also reads ``frozen`` parameters from the base's flat weights (``base_spec`` lays them out)."""
+
+    def __init__(
+        self,
+        index: int,
+        skeleton: nn.Module,
+        spec: StageSpec,
+        *,
+        base_spec: StageSpec | None = None,
+        frozen: Iterable[str] = (),
+    ) -> None:
         self.index = index
         self.skeleton = skeleton
         self.spec = spec
+        self.base_spec = base_spec
         self._views = [(p.name, p.offset, numel_of(p.shape), tuple(p.shape)) for p in spec.params]
+        wanted = set(frozen)
+        self._base_views = [
+            (p.name, p.offset, numel_of(p.shape), tuple(p.shape))
+            for p in (base_spec.params if base_spec is not None else ())
+            if p.name in wanted
+        ]
 
-    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+    def views(self, flat: torch.Tensor, base: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        return {**self._own(flat), **self._frozen(base)}
+
+    def __call__(self, flat: torch.Tensor, inputs: Boundary, base: torch.Tensor | None = None) -> Any:
+        return torch.func.functional_call(self.skeleton, self.views(flat, base), inputs)
+
+    def leaves(self, flat: torch.Tensor, base: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Parameter views of ``flat``, each an autograd leaf (see NOTE above); the base's frozen
+        parameters are views that need no gradient."""
+        own = {name: v.detach().requires_grad_(True) for name, v in self._own(flat).items()}
+        return {**own, **self._frozen(base)}
+
+    def _own(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {name: flat[off : off + n].view(shape) for name, off, n, shape in self._views}
 
-    def __call__(self, flat: torch.Tensor, inputs: Boundary) -> Any:
-        return torch.func.functional_call(self.skeleton, self.views(flat), inputs)
-
-    def leaves(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Parameter views of ``flat``, each an autograd leaf (see NOTE above)."""
-        return {name: v.detach().requires_grad_(True) for name, v in self.views(flat).items()}
+    def _frozen(self, base: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        if not self._base_views:
+            return {}
+        assert base is not None, "a stage on a base needs the base's weights: a bug in wstream"
+        return {name: base[off : off + n].view(shape) for name, off, n, shape in self._base_views}
 
     def call_with(self, params: dict[str, torch.Tensor], inputs: Boundary) -> Any:
         return torch.func.functional_call(self.skeleton, params, inputs)

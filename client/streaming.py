@@ -29,7 +29,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.auth import SessionSigner
 from wstream.protocol.curve import ClientKeys
 
-from wstream.protocol.frames import copy_frames_into, tensor_frames
+from wstream.protocol.frames import copy_frames_into, frames_nbytes, tensor_frames
 
 from .channel import Channel, raise_or_narrow
 from .stages import scatter_grads
@@ -99,6 +99,7 @@ class Fetched:
     stage: int
     buffer: int
     weights: torch.Tensor  # flat view of the ring buffer, the stage's numel long
+    base: torch.Tensor | None = None  # a job on a frozen base: the base's stage, flat
 
 
 class LatencyWindow:
@@ -160,6 +161,8 @@ class StreamContext:
     published_dtype: torch.dtype
     zero_copy: bool = False  # compute on views of ``published`` instead of ring copies
     tracer: Tracer | None = None  # set while ``Trainer.trace`` records a timeline
+    base_published: torch.Tensor | None = None  # uint8 mapping of the frozen base's segment
+    base_numels: list[int] = field(default_factory=list)  # per stage, of the base's stage
     abort: threading.Event = field(default_factory=threading.Event)
     abort_reason: list[WstreamError] = field(default_factory=list)
 
@@ -307,27 +310,52 @@ class Prefetcher:
             sc.tracer.add(f"ring full {stage}", "ring", "weight copies", t0, stage=stage)
         t0 = time.monotonic_ns()
         numel = sc.numels[stage]
+        base_numel = sc.base_numels[stage] if reply.base_offset is not None else 0
+        itemsize = sc.published_dtype.itemsize
         if sc.zero_copy:
             assert sc.published is not None and not data
-            view = sc.published[reply.offset : reply.offset + numel * sc.published_dtype.itemsize]
+            view = sc.published[reply.offset : reply.offset + numel * itemsize].view(sc.published_dtype)
+            base = None
+            if reply.base_offset is not None:
+                assert sc.base_published is not None
+                end = reply.base_offset + base_numel * itemsize
+                base = sc.base_published[reply.base_offset : end].view(sc.published_dtype)
             self.stats.fetches += 1
-            return Fetched(stage, idx, view.view(sc.published_dtype))
-        try:
-            dst = self._ring.buffers[idx][:numel]
+            return Fetched(stage, idx, view, base)
+        try:  # the ring buffer holds the stage, then its base's stage (a job on a frozen base)
+            buf = self._ring.buffers[idx]
+            dst, base_dst = buf[:numel], buf[numel : numel + base_numel]
             if data:
-                copy_frames_into(dst, data)
+                own, rest = _split_frames(data, numel * itemsize)
+                copy_frames_into(dst, own)
+                if base_numel:
+                    copy_frames_into(base_dst, rest)
             else:
                 assert sc.published is not None
-                nbytes = numel * sc.published_dtype.itemsize
-                dst.copy_(sc.published[reply.offset : reply.offset + nbytes].view(sc.published_dtype))
+                dst.copy_(sc.published[reply.offset : reply.offset + numel * itemsize].view(sc.published_dtype))
+                if base_numel:
+                    assert sc.base_published is not None and reply.base_offset is not None
+                    src = sc.base_published[reply.base_offset : reply.base_offset + base_numel * itemsize]
+                    base_dst.copy_(src.view(sc.published_dtype))
         except BaseException:
             self._ring.release(idx)
             raise
+        nbytes = (numel + base_numel) * itemsize
         self.stats.fetches += 1
-        self.stats.bytes_fetched += dst.numel() * dst.element_size()
+        self.stats.bytes_fetched += nbytes
         if sc.tracer is not None:
-            sc.tracer.add(f"copy {stage}", "copy", "weight copies", t0, stage=stage, bytes=dst.numel() * dst.element_size())
-        return Fetched(stage, idx, dst)
+            sc.tracer.add(f"copy {stage}", "copy", "weight copies", t0, stage=stage, bytes=nbytes)
+        return Fetched(stage, idx, dst, base_dst if base_numel else None)
+
+
+def _split_frames(data: list[zmq.Frame], nbytes: int) -> tuple[list[zmq.Frame], list[zmq.Frame]]:
+    """The data frames holding the first ``nbytes``, and the rest (tensors start on a frame)."""
+    total = 0
+    for k, frame in enumerate(data):
+        if total == nbytes:
+            return data[:k], data[k:]
+        total += frames_nbytes([frame])
+    return data, []
 
 
 class GradientPusher:

@@ -30,6 +30,7 @@ from .stages import Boundary, StageRunner, as_boundary, boundary_bytes, join_lan
 from .timeline import SERVER_LANES, WORKER_LANES, Tracer, chrome_trace, server_spans, write_trace
 from .streaming import (
     TORCH_DTYPES,
+    Fetched,
     GradientPusher,
     HeartbeatThread,
     LatencyWindow,
@@ -202,6 +203,10 @@ class Trainer:
                 for k in range(joined.grad_slots)
             ]
         pub_dtype = TORCH_DTYPES[attached.published_dtype]
+        base_numels = [s.numel for s in attached.base_stages]
+        base_published = (
+            map_segment(attached.base_path, attached.base_bytes) if published is not None and attached.base else None
+        )
         self._sc = StreamContext(
             ctx=client.ctx,
             address=client.address,
@@ -215,10 +220,11 @@ class Trainer:
             published_dtype=pub_dtype,
             zero_copy=self.zero_copy,
             tracer=self._tracer,
+            base_published=base_published,
+            base_numels=base_numels,
         )
-        self._ring = WeightRing(
-            prefetch + 1, max(self._sc.numels), pub_dtype, self.device, allocate=not self.zero_copy
-        )
+        largest = max(n + (base_numels[i] if base_numels else 0) for i, n in enumerate(self._sc.numels))
+        self._ring = WeightRing(prefetch + 1, largest, pub_dtype, self.device, allocate=not self.zero_copy)
         self._prefetcher = Prefetcher(self._sc, self._ring)
         self._pusher = GradientPusher(self._sc, grad_views, joined.grad_slots)
         self._heartbeat = HeartbeatThread(
@@ -551,9 +557,9 @@ class Trainer:
                     state_bytes.append(boundary_bytes(current))
                     t0 = time.perf_counter()
                     with torch.no_grad():
-                        out = self._runners[i](fetched.weights, current)
+                        out = self._runners[i](fetched.weights, current, fetched.base)
                     forward_s.append(time.perf_counter() - t0)
-                    tape_bytes.append(self._tape_bytes(i, fetched.weights, current))
+                    tape_bytes.append(self._tape_bytes(i, fetched, current))
                     self._prefetcher.release(fetched)
                     t0 = time.perf_counter()
                     _to_device(current, torch.device("cpu"))
@@ -575,17 +581,19 @@ class Trainer:
             host_bandwidth=sum(state_bytes) / max(host_s, 1e-9),
         )
 
-    def _tape_bytes(self, i: int, weights: torch.Tensor, inputs: Boundary) -> int:
-        """Bytes autograd saves for backward when stage i runs with grad (plus its output)."""
+    def _tape_bytes(self, i: int, fetched: Fetched, inputs: Boundary) -> int:
+        """Bytes autograd saves for backward when stage i runs with grad (plus its output); the
+        stage's weights (and its base's) are not new memory."""
         saved = 0
+        weights = [w.untyped_storage().data_ptr() for w in (fetched.weights, fetched.base) if w is not None]
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             nonlocal saved
-            if t.data_ptr() != weights.data_ptr() and t.untyped_storage().data_ptr() != weights.untyped_storage().data_ptr():
+            if t.untyped_storage().data_ptr() not in weights:
                 saved += t.numel() * t.element_size()
             return t
 
-        params = self._runners[i].leaves(weights)
+        params = self._runners[i].leaves(fetched.weights, fetched.base)
         xs = tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in inputs)
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             out = self._runners[i].call_with(params, xs)
@@ -597,6 +605,7 @@ class Trainer:
             assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
             fetched = self._prefetcher.get(i) if run.loop_weights is None else None
             weights = fetched.weights if fetched is not None else run.loop_weights
+            base = fetched.base if fetched is not None else None
             runner = self._runners[0 if fetched is None else i]
             outs: list[Boundary] = []
             first = i not in run.advanced
@@ -604,7 +613,7 @@ class Trainer:
             with self._span(("forward " if first else "recompute ") + str(i), "forward" if first else "recompute", i):
                 for j, lane in enumerate(lanes_of(run.current[1], run.k)):  # stage-major: every micro-batch
                     with torch.no_grad(), self._stage_rng(run, i, j):
-                        outs.append(as_boundary(runner(weights, lane)))
+                        outs.append(as_boundary(runner(weights, lane, base)))
             if fetched is not None:
                 self._prefetcher.release(fetched)
             run.set_current(i + 1, join_lanes(outs))
@@ -650,7 +659,9 @@ class Trainer:
         assert run.current is not None
         fetched = self._prefetcher.get(i) if run.loop_weights is None else None
         runner = self._runners[i if fetched is not None else 0]
-        params = runner.leaves(fetched.weights if fetched is not None else run.loop_weights)
+        params = (
+            runner.leaves(fetched.weights, fetched.base) if fetched is not None else runner.leaves(run.loop_weights)
+        )
         lanes = lanes_of(run.current[1], run.k)
         grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
         run.drop_current()

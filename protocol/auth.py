@@ -32,6 +32,7 @@ from .errors import InternalError
 ATTACH_LABEL = b"wstream/attach/2\0"
 ADMIN_LABEL = b"wstream/admin/2\0"
 SESSION_LABEL = b"wstream/session/2\0"
+BASE_LABEL = b"wstream/base/2\0"
 MAC_BYTES = 32
 
 
@@ -47,6 +48,11 @@ def _hmac(key: bytes, data: bytes) -> bytes:
 def attach_proof(key: bytes, name: str, nonce: bytes, client_nonce: bytes) -> bytes:
     """The ``proof`` of an ``attach`` to job ``name`` (NOTE [Signed requests], 2)."""
     return _hmac(key, ATTACH_LABEL + name.encode() + b"\0" + nonce + client_nonce)
+
+
+def base_proof(key: bytes, base: str, nonce: bytes, client_nonce: bytes) -> bytes:
+    """The ``base_proof`` of a ``create_job`` on top of frozen job ``base`` (its token's key)."""
+    return _hmac(key, BASE_LABEL + base.encode() + b"\0" + nonce + client_nonce)
 
 
 def admin_proof(key: bytes, nonce: bytes, client_nonce: bytes) -> bytes:

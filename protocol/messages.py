@@ -159,6 +159,14 @@ class CreateJob(Message, tag="create_job"):
     step t - 1 runs while step t computes (implies two published slots)."""
     delay_after: Step = 0
     """With ``delayed_update``: steps before this one are synchronous (a warm-up)."""
+    frozen: bool = False
+    """A frozen base: weights only (no optimizer state, no workers), read by the jobs created on
+    top of it with ``base``; counted once in the memory account however many use it."""
+    base: JobName | None = None
+    """Train on top of this frozen job: stage i of the new job holds only its trainable
+    parameters, and its workers read stage i of the base for the rest. Needs ``base_proof``."""
+    base_proof: Proof | None = None
+    """``HMAC-SHA256(SHA-256(base token), "wstream/base/2\0" + base + "\0" + nonce + client_nonce)``."""
 
 
 class AddStage(SessionMessage, tag="add_stage"):
@@ -297,6 +305,14 @@ class Attached(Message, tag="attached"):
     lease_s: float
     delayed_update: bool = False
     delay_after: Step = 0
+    frozen: bool = False
+    base: JobName | None = None
+    base_stages: list[StageSpec] = []
+    """The base's stage layouts (the parameters a stage may read from the base)."""
+    base_path: str = ""
+    """The base's published segment; stage i's base weights are at ``base_offsets[i]``."""
+    base_bytes: int = 0
+    base_offsets: list[int] = []
 
 
 class Joined(Message, tag="joined"):
@@ -314,6 +330,9 @@ class Weights(Message, tag="weights"):
     stage: StageIndex
     step: Step
     offset: int
+    base_offset: int | None = None
+    """For a job with a base: where the base's stage is in the base's segment (frames workers get
+    its bytes as the frames after the stage's own)."""
 
 
 class Pushed(Message, tag="pushed"):
@@ -363,6 +382,8 @@ class JobInfo(Struct, frozen=True, kw_only=True):
     steps_per_s: float = 0.0
     """Steps completed per second over the last 30 s (0 before training starts; added in version 2,
     absent from older servers' replies)."""
+    frozen: bool = False
+    base: str | None = None
 
 
 class TraceEvent(Struct, frozen=True, kw_only=True, array_like=True):

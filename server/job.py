@@ -33,6 +33,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import zmq
@@ -212,10 +213,14 @@ class Job:
     def __init__(self, record: JobRecord, memory: MemoryAccount, total_numel: int | None = None) -> None:
         self.name = record.name
         self._token = record.token_digest
+        self.token_key = record.token_digest  # SHA-256 of the token: the HMAC key of its proofs
         self.optimizer_spec = record.optimizer
         self.dtype = record.dtype
         self.delayed_update = record.delayed_update
         self.delay_after = record.delay_after
+        self.frozen = record.frozen  # a base: weights only, read by jobs created on top of it
+        self.base_name = record.base
+        self.base: Job | None = None  # set by the server when it creates or restores this job
         self.double_buffer = record.double_buffer or record.dtype != "float32" or record.delayed_update
         self.base_step = 0  # delayed updates read max(t - 1, base_step): see NOTE rule 5
         self.published_dtype = record.dtype if self.double_buffer else "float32"
@@ -263,15 +268,24 @@ class Job:
             [],
             msg.delayed_update,
             msg.delay_after,
+            msg.frozen,
+            msg.base,
         )
         return cls(record, memory, msg.total_numel)
 
     @classmethod
     def restore(
-        cls, record: JobRecord, step: int, stages: Iterable[tuple[int, dict[str, torch.Tensor]]], memory: MemoryAccount
+        cls,
+        record: JobRecord,
+        step: int,
+        stages: Iterable[tuple[int, dict[str, torch.Tensor]]],
+        memory: MemoryAccount,
+        *,
+        base: Job | None = None,
     ) -> Job:
         """The job as a snapshot of ``step`` holds it: sealed, every stage at version ``step``."""
         job = cls(record, memory, sum(s.numel for s in record.specs))
+        job.base = base
         try:
             for i, tensors in stages:
                 spec = record.specs[i]
@@ -307,6 +321,8 @@ class Job:
             [s.spec for s in self.stages],
             self.delayed_update,
             self.delay_after,
+            self.frozen,
+            self.base_name,
         )
 
     # ---- creation --------------------------------------------------------------------------------
@@ -333,6 +349,8 @@ class Job:
         fp32 master (a flat tensor of ``spec.numel``) and set up its optimizer."""
         numel = spec.numel
         pub, priv = stage_bytes(numel, self.optimizer_spec, self.dtype, self.double_buffer)
+        if self.frozen:  # never updated: no optimizer state
+            priv -= numel * state_bytes_per_element(self.optimizer_spec)
         offset = self.published_bytes
         capacity = self._capacity if offset + pub <= self._capacity else grown_capacity(self._capacity, offset + pub)
         slack = capacity - offset - pub
@@ -372,6 +390,11 @@ class Job:
             raise StateError(f"job {self.name!r} is already sealed")
         if not self.stages:
             raise LayoutError(f"job {self.name!r} has no stages: add at least one before sealing")
+        if self.base is not None and len(self.stages) != len(self.base.stages):
+            raise LayoutError(
+                f"job {self.name!r} has {len(self.stages)} stages; its base {self.base.name!r} has "
+                f"{len(self.base.stages)}: stage i of a job trains on top of stage i of its base"
+            )
         truncate_segment(self.published_path, self.published_bytes)
         self._set_slack(0)
         self.sealed = True
@@ -470,7 +493,21 @@ class Job:
             lease_s=lease_s,
             delayed_update=self.delayed_update,
             delay_after=self.delay_after,
+            frozen=self.frozen,
+            **self._base_fields(),
         )
+
+    def _base_fields(self) -> dict[str, Any]:
+        base = self.base
+        if base is None:
+            return {}
+        return {
+            "base": base.name,
+            "base_stages": [s.spec for s in base.stages],
+            "base_path": base.published_path,
+            "base_bytes": base.published_bytes,
+            "base_offsets": [s.slot_offsets[0] for s in base.stages],
+        }
 
     def info(self) -> m.JobInfo:
         now = time.monotonic()
@@ -491,6 +528,8 @@ class Job:
             optimizer_s=self.counters.optimizer.sum,
             last_snapshot=self.last_snapshot_step,
             steps_per_s=self.counters.steps.rate(now),
+            frozen=self.frozen,
+            base=self.base_name,
         )
 
     # ---- workers -----------------------------------------------------------------------------------
@@ -499,6 +538,11 @@ class Job:
             raise NotReadyError(f"job {self.name!r} is still uploading its weights")
         if any(w.session == session for w in self.workers.values()):
             raise StateError("this session already joined the job as a worker")
+        if self.frozen:
+            raise StateError(
+                f"job {self.name!r} is a frozen base: nothing trains it; create a job on top of it "
+                "(create_job(..., base=...)) and train that"
+            )
         if not self.started and self.world_size is not None and msg.world_size != self.world_size:
             raise StateError(
                 f"job {self.name!r} is waiting for {self.world_size} workers; this worker says world_size="
@@ -611,9 +655,18 @@ class Job:
 
     def _weights_reply(self, st: StageState, version: int, identity: bytes, request_id: int, shm: bool) -> Outgoing:
         k = st.slot_for(version)
-        reply = m.Weights(id=request_id, stage=st.index, step=version, offset=st.slot_offsets[k])
+        base = self.base.stages[st.index] if self.base is not None else None
+        reply = m.Weights(
+            id=request_id,
+            stage=st.index,
+            step=version,
+            offset=st.slot_offsets[k],
+            base_offset=base.slot_offsets[0] if base is not None else None,
+        )
         self.counters.served["fetch", "shm" if shm else "frames"] += st.slots[k].nbytes
         frames: list[object] = [] if shm else list(tensor_frames(st.slots[k]))
+        if base is not None and not shm:  # the base's stage follows the stage's own bytes
+            frames += tensor_frames(base.slots[0])
         return Outgoing(identity, reply, frames)
 
     def push(

@@ -29,6 +29,7 @@ from wstream.protocol import (
     AuthError,
     InternalError,
     JobExistsError,
+    LayoutError,
     MemoryLimitError,
     NotReadyError,
     ProtocolError,
@@ -42,7 +43,7 @@ from wstream.protocol import (
     peek_id,
 )
 from wstream.protocol import messages as m
-from wstream.protocol.auth import admin_proof, mac_matches, secret_key, session_key
+from wstream.protocol.auth import admin_proof, base_proof, mac_matches, secret_key, session_key
 from wstream.protocol.curve import load_secret_certificate, uses_curve
 from wstream.protocol.shm import SegmentSpaceError, reap_stale_segments
 
@@ -435,14 +436,38 @@ class Server:
         self._nonces.take(msg.nonce)
         if msg.name in self.jobs:
             raise JobExistsError(f"a job named {msg.name!r} already exists on this server")
+        base = self._base_for(msg)
         try:
             job = Job.create(msg, self.memory)
         except SegmentSpaceError as exc:
             raise MemoryLimitError(str(exc)) from None
+        job.base = base
         self.jobs[msg.name] = job
         log.info("job %r created; waiting for its stages", msg.name)
         sid = self._new_session(job, job.session_key(msg.nonce, msg.client_nonce))
         return Outgoing(identity, job.attached_reply(sid, self.config.lease_s, msg.id))
+
+    def _base_for(self, msg: m.CreateJob) -> Job | None:
+        """The frozen job a new job trains on top of, once its ``base_proof`` is checked."""
+        if msg.base is None:
+            return None
+        if msg.frozen:
+            raise StateError("a frozen job cannot have a base itself (bases do not stack)")
+        base = self.jobs.get(msg.base)
+        if base is None:
+            raise UnknownJobError(f"no job named {msg.base!r} on this server (the base of {msg.name!r})")
+        if not base.frozen or not base.ready:
+            raise StateError(f"job {msg.base!r} is not a frozen, ready base (create it with frozen=True)")
+        if msg.base_proof is None or not hmac.compare_digest(
+            msg.base_proof, base_proof(base.token_key, msg.base, msg.nonce, msg.client_nonce)
+        ):
+            raise AuthError(f"wrong token for the base {msg.base!r}: the base proof does not match")
+        if msg.dtype != base.dtype:
+            raise LayoutError(
+                f"job {msg.name!r} computes in {msg.dtype}; its base {msg.base!r} in {base.dtype}: "
+                "create both with the same dtype"
+            )
+        return base
 
     def _on_attach(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
         assert isinstance(msg, m.Attach)
@@ -554,6 +579,9 @@ class Server:
     def _on_drop_job(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
         assert isinstance(msg, m.DropJob)
         job = self._job_of(self._known_session(msg.session), msg.job, "drop")
+        users = sorted(j.name for j in self.jobs.values() if j.base is job)
+        if users:
+            raise StateError(f"job {job.name!r} is the base of {users}: drop those first")
         self._drop(job, "dropped")
         return Outgoing(identity, m.Ok(id=msg.id))
 
@@ -613,19 +641,34 @@ class Server:
         if self.store is None:
             return
         self.store.remove_partial()
-        for name in self.store.jobs():
-            t0 = time.perf_counter()
-            try:
-                step, record, stages, path = self.store.load_latest(name)
-                job = Job.restore(record, step, stages, self.memory)
-            except (SnapshotError, WstreamError) as exc:
-                log.error("job %r not resumed: %s (its files are left in place)", name, exc)
-                continue
-            self.jobs[name] = job
-            log.info(
-                "job %r resumed at step %d from %s (%d stages, %.2f s)",
-                name, step, path, len(job.stages), time.perf_counter() - t0,
-            )
+        on_a_base: list[str] = []
+        for name in self.store.jobs():  # bases and plain jobs first, jobs on a base after them
+            self._restore_job(name, on_a_base)
+        for name in on_a_base:
+            self._restore_job(name, None)
+
+    def _restore_job(self, name: str, defer: list[str] | None) -> None:
+        """Resume job ``name`` from its newest intact snapshot; a job on top of a base is only
+        noted in ``defer`` when that is given (its base may not be resumed yet)."""
+        assert self.store is not None
+        t0 = time.perf_counter()
+        try:
+            step, record, stages, path = self.store.load_latest(name)
+            if record.base is not None and defer is not None:
+                defer.append(name)
+                return
+            base = self.jobs.get(record.base) if record.base is not None else None
+            if record.base is not None and base is None:
+                raise UnknownJobError(f"its base {record.base!r} was not resumed")
+            job = Job.restore(record, step, stages, self.memory, base=base)
+        except (SnapshotError, WstreamError) as exc:
+            log.error("job %r not resumed: %s (its files are left in place)", name, exc)
+            return
+        self.jobs[name] = job
+        log.info(
+            "job %r resumed at step %d from %s (%d stages, %.2f s)",
+            name, step, path, len(job.stages), time.perf_counter() - t0,
+        )
 
     def _maybe_snapshot(self, job: Job, reason: str | None = None) -> None:
         """Start a snapshot of ``job`` if one is due and the job is at a consistent step."""

@@ -91,6 +91,8 @@ class JobRecord:
     specs: list[m.StageSpec]
     delayed_update: bool = False
     delay_after: int = 0
+    frozen: bool = False
+    base: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -101,6 +103,8 @@ class JobRecord:
             "double_buffer": self.double_buffer,
             "delayed_update": self.delayed_update,
             "delay_after": self.delay_after,
+            "frozen": self.frozen,
+            "base": self.base,
             "stages": [msgspec.to_builtins(s) for s in self.specs],
         }
 
@@ -115,6 +119,8 @@ class JobRecord:
             specs=[msgspec.convert(s, m.StageSpec) for s in d["stages"]],
             delayed_update=bool(d.get("delayed_update", False)),
             delay_after=int(d.get("delay_after", 0)),
+            frozen=bool(d.get("frozen", False)),
+            base=d.get("base"),
         )
 
 
