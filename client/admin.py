@@ -131,9 +131,12 @@ def _shutdown(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    with _client(args, timeout=args.timeout) as client:
-        job = client.attach_job(args.job, token=_token(args))
-        job.export(args.out)
+    secret = _admin_secret(args)
+    with _client(args, timeout=args.timeout, admin_secret=secret) as client:
+        if secret is not None:  # any job, no token needed
+            client.export_job(args.job, args.out)
+        else:
+            client.attach_job(args.job, token=_token(args)).export(args.out)
     print(f"job {args.job!r}: weights written to {args.out}")
     return 0
 
@@ -194,7 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = _job_command(sub, "save", "snapshot a job on the server's store now (its next consistent step)", admin=True)
     c.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the snapshot to be durable")
     c.set_defaults(func=_save)
-    c = _job_command(sub, "export", "write a job's current weights to a plain safetensors file")
+    c = _job_command(sub, "export", "write a job's current weights to a plain safetensors file", admin=True)
     c.add_argument("--out", required=True, help="the .safetensors file to write")
     c.set_defaults(func=_export)
     c = _job_command(sub, "drop", "delete a job from the server (and its snapshots)", admin=True)

@@ -247,6 +247,23 @@ class Client:
         )
         return reply.step, reply.path
 
+    def export_job(self, name: str, path: str | os.PathLike[str], *, progress: bool | None = None) -> int:
+        """Write job ``name``'s fp32 weights to a safetensors file, with the admin secret (no job
+        token needed); returns the step they are of. :meth:`Job.export` does it with the token."""
+        from safetensors.torch import save_file
+
+        layout = self._admin_request(lambda sid: m.Describe(session=sid, job=name), m.Layout)
+        out: dict[str, torch.Tensor] = {}
+        total = sum(numel_of(p.shape) for s in layout.stages for p in s.params)
+        with _progress(progress, total, f"pulling {name}") as bar:
+            for i, spec in enumerate(layout.stages):
+                assert self._admin is not None
+                _, data = self._chan.request(m.Pull(session=self._admin.session, stage=i, job=name), m.Master)
+                out.update(named_tensors(i, spec, data))
+                bar.update(sum(numel_of(p.shape) for p in spec.params))
+        save_file(out, os.fspath(path), metadata={"job": name})
+        return layout.step
+
     def shutdown(self) -> None:
         """Stop the server cleanly (as SIGTERM does: jobs are snapshotted where it has a store).
         Needs the admin secret."""
@@ -406,13 +423,7 @@ class Job:
 
     def _pull_stage(self, i: int, spec: StageSpec) -> dict[str, torch.Tensor]:
         _, data = self.client._chan.request(m.Pull(session=self.session, stage=i), m.Master)
-        flat = torch.empty(spec.numel, dtype=torch.float32)
-        copy_frames_into(flat, data)
-        out: dict[str, torch.Tensor] = {}
-        for p in spec.params:
-            n = numel_of(p.shape)
-            out[f"{i}.{p.name}"] = flat[p.offset : p.offset + n].view(p.shape).clone()
-        return out
+        return named_tensors(i, spec, data)
 
     def save(self, timeout: float | None = None) -> tuple[int, str]:
         """Snapshot the job on the server's store; returns (step, directory) once it is durable.
@@ -437,6 +448,13 @@ class Job:
         A server with an admin secret refuses this (``AuthError``): use ``Client.drop_job`` with
         ``admin_secret``."""
         self.client._chan.request(m.DropJob(session=self.session), m.Ok)
+
+
+def named_tensors(i: int, spec: StageSpec, data: list[Any]) -> dict[str, torch.Tensor]:
+    """Stage i's parameters, ``{"<i>.<name>": tensor}``, from the data frames of a ``master``."""
+    flat = torch.empty(spec.numel, dtype=torch.float32)
+    copy_frames_into(flat, data)
+    return {f"{i}.{p.name}": flat[p.offset : p.offset + numel_of(p.shape)].view(p.shape).clone() for p in spec.params}
 
 
 def wait_for_server(

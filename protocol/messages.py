@@ -230,7 +230,17 @@ class Push(SessionMessage, tag="push"):
 
 
 class Pull(SessionMessage, tag="pull"):
+    """A stage's fp32 master weights: of the session's job, or with an admin session of ``job``."""
+
     stage: StageIndex
+    job: JobName | None = None
+
+
+class Describe(SessionMessage, tag="describe"):
+    """The stage layouts of a job (``job`` with an admin session; else the session's own), to name
+    the tensors ``pull`` returns. Answered with ``layout``."""
+
+    job: JobName | None = None
 
 
 class Heartbeat(SessionMessage, tag="heartbeat"):
@@ -272,7 +282,7 @@ class Timeline(SessionMessage, tag="timeline"):
 
 Request = Union[
     Hello, CreateJob, AddStage, Seal, Attach, AdminAttach, Join, Fetch, Push, Pull, Heartbeat, Leave, DropJob,
-    Status, Save, Shutdown, Timeline,
+    Status, Save, Shutdown, Timeline, Describe,
 ]
 _REQUESTS: tuple[type[Message], ...] = Request.__args__  # type: ignore[attr-defined]
 
@@ -386,6 +396,12 @@ class JobInfo(Struct, frozen=True, kw_only=True):
     base: str | None = None
 
 
+class Layout(Message, tag="layout"):
+    job: JobName
+    stages: list[StageSpec]
+    step: Step
+
+
 class TraceEvent(Struct, frozen=True, kw_only=True, array_like=True):
     """One span of server work for a job: ``name`` on ``lane`` (a thread, or a kind of wait), from
     ``start_ns`` (server monotonic clock) for ``dur_ns``."""
@@ -424,7 +440,8 @@ class Error(Message, tag="error"):
 
 
 Reply = Union[
-    Challenge, Attached, AdminAttached, Joined, Weights, Pushed, Master, Ok, Saved, StatusReply, TimelineReply, Error
+    Challenge, Attached, AdminAttached, Joined, Weights, Pushed, Master, Ok, Saved, StatusReply, TimelineReply, Layout,
+    Error,
 ]
 _REPLIES: tuple[type[Message], ...] = Reply.__args__  # type: ignore[attr-defined]
 

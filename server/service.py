@@ -142,6 +142,7 @@ class Server:
             m.Status: self._on_status,
             m.Save: self._on_save,
             m.Timeline: self._on_timeline,
+            m.Describe: self._on_describe,
         }
         self._last_seen: dict[bytes, float] = {}
         self._nonces = NonceStore(config.nonce_ttl_s, config.max_pending_nonces)
@@ -563,7 +564,26 @@ class Server:
 
     def _on_pull(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing | None:
         assert isinstance(msg, m.Pull)
-        return self._session(msg.session).job.pull(msg, identity)
+        return self._readable_job(msg.session, msg.job).pull(msg, identity)
+
+    def _on_describe(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
+        assert isinstance(msg, m.Describe)
+        job = self._readable_job(msg.session, msg.job)
+        return Outgoing(identity, m.Layout(id=msg.id, job=job.name, stages=[s.spec for s in job.stages], step=job.step))
+
+    def _readable_job(self, sid: bytes, name: str | None) -> Job:
+        """The job whose weights a session may read: its own, or any named one for an admin."""
+        s = self._known_session(sid)
+        if s.job is not None:
+            if name is not None and name != s.job.name:
+                raise AuthError(f"a session of job {s.job.name!r} cannot read job {name!r}: use an admin session")
+            return s.job
+        if name is None:
+            raise StateError("reading weights with an admin session: name the job ('job' field)")
+        job = self.jobs.get(name)
+        if job is None:
+            raise UnknownJobError(f"no job named {name!r} on this server")
+        return job
 
     def _on_heartbeat(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
         assert isinstance(msg, m.Heartbeat)

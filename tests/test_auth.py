@@ -17,6 +17,8 @@ from pathlib import Path
 import models
 import msgpack
 import pytest
+import torch
+from safetensors.torch import load_file
 from conftest import HERE, ServerProcess, start_server
 from rawwire import RawPeer
 from torch import nn
@@ -28,6 +30,7 @@ from wstream.client import (
     StateError,
     UnknownJobError,
 )
+from wstream.protocol import messages as m
 from wstream.protocol.shm import segment_paths
 from wstream.server.auth import NonceStore, ReplayWindow
 
@@ -198,7 +201,22 @@ def test_admin_operations_need_the_admin_secret(tmp_path: Path) -> None:
             assert reply["code"] == "bad_state" and "name the job" in reply["message"]
         finally:
             peer.close()
+        other = Client(srv.address, timeout=30).create_job("other", [nn.Linear(3, 3)], token="o")
+        with pytest.raises(AuthError, match="cannot read job 'j'"):  # a job session reads only its own job
+            other.client._chan.request(m.Pull(session=other.session, stage=0, job="j"), m.Master)
+        other.client.close()
+        cli = [sys.executable, "-m", "wstream.client.admin"]
+        common = ["--server", srv.address, "--admin-secret-file", str(secret)]
+        out = tmp_path / "j.safetensors"  # export with the admin secret: no job token needed
+        r = subprocess.run([*cli, "export", "j", *common, "--out", str(out)], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0, r.stdout + r.stderr
+        want = nn.Sequential(*models.mixed(seed=5)).state_dict()
+        got = load_file(out)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
         with Client(srv.address, admin_secret="admin-s3cret", timeout=30) as admin:
+            with pytest.raises(UnknownJobError, match="no job named 'ghost'"):
+                admin.export_job("ghost", tmp_path / "ghost.safetensors")
+            admin.drop_job("other")
             step, path = admin.save_job("j")
             assert step == 0 and Path(path).is_dir()
             admin.drop_job("j")
@@ -206,8 +224,6 @@ def test_admin_operations_need_the_admin_secret(tmp_path: Path) -> None:
             with pytest.raises(UnknownJobError, match="no job named 'j'"):
                 admin.drop_job("j")
             admin.create_job("k", [nn.Linear(4, 4)], token="t")
-        cli = [sys.executable, "-m", "wstream.client.admin"]
-        common = ["--server", srv.address, "--admin-secret-file", str(secret)]
         r = subprocess.run([*cli, "drop", "k", *common], capture_output=True, text=True, timeout=60, check=False)
         assert r.returncode == 0 and "dropped" in r.stdout, r.stdout + r.stderr
         r = subprocess.run([*cli, "shutdown", *common], capture_output=True, text=True, timeout=60, check=False)

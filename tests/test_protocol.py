@@ -55,6 +55,8 @@ REQUESTS: list[m.Message] = [
     m.Save(session=SID, job="j"),
     m.Shutdown(session=SID, seq=2**63 - 1, mac=b"m" * 32),
     m.Timeline(session=SID, since_ns=12345),
+    m.Describe(session=SID, job="j"),
+    m.Pull(session=SID, stage=2, job="j"),
     m.CreateJob(
         name="d", token="t", nonce=NONCE, client_nonce=CNONCE, optimizer=AdamW(), delayed_update=True, delay_after=5
     ),
@@ -84,6 +86,7 @@ def test_replies_round_trip() -> None:
         m.Joined(worker=1, step=0, grad_path="/dev/shm/x", grad_slot_bytes=64, grad_slots=2),
         m.Challenge(id=2, nonce=NONCE),
         m.AdminAttached(id=2, session=SID),
+        m.Layout(id=6, job="j", stages=[SPEC], step=3),
         m.TimelineReply(
             id=5,
             now_ns=10**12,
