@@ -28,6 +28,7 @@ from wstream.protocol import (
 )
 
 from .client import Client, Job, wait_for_server
+from .stages import Tied
 from .trainer import Resynced, Trainer, TrainerStats
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "SessionExpiredError",
     "StaleStepError",
     "StateError",
+    "Tied",
     "Trainer",
     "TrainerStats",
     "UnknownJobError",

@@ -42,12 +42,16 @@ from .channel import (
     curve_keys,
 )
 from .plans import PLANNERS, Plan, StageCosts, auto, min_peak, offload, optimal
-from .stages import StageRunner, flatten, skeleton_of, spec_of
+from .stages import StageRunner, Tied, check_tied, flatten, skeleton_of, spec_of
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=m.Message)
+
+Chain = list[tuple[int, nn.Module]]
+"""A job's chain: per position, its weight stage and meta skeleton (NOTE [Positions and weight
+stages] in ``stages.py``)."""
 
 
 class Client:
@@ -101,7 +105,7 @@ class Client:
     def create_job(
         self,
         name: str,
-        stages: Iterable[nn.Module],
+        stages: Iterable[nn.Module | Tied],
         *,
         token: str,
         optimizer: m.OptimizerSpec | None = None,
@@ -112,6 +116,10 @@ class Client:
         progress: bool | None = None,
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
+
+        Each module is a stage: its parameters are stored on the server. A :class:`Tied` item is
+        a chain position that reuses an earlier stage's parameters (a tied LM head), uploads
+        nothing, and adds its gradient to that stage's.
 
         ``delayed_update``: the one-step delayed parameter update of the ZeRO-Offload paper. Step t
         computes on the weights of step t - 1 while the server applies step t - 1's gradients, so
@@ -127,7 +135,7 @@ class Client:
         """
         total = None
         if isinstance(stages, Sequence):  # known up front: let the server refuse before uploading
-            total = sum(p.numel() for s in stages for p in s.parameters())
+            total = sum(p.numel() for s in stages if not isinstance(s, Tied) for p in s.parameters())
         nonce, mine = challenge(self._chan), client_nonce()
         created, _ = self._chan.request(
             m.CreateJob(
@@ -147,16 +155,17 @@ class Client:
         session = created.session
         signer = SessionSigner(session, session_key(secret_key(token), nonce, mine))
         self._keys.add(signer)
-        skeletons: list[nn.Module] = []
         bar = _progress(progress, total, f"uploading {name}")
+
+        def upload(i: int, module: nn.Module) -> StageSpec:
+            spec = spec_of(i, module)
+            flat = flatten(module, spec)
+            self._chan.request(m.AddStage(session=session, index=i, spec=spec), m.Ok, tensor_frames(flat))
+            bar.update(sum(numel_of(p.shape) for p in spec.params))
+            return spec
+
         try:
-            for i, module in enumerate(stages):
-                spec = spec_of(i, module)
-                flat = flatten(module, spec)
-                self._chan.request(m.AddStage(session=session, index=i, spec=spec), m.Ok, tensor_frames(flat))
-                del flat
-                skeletons.append(skeleton_of(module))
-                bar.update(sum(numel_of(p.shape) for p in spec.params))
+            _, chain = _walk_chain(stages, upload)
             sealed, _ = self._chan.request(m.Seal(session=session), m.Attached, timeout_s=self.wait_timeout_s)
         except BaseException:
             try:  # leave nothing half-made on the server
@@ -166,22 +175,21 @@ class Client:
             raise
         finally:
             bar.close()
-        return Job(self, sealed, token, skeletons, signer)
+        return Job(self, sealed, token, chain, signer)
 
-    def attach_job(self, name: str, *, token: str, stages: Iterable[nn.Module] | None = None) -> Job:
-        """Attach to an existing job. ``stages`` (modules, best built on the meta device) are needed
-        to train; they must have the job's layout exactly."""
+    def attach_job(self, name: str, *, token: str, stages: Iterable[nn.Module | Tied] | None = None) -> Job:
+        """Attach to an existing job. ``stages`` (modules, best built on the meta device, and the
+        same :class:`Tied` positions the creator gave) are needed to train; they must have the
+        job's layout exactly."""
         attached, signer = attach_session(self._chan, name, token)
         self._keys.add(signer)
-        skeletons = None
+        chain = None
         if stages is not None:
-            mods = list(stages)
-            specs = [spec_of(i, mod) for i, mod in enumerate(mods)]
+            specs, chain = _walk_chain(stages, spec_of)
             mismatch = describe_mismatch(attached.stages, specs)
             if mismatch is not None:
                 raise LayoutError(f"the given stages do not match job {name!r}: {mismatch}")
-            skeletons = [skeleton_of(mod) for mod in mods]
-        return Job(self, attached, token, skeletons, signer)
+        return Job(self, attached, token, chain, signer)
 
     def status(self) -> m.StatusReply:
         reply, _ = self._chan.request(m.Status(), m.StatusReply)
@@ -253,7 +261,7 @@ class Job:
         client: Client,
         attached: m.Attached,
         token: str,
-        skeletons: list[nn.Module] | None,
+        chain: Chain | None,
         signer: SessionSigner,
     ) -> None:
         self.client = client
@@ -266,11 +274,18 @@ class Job:
         self.delayed_update = attached.delayed_update
         self.delay_after = attached.delay_after
         self._token = token
-        self._skeletons = skeletons
+        self._chain = chain
 
     @property
     def num_stages(self) -> int:
+        """Weight stages: what the server stores, updates and streams."""
         return len(self.specs)
+
+    @property
+    def positions(self) -> list[int] | None:
+        """The weight stage each chain position runs on (``[0, 1, ..., n-1]`` without ties);
+        None for a job attached without its stages."""
+        return None if self._chain is None else [stage for stage, _ in self._chain]
 
     @property
     def num_params(self) -> int:
@@ -314,12 +329,12 @@ class Job:
         ``reconnect_s``: when the server restarts (from its snapshots) or detaches this worker, the
         trainer attaches and joins again, retrying with backoff for this long (0: raise at once).
         """
-        if self._skeletons is None:
+        if self._chain is None:
             raise StateError(
                 f"job {self.name!r} was attached without its stages: pass stages= to attach_job "
                 "(modules built under torch.device('meta') are enough)"
             )
-        runners = [StageRunner(i, sk, spec) for i, (sk, spec) in enumerate(zip(self._skeletons, self.specs))]
+        runners = [StageRunner(stage, skeleton, self.specs[stage]) for stage, skeleton in self._chain]
         profiled = ("optimal", "min_peak", "auto", "offload")
         if schedule not in PLANNERS and schedule not in profiled:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted([*PLANNERS, *profiled])}")
@@ -359,18 +374,21 @@ class Job:
         out: dict[str, torch.Tensor] = {}
         with _progress(progress, self.num_params, f"pulling {self.name}") as bar:
             for i, spec in enumerate(self.specs):
-                out.update(self._pull_stage(i, spec))
+                out.update({f"{i}.{name}": t for name, t in self.pull_stage(i).items()})
                 bar.update(sum(numel_of(p.shape) for p in spec.params))
         return out
 
-    def _pull_stage(self, i: int, spec: StageSpec) -> dict[str, torch.Tensor]:
-        _, data = self.client._chan.request(m.Pull(session=self.session, stage=i), m.Master)
+    def pull_stage(self, stage: int) -> dict[str, torch.Tensor]:
+        """Stage ``stage``'s current fp32 weights, ``{param: tensor}``: one stage in memory at a
+        time, for exports of models larger than this process's memory."""
+        spec = self.specs[stage]
+        _, data = self.client._chan.request(m.Pull(session=self.session, stage=stage), m.Master)
         flat = torch.empty(spec.numel, dtype=torch.float32)
         copy_frames_into(flat, data)
         out: dict[str, torch.Tensor] = {}
         for p in spec.params:
             n = numel_of(p.shape)
-            out[f"{i}.{p.name}"] = flat[p.offset : p.offset + n].view(p.shape).clone()
+            out[p.name] = flat[p.offset : p.offset + n].view(p.shape).clone()
         return out
 
     def save(self, timeout: float | None = None) -> tuple[int, str]:
@@ -396,6 +414,24 @@ class Job:
         A server with an admin secret refuses this (``AuthError``): use ``Client.drop_job`` with
         ``admin_secret``."""
         self.client._chan.request(m.DropJob(session=self.session), m.Ok)
+
+
+def _walk_chain(
+    items: Iterable[nn.Module | Tied], add_stage: Callable[[int, nn.Module], StageSpec]
+) -> tuple[list[StageSpec], Chain]:
+    """Walk a job's ``stages`` in order: ``add_stage(i, module)`` lays out (and uploads) weight
+    stage i and returns its spec; a :class:`Tied` item is checked against the stages before it.
+    Every module is moved to the meta device once handled, so one at a time is materialized."""
+    specs: list[StageSpec] = []
+    chain: Chain = []
+    for item in items:
+        if isinstance(item, Tied):
+            check_tied(len(chain), item, specs)
+            chain.append((item.stage, skeleton_of(item.module)))
+            continue
+        specs.append(add_stage(len(specs), item))
+        chain.append((len(specs) - 1, skeleton_of(item)))
+    return specs, chain
 
 
 def wait_for_server(
