@@ -41,6 +41,7 @@ explicit attention implementation ("sdpa" or "eager").
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 import logging
 import os
@@ -105,6 +106,23 @@ def _positions(hidden: torch.Tensor) -> torch.Tensor:
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
+_MASK_WANTS_CACHE_POSITION = "cache_position" in inspect.signature(create_causal_mask).parameters
+"""transformers 5.2 and 5.3 require ``cache_position``; later versions dropped it."""
+
+
+def _causal_mask(config: PretrainedConfig, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> Any:
+    """The mask the model's forward builds for its blocks (None where sdpa's is_causal does)."""
+    extra = {"cache_position": position_ids[0]} if _MASK_WANTS_CACHE_POSITION else {}
+    return create_causal_mask(
+        config=config,
+        inputs_embeds=hidden,
+        attention_mask=attention_mask,
+        past_key_values=None,
+        position_ids=position_ids,
+        **extra,
+    )
+
+
 class GPT2Embedding(nn.Module):
     """GPT-2's token and position embeddings (and embedding dropout)."""
 
@@ -152,19 +170,13 @@ class Blocks(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None) -> Any:
         position_ids = _positions(hidden)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=attention_mask,
-            past_key_values=None,
-            position_ids=position_ids,
-        )
+        mask = _causal_mask(self.config, hidden, attention_mask, position_ids)
         side: dict[str, Any] = {}
         if self._rotary is not None:
             side["position_embeddings"] = self._rotary(hidden, position_ids)
         for path in self._paths:
             out = self.get_submodule(path)(hidden, attention_mask=mask, position_ids=position_ids, **side)
-            hidden = out[0] if isinstance(out, tuple) else out  # transformers 4.x blocks return tuples
+            hidden = out[0] if isinstance(out, tuple) else out
         if self._norm is not None:
             hidden = self.get_submodule(self._norm)(hidden)
         return _boundary(hidden, attention_mask)

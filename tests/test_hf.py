@@ -112,7 +112,7 @@ def test_training_equals_transformers_with_adamw(
     """A few steps through a real server give the weights of the same steps of plain
     ``transformers`` training: in particular the tied embedding gets both uses' gradients."""
     folder = save_model(kind, tmp_path / "model", dropout=dropout)
-    steps, lr, wd = 3, 1e-2, 0.01
+    steps, lr, wd = 3, 1e-3, 0.01
     model = reference(folder)
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
