@@ -459,12 +459,12 @@ def export_pretrained(
     once, as ``save_pretrained`` does. ``dtype``: of the written tensors (the master is fp32).
     """
     out = Path(folder)
-    out.mkdir(parents=True, exist_ok=True)
     stale = sorted(p.name for p in out.glob("model*.safetensors*"))
     if stale:
         raise FileExistsError(f"{out} already holds weights ({', '.join(stale[:3])}); export into an empty folder")
-    cfg = load_config(config) if not isinstance(config, PretrainedConfig) else config
-    _check_names(job, cfg)
+    cfg = copy.deepcopy(config) if isinstance(config, PretrainedConfig) else load_config(config)
+    architecture = _check_names(job, cfg)
+    out.mkdir(parents=True, exist_ok=True)
     shards = _plan_shards(job, parse_size(max_shard_size), dtype.itemsize)
     files = _shard_files(len(shards))
     with _progress(progress, job.num_params, f"exporting {job.name}") as bar:
@@ -482,8 +482,9 @@ def export_pretrained(
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     if dtype != torch.float32:
-        cfg = copy.deepcopy(cfg)
         cfg.dtype = dtype
+    if not getattr(cfg, "architectures", None):  # as save_pretrained records the model class
+        cfg.architectures = [architecture]
     cfg.save_pretrained(out)
     if not isinstance(config, PretrainedConfig):
         _copy_extras(Path(config), out)
@@ -491,8 +492,9 @@ def export_pretrained(
     return out
 
 
-def _check_names(job: Job, config: PretrainedConfig) -> None:
-    """Refuse a job whose parameter names are not the model's (each once; a tied alias absent)."""
+def _check_names(job: Job, config: PretrainedConfig) -> str:
+    """Refuse a job whose parameter names are not the model's (each once; a tied alias absent).
+    Returns the model's class name."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     want = {name for name, _ in model.named_parameters()}  # tied aliases are left out
@@ -503,6 +505,7 @@ def _check_names(job: Job, config: PretrainedConfig) -> None:
             f"job {job.name!r} does not hold a {config.model_type} model of this config: "
             f"{len(missing)} missing (e.g. {missing[:3]}), {len(extra)} unknown (e.g. {extra[:3]})"
         )
+    return type(model).__name__
 
 
 def _plan_shards(job: Job, max_bytes: int, itemsize: int) -> list[dict[str, None]]:

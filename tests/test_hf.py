@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from wstream.client import AdamW, Client, Tied  # noqa: E402
+from wstream.client import AdamW, Client, LayoutError, Tied  # noqa: E402
 from wstream.protocol.layout import numel_of  # noqa: E402
 from wstream.client import hf  # noqa: E402
 from wstream.client.hf import (  # noqa: E402
@@ -172,6 +172,14 @@ def test_export_round_trips_through_from_pretrained(client: Client, tmp_path: Pa
             torch.testing.assert_close(loaded(ids).logits, logits, rtol=0, atol=1e-5)
     with pytest.raises(FileExistsError, match="already holds weights"):
         export_pretrained(job, tmp_path / "out-5GB", folder)
+    # from a config object: the model class is recorded as save_pretrained does
+    out = export_pretrained(job, tmp_path / "out-config", tiny_config("gpt2"))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    # a job that is not this model is refused before anything is written
+    other = client.create_job("other", [torch.nn.Linear(4, 4)], token="t")
+    with pytest.raises(LayoutError, match="does not hold a gpt2 model"):
+        export_pretrained(other, tmp_path / "out-other", tiny_config("gpt2"))
+    assert not (tmp_path / "out-other").exists()
 
 
 def test_creation_holds_one_stage_and_reads_only_its_tensors(
