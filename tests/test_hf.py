@@ -231,3 +231,15 @@ def test_creation_holds_one_stage_and_reads_only_its_tensors(
     for k, spec in enumerate(job.specs):
         assert sorted(read_per_stage[k]) == sorted(p.name for p in spec.params)
     assert len(reads) == len(set(reads))  # nothing read twice
+
+
+def test_a_bare_model_checkpoint_is_read_without_its_prefix(tmp_path: Path) -> None:
+    """``GPT2Model.save_pretrained`` names tensors ``h.0...`` where the LM says ``transformer.h.0...``."""
+    torch.manual_seed(0)
+    bare = transformers.GPT2Model(tiny_config("gpt2"))
+    bare.save_pretrained(tmp_path / "bare")
+    stages = [s for s in stages_from_pretrained(tmp_path / "bare") if not isinstance(s, Tied)]
+    got = {name: p for s in stages for name, p in s.named_parameters()}
+    want = {f"transformer.{name}": p for name, p in bare.state_dict().items()}
+    assert got.keys() == want.keys()
+    assert largest_difference(got, want) == 0.0
