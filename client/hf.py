@@ -360,7 +360,7 @@ class Checkpoint:
             self.files = {name: folder / file for name, file in weight_map.items()}
         elif (folder / SINGLE_FILE).exists():
             with safe_open(folder / SINGLE_FILE, framework="pt") as f:
-                self.files = {name: folder / SINGLE_FILE for name in f.keys()}  # noqa: SIM118
+                self.files = {name: folder / SINGLE_FILE for name in f.keys()}
         else:
             raise FileNotFoundError(
                 f"{folder} has neither {SINGLE_FILE} nor {INDEX_FILE}; only safetensors checkpoints are read "
