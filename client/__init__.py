@@ -29,6 +29,7 @@ from wstream.protocol import (
 
 from .client import Client, Job, wait_for_server
 from .local import local_server
+from .stages import Tied
 from .trainer import Resynced, Trainer, TrainerStats
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "SessionExpiredError",
     "StaleStepError",
     "StateError",
+    "Tied",
     "Trainer",
     "TrainerStats",
     "UnknownJobError",

@@ -42,12 +42,16 @@ from .channel import (
     curve_keys,
 )
 from .plans import PLANNERS, Plan, StageCosts, auto, min_peak, offload, optimal
-from .stages import StageRunner, flatten, frozen_params, skeleton_of, spec_of
+from .stages import StageRunner, Tied, check_tied, flatten, frozen_params, skeleton_of, spec_of
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=m.Message)
+
+Chain = list[tuple[int, nn.Module]]
+"""A job's chain: per position, its weight stage and meta skeleton (NOTE [Positions and weight
+stages] in ``stages.py``)."""
 
 
 class Client:
@@ -101,7 +105,7 @@ class Client:
     def create_job(
         self,
         name: str,
-        stages: Iterable[nn.Module],
+        stages: Iterable[nn.Module | Tied],
         *,
         token: str,
         optimizer: m.OptimizerSpec | None = None,
@@ -116,6 +120,9 @@ class Client:
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
 
+        Each module is a stage: its parameters are stored on the server. A :class:`Tied` item is
+        a chain position that reuses an earlier stage's parameters (a tied LM head), uploads
+        nothing, and adds its gradient to that stage's.
         ``frozen=True``: a base model, weights only (no optimizer state), that jobs created with
         ``base=name`` train on top of; the server holds it once however many use it.
         ``base`` (with ``base_token``, the base's token): stage i trains its parameters that have
@@ -139,7 +146,7 @@ class Client:
         own = (lambda p: p.requires_grad) if base is not None else (lambda p: True)
         total = None
         if isinstance(stages, Sequence):  # known up front: let the server refuse before uploading
-            total = sum(p.numel() for s in stages for p in s.parameters() if own(p))
+            total = sum(p.numel() for s in stages if not isinstance(s, Tied) for p in s.parameters() if own(p))
         nonce, mine = challenge(self._chan), client_nonce()
         proof = base_proof(secret_key(base_token), base, nonce, mine) if base and base_token else None
         created, _ = self._chan.request(
@@ -163,20 +170,17 @@ class Client:
         session = created.session
         signer = SessionSigner(session, session_key(secret_key(token), nonce, mine))
         self._keys.add(signer)
-        skeletons: list[nn.Module] = []
         bar = _progress(progress, total, f"uploading {name}")
+
+        def upload(i: int, module: nn.Module) -> StageSpec:
+            spec = _layout_on(created.base_stages if base is not None else None, i, module)
+            flat = flatten(module, spec)
+            self._chan.request(m.AddStage(session=session, index=i, spec=spec), m.Ok, tensor_frames(flat))
+            bar.update(sum(numel_of(p.shape) for p in spec.params))
+            return spec
+
         try:
-            for i, module in enumerate(stages):
-                if base is not None:
-                    if i >= len(created.base_stages):
-                        raise LayoutError(f"stage {i}: the base {base!r} has {len(created.base_stages)} stages")
-                    frozen_params(i, module, created.base_stages[i])  # they match the base, or raise
-                spec = spec_of(i, module, trainable_only=base is not None)
-                flat = flatten(module, spec)
-                self._chan.request(m.AddStage(session=session, index=i, spec=spec), m.Ok, tensor_frames(flat))
-                del flat
-                skeletons.append(skeleton_of(module))
-                bar.update(sum(numel_of(p.shape) for p in spec.params))
+            _, chain = _walk_chain(stages, upload)
             sealed, _ = self._chan.request(m.Seal(session=session), m.Attached, timeout_s=self.wait_timeout_s)
         except BaseException:
             try:  # leave nothing half-made on the server
@@ -186,25 +190,22 @@ class Client:
             raise
         finally:
             bar.close()
-        return Job(self, sealed, token, skeletons, signer)
+        return Job(self, sealed, token, chain, signer)
 
-    def attach_job(self, name: str, *, token: str, stages: Iterable[nn.Module] | None = None) -> Job:
-        """Attach to an existing job. ``stages`` (modules, best built on the meta device) are needed
-        to train; they must have the job's layout exactly."""
+    def attach_job(self, name: str, *, token: str, stages: Iterable[nn.Module | Tied] | None = None) -> Job:
+        """Attach to an existing job. ``stages`` (modules, best built on the meta device, and the
+        same :class:`Tied` positions the creator gave) are needed to train; they must have the
+        job's layout exactly."""
         attached, signer = attach_session(self._chan, name, token)
         self._keys.add(signer)
-        skeletons = None
+        chain = None
         if stages is not None:
-            mods = list(stages)
             on_base = attached.base is not None
-            for i, mod in enumerate(mods[: len(attached.base_stages)] if on_base else ()):
-                frozen_params(i, mod, attached.base_stages[i])
-            specs = [spec_of(i, mod, trainable_only=on_base) for i, mod in enumerate(mods)]
+            specs, chain = _walk_chain(stages, lambda i, mod: _layout_on(attached.base_stages if on_base else None, i, mod))
             mismatch = describe_mismatch(attached.stages, specs)
             if mismatch is not None:
                 raise LayoutError(f"the given stages do not match job {name!r}: {mismatch}")
-            skeletons = [skeleton_of(mod) for mod in mods]
-        return Job(self, attached, token, skeletons, signer)
+        return Job(self, attached, token, chain, signer)
 
     def status(self) -> m.StatusReply:
         reply, _ = self._chan.request(m.Status(), m.StatusReply)
@@ -293,7 +294,7 @@ class Job:
         client: Client,
         attached: m.Attached,
         token: str,
-        skeletons: list[nn.Module] | None,
+        chain: Chain | None,
         signer: SessionSigner,
     ) -> None:
         self.client = client
@@ -309,11 +310,18 @@ class Job:
         self.base = attached.base
         self.base_stages: list[StageSpec] = list(attached.base_stages)
         self._token = token
-        self._skeletons = skeletons
+        self._chain = chain
 
     @property
     def num_stages(self) -> int:
+        """Weight stages: what the server stores, updates and streams."""
         return len(self.specs)
+
+    @property
+    def positions(self) -> list[int] | None:
+        """The weight stage each chain position runs on (``[0, 1, ..., n-1]`` without ties);
+        None for a job attached without its stages."""
+        return None if self._chain is None else [stage for stage, _ in self._chain]
 
     @property
     def num_params(self) -> int:
@@ -362,20 +370,20 @@ class Job:
         ``torch.distributed`` group average each stage's gradient among themselves and rank 0
         alone pushes; leave ``world_size=1``). See ``wstream.client.distributed``.
         """
-        if self._skeletons is None:
+        if self._chain is None:
             raise StateError(
                 f"job {self.name!r} was attached without its stages: pass stages= to attach_job "
                 "(modules built under torch.device('meta') are enough)"
             )
         runners = [
             StageRunner(
-                i,
-                sk,
-                spec,
-                base_spec=self.base_stages[i] if self.base_stages else None,
-                frozen=frozen_params(i, sk, self.base_stages[i]) if self.base_stages else (),
+                stage,
+                skeleton,
+                self.specs[stage],
+                base_spec=self.base_stages[stage] if self.base_stages else None,
+                frozen=frozen_params(stage, skeleton, self.base_stages[stage]) if self.base_stages else (),
             )
-            for i, (sk, spec) in enumerate(zip(self._skeletons, self.specs))
+            for stage, skeleton in self._chain
         ]
         profiled = ("optimal", "min_peak", "auto", "offload")
         if schedule not in PLANNERS and schedule not in profiled:
@@ -417,13 +425,22 @@ class Job:
         out: dict[str, torch.Tensor] = {}
         with _progress(progress, self.num_params, f"pulling {self.name}") as bar:
             for i, spec in enumerate(self.specs):
-                out.update(self._pull_stage(i, spec))
+                out.update({f"{i}.{name}": t for name, t in self.pull_stage(i).items()})
                 bar.update(sum(numel_of(p.shape) for p in spec.params))
         return out
 
-    def _pull_stage(self, i: int, spec: StageSpec) -> dict[str, torch.Tensor]:
-        _, data = self.client._chan.request(m.Pull(session=self.session, stage=i), m.Master)
-        return named_tensors(i, spec, data)
+    def pull_stage(self, stage: int) -> dict[str, torch.Tensor]:
+        """Stage ``stage``'s current fp32 weights, ``{param: tensor}``: one stage in memory at a
+        time, for exports of models larger than this process's memory."""
+        spec = self.specs[stage]
+        _, data = self.client._chan.request(m.Pull(session=self.session, stage=stage), m.Master)
+        flat = torch.empty(spec.numel, dtype=torch.float32)
+        copy_frames_into(flat, data)
+        out: dict[str, torch.Tensor] = {}
+        for p in spec.params:
+            n = numel_of(p.shape)
+            out[p.name] = flat[p.offset : p.offset + n].view(p.shape).clone()
+        return out
 
     def save(self, timeout: float | None = None) -> tuple[int, str]:
         """Snapshot the job on the server's store; returns (step, directory) once it is durable.
@@ -455,6 +472,35 @@ def named_tensors(i: int, spec: StageSpec, data: list[Any]) -> dict[str, torch.T
     flat = torch.empty(spec.numel, dtype=torch.float32)
     copy_frames_into(flat, data)
     return {f"{i}.{p.name}": flat[p.offset : p.offset + numel_of(p.shape)].view(p.shape).clone() for p in spec.params}
+
+
+def _layout_on(base_stages: list[StageSpec] | None, i: int, module: nn.Module) -> StageSpec:
+    """Stage i's layout: every parameter, or on a frozen base only the trainable ones (the others
+    must be the base's stage i's, by name and shape)."""
+    if base_stages is None:
+        return spec_of(i, module)
+    if i >= len(base_stages):
+        raise LayoutError(f"stage {i}: the base has {len(base_stages)} stages")
+    frozen_params(i, module, base_stages[i])  # they match the base, or raise
+    return spec_of(i, module, trainable_only=True)
+
+
+def _walk_chain(
+    items: Iterable[nn.Module | Tied], add_stage: Callable[[int, nn.Module], StageSpec]
+) -> tuple[list[StageSpec], Chain]:
+    """Walk a job's ``stages`` in order: ``add_stage(i, module)`` lays out (and uploads) weight
+    stage i and returns its spec; a :class:`Tied` item is checked against the stages before it.
+    Every module is moved to the meta device once handled, so one at a time is materialized."""
+    specs: list[StageSpec] = []
+    chain: Chain = []
+    for item in items:
+        if isinstance(item, Tied):
+            check_tied(len(chain), item, specs)
+            chain.append((item.stage, skeleton_of(item.module)))
+            continue
+        specs.append(add_stage(len(specs), item))
+        chain.append((len(specs) - 1, skeleton_of(item)))
+    return specs, chain
 
 
 def wait_for_server(

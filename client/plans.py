@@ -68,7 +68,8 @@ class Plan:
     """Most states alive at once: the kept ones plus the current one when it is not kept."""
 
     def fetch_order(self) -> list[int]:
-        """The stages whose weights each compute action needs, in order."""
+        """The chain positions of the compute actions, in order: the trainer fetches each one's
+        weight stage (a position tied to an earlier stage fetches that stage again)."""
         return [i for op, i in self.actions if op in (Op.ADVANCE, Op.BACKWARD)]
 
     @property

@@ -11,11 +11,26 @@ views cut from a streamed buffer.
 # ordinary backward (BENCHMARKS.md). So each view is made its own leaf; autograd produces
 # parameter-sized gradients, element for element the module's own, and :func:`scatter_grads`
 # writes them into the flat gradient slot at their offsets (padding zeroed) in one pass.
+
+# NOTE [Positions and weight stages]
+# The chain the plans run is a list of *positions*; each position runs a module on the weights of
+# one *weight stage* (the unit the server stores, updates and streams). Usually position i runs
+# stage i. A :class:`Tied` position runs another module on an earlier stage's weights: GPT-2's
+# head multiplies by the token embedding of stage 0, so its chain is [embed (stage 0), blocks...,
+# head (stage 0 again)] and the embedding matrix is one parameter on the server. The trainer
+#   1. fetches the weight stage of every ADVANCE and BACKWARD position, in the plan's order (a
+#      tied head fetches the embedding again, and the plan's weight traffic counts it);
+#   2. sums a stage's gradients over all its positions and pushes the sum once, after the
+#      backward of its lowest position (the last one backward reaches), so the server still
+#      sees one push per stage and step, made after the stage's last use (server/job.py, rule 2).
+# A loop body (``Trainer.step_loop``) is the same thing with every position on stage 0; its
+# weights are fetched once and held for the step because the loop's length is not known ahead.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -87,24 +102,62 @@ def frozen_params(index: int, module: nn.Module, base: StageSpec) -> list[str]:
     return names
 
 
+@dataclass(frozen=True, slots=True)
+class Tied:
+    """A chain position that runs ``module`` on the weights of the earlier stage ``stage`` (see
+    NOTE [Positions and weight stages]). Give it in a job's ``stages`` where the position goes.
+
+    ``module`` uploads nothing: its parameters name a subset of that stage's parameters (same
+    names, same shapes) and it is kept on the meta device. Its gradient is added to the stage's.
+    """
+
+    stage: int
+    module: nn.Module
+
+
+def check_tied(position: int, tied: Tied, specs: list[StageSpec]) -> None:
+    """Refuse a :class:`Tied` position whose parameters are not among its stage's."""
+    if not 0 <= tied.stage < len(specs):
+        raise LayoutError(
+            f"position {position} is tied to stage {tied.stage}, but only stages 0..{len(specs) - 1} come before it"
+        )
+    buffers = [name for name, _ in tied.module.named_buffers()]
+    if buffers:
+        raise LayoutError(f"position {position} (tied to stage {tied.stage}) has buffers {buffers[:5]}")
+    shapes = {p.name: tuple(p.shape) for p in specs[tied.stage].params}
+    for name, param in tied.module.named_parameters():
+        if shapes.get(name) != tuple(param.shape):
+            why = "no such parameter" if name not in shapes else f"it has shape {shapes[name]}"
+            raise LayoutError(
+                f"position {position}: parameter {name!r} {tuple(param.shape)} is not one of stage "
+                f"{tied.stage}'s ({why})"
+            )
+
+
 class StageRunner:
-    """Runs one stage on flat weights through its meta skeleton. A stage of a job on a frozen base
-    also reads ``frozen`` parameters from the base's flat weights (``base_spec`` lays them out)."""
+    """Runs one chain position on its weight stage's flat weights through a meta skeleton.
+
+    ``stage`` is the weight stage (whose ``spec`` lays out the flat buffer); the skeleton may use
+    only some of its parameters (a :class:`Tied` position), and only those become views. A stage
+    of a job on a frozen base also reads ``frozen`` parameters from the base's flat weights
+    (``base_spec`` lays them out)."""
 
     def __init__(
         self,
-        index: int,
+        stage: int,
         skeleton: nn.Module,
         spec: StageSpec,
         *,
         base_spec: StageSpec | None = None,
         frozen: Iterable[str] = (),
     ) -> None:
-        self.index = index
+        self.stage = stage
         self.skeleton = skeleton
         self.spec = spec
         self.base_spec = base_spec
-        self._views = [(p.name, p.offset, numel_of(p.shape), tuple(p.shape)) for p in spec.params]
+        used = {name for name, _ in skeleton.named_parameters()}
+        self._used = [k for k, p in enumerate(spec.params) if p.name in used]
+        self._views = [(p.name, p.offset, numel_of(p.shape), tuple(p.shape)) for p in spec.params if p.name in used]
         wanted = set(frozen)
         self._base_views = [
             (p.name, p.offset, numel_of(p.shape), tuple(p.shape))
@@ -135,6 +188,16 @@ class StageRunner:
 
     def call_with(self, params: dict[str, torch.Tensor], inputs: Boundary) -> Any:
         return torch.func.functional_call(self.skeleton, params, inputs)
+
+    def stage_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Gradients of the used parameters (in :meth:`leaves` order) spread over all of the
+        stage's (``spec.params`` order); the parameters this position does not use get None."""
+        if len(self._used) == len(self.spec.params):
+            return grads
+        out: list[torch.Tensor | None] = [None] * len(self.spec.params)
+        for k, g in zip(self._used, grads):
+            out[k] = g
+        return out
 
 
 def scatter_grads(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:

@@ -4,6 +4,9 @@ The step is driven by a checkpoint plan (:mod:`wstream.client.plans`): untaped A
 current stage input forward, SNAPSHOT/RESTORE/FREE keep and reuse inputs, and each BACKWARD re-runs
 one stage with autograd from its input, pushes its gradient and passes dx_i down. The weights of
 every compute action are fetched in the plan's order by the prefetch thread.
+
+The plan's chain is one of *positions*; each runs on a weight stage, usually its own, sometimes
+an earlier one (a tied head: NOTE [Positions and weight stages] in ``stages.py``).
 """
 
 from __future__ import annotations
@@ -104,7 +107,7 @@ class Trainer:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
         if plan is not None and plan.n != len(runners):
-            raise ValueError(f"the plan is for {plan.n} stages, the job has {len(runners)}")
+            raise ValueError(f"the plan is for {plan.n} positions, the job's chain has {len(runners)}")
         if (plan is None) == (plan_from_profile is None):
             raise ValueError("give either a plan or a planner to apply to the first step's profile")
         if reduce not in ("server", "allreduce"):
@@ -128,7 +131,10 @@ class Trainer:
         self.device = device
         self.prefetch = prefetch
         self.preserve_rng = preserve_rng
-        self._runners = runners
+        self._runners = runners  # one per chain position
+        self._first_use: dict[int, int] = {}  # weight stage -> its lowest position (its push follows that backward)
+        for position, runner in enumerate(runners):
+            self._first_use.setdefault(runner.stage, position)
         self._closed = False
         self.reconnect_s = reconnect_s
         self.reconnects = 0
@@ -136,7 +142,7 @@ class Trainer:
         self._steps_done = 0
         self._peak_boundary = 0
         self.last_loop_steps = 0
-        self._fetch_order = self.plan.fetch_order() if self.plan is not None else []
+        self._fetch_order = self._stages_of(self.plan.fetch_order()) if self.plan is not None else []
         self._mover: HostMover | None = None
         self._tracer: Tracer | None = None
         client = job.client
@@ -151,11 +157,12 @@ class Trainer:
             raise
         client._trainers.add(self)
         log.info(
-            "worker %d joined job %r at step %d: %d stages, prefetch %d, ring %d bytes, %s",
+            "worker %d joined job %r at step %d: %d positions on %d stages, prefetch %d, ring %d bytes, %s",
             self.worker_id,
             job.name,
             self._step,
             len(runners),
+            len(self._first_use),
             prefetch,
             self._ring.nbytes,
             ("shared memory, zero-copy" if self.zero_copy else "shared memory") if self.shm else "data frames",
@@ -386,7 +393,13 @@ class Trainer:
             self._plan_from_profile(lanes[0], k)
         assert self.plan is not None
         self._prefetcher.start(self._step, self._fetch_order)
-        run = _PlanRun(join_lanes(as_boundary(x) for x in lanes), k=k, targets=lane_targets, last=len(self._runners) - 1)
+        run = _PlanRun(
+            join_lanes(as_boundary(x) for x in lanes),
+            self._runners.__getitem__,
+            k=k,
+            targets=lane_targets,
+            last=len(self._runners) - 1,
+        )
         started = time.monotonic_ns()
         try:
             for op, i in self.plan.actions:
@@ -428,7 +441,9 @@ class Trainer:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
         self._prefetcher.start(self._step, [0])
         fetched = self._prefetcher.get(0)  # the body's weights serve every application
-        run = _PlanRun(as_boundary(inputs), targets=[targets], loop_weights=fetched.weights)
+        body = self._runners[0]
+        run = _PlanRun(as_boundary(inputs), lambda position: body, targets=[targets])
+        run.held[0] = fetched.weights
         planner = OnlineBisection()
         try:
             self._execute(run, *planner.actions[0], loss_fn)
@@ -440,11 +455,9 @@ class Trainer:
                     if planner.position >= max_steps or halt(*run.current[1]):
                         break
             run.last = planner.position - 1
-            for op, i in planner.finish():
+            for op, i in planner.finish():  # position 0's backward pushes the sum over applications
                 self._execute(run, op, i, loss_fn)
-            assert run.loop_grads is not None
-            self._pusher.push(0, self._step, self._runners[0].spec, run.loop_grads)
-            run.pushed = True
+            assert run.pushed, "the loop body's gradient was not pushed: a bug in wstream"
             self._prefetcher.release(fetched)
             self._pusher.drain()
         except BaseException:
@@ -471,6 +484,33 @@ class Trainer:
             "peak_activation_bytes_measured": self._peak_boundary,
             "weight_bytes_fetched": sum(stage_bytes[i] for i in self._fetch_order),
         }
+
+    def forward(self, inputs: Any, *, train: bool = False) -> Any:
+        """Run the chain forward on ``inputs`` with the job's current weights and return the last
+        position's output (e.g. logits), without gradients and without an update: evaluation or
+        inference. ``train=False`` puts the skeletons in eval mode meanwhile (dropout off)."""
+        if self._closed:
+            raise StateError("this trainer is closed")
+        modes = [r.skeleton.training for r in self._runners]
+        self._prefetcher.start(self._step, [r.stage for r in self._runners])
+        current = as_boundary(inputs)
+        out: Any = None
+        try:
+            for r in self._runners:
+                r.skeleton.train(train)
+            for runner in self._runners:
+                fetched = self._prefetcher.get(runner.stage)
+                with torch.no_grad():
+                    out = runner(fetched.weights, current)
+                self._prefetcher.release(fetched)
+                current = as_boundary(out)
+        except BaseException:
+            self._prefetcher.reset()
+            raise
+        finally:
+            for r, mode in zip(self._runners, modes):
+                r.skeleton.train(mode)
+        return out
 
     def stats(self) -> TrainerStats:
         pf, pu = self._prefetcher.stats, self._pusher.stats
@@ -530,7 +570,7 @@ class Trainer:
         self.profile = self._profile_one.for_micro_batches(k)
         self.plan = self._plan_from(self.profile)
         self._plan_k = k
-        self._fetch_order = self.plan.fetch_order()
+        self._fetch_order = self._stages_of(self.plan.fetch_order())
         log.info(
             "schedule %r from the profile (%d micro-batch%s): %d recomputed forwards, %d live inputs at most",
             self.plan.name,
@@ -542,7 +582,7 @@ class Trainer:
 
     def _measure_profile(self, inputs: Any) -> StageCosts:
         n = len(self._runners)
-        self._prefetcher.start(self._step, list(range(n)))
+        self._prefetcher.start(self._step, [r.stage for r in self._runners])
         forward_s: list[float] = []
         state_bytes: list[int] = []
         tape_bytes: list[int] = []
@@ -553,7 +593,7 @@ class Trainer:
         try:
             with torch.random.fork_rng(devices=devices):
                 for i in range(n):
-                    fetched = self._prefetcher.get(i)
+                    fetched = self._prefetcher.get(self._runners[i].stage)
                     state_bytes.append(boundary_bytes(current))
                     t0 = time.perf_counter()
                     with torch.no_grad():
@@ -569,7 +609,7 @@ class Trainer:
             self._prefetcher.reset()
             raise
         elapsed = time.perf_counter() - t_fetch
-        weight_bytes = tuple(k * self._sc.published_dtype.itemsize for k in self._sc.numels)
+        weight_bytes = tuple(self._sc.numels[r.stage] * self._sc.published_dtype.itemsize for r in self._runners)
         fetch_s = max(elapsed - sum(forward_s) - host_s, 1e-9)
         bandwidth = 0.0 if self.zero_copy else sum(weight_bytes) / fetch_s
         return StageCosts(
@@ -603,10 +643,9 @@ class Trainer:
     def _execute(self, run: _PlanRun, op: Op, i: int, loss_fn: LossFn) -> None:
         if op == Op.ADVANCE:
             assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
-            fetched = self._prefetcher.get(i) if run.loop_weights is None else None
-            weights = fetched.weights if fetched is not None else run.loop_weights
+            runner = run.runner_at(i)
+            weights, fetched = self._weights(run, runner.stage)
             base = fetched.base if fetched is not None else None
-            runner = self._runners[0 if fetched is None else i]
             outs: list[Boundary] = []
             first = i not in run.advanced
             run.advanced.add(i)
@@ -635,6 +674,19 @@ class Trainer:
             assert run.current is not None and run.current[0] == i
             self._backward_stage(run, i, loss_fn)
 
+    def _stages_of(self, positions: list[int]) -> list[int]:
+        """The weight stages to fetch for a plan's compute positions (its ``fetch_order``)."""
+        return [self._runners[p].stage for p in positions]
+
+    def _weights(self, run: _PlanRun, stage: int) -> tuple[torch.Tensor, Fetched | None]:
+        """Stage ``stage``'s weights: held for the whole step (a loop body), or the next fetch,
+        which the caller releases after use."""
+        held = run.held.get(stage)
+        if held is not None:
+            return held, None
+        fetched = self._prefetcher.get(stage)
+        return fetched.weights, fetched
+
     def _delayed(self) -> bool:
         """Whether this step may end before its updates (a delayed-update job past its warm-up)."""
         return self.delayed_update and self._step >= self.delay_after
@@ -651,17 +703,16 @@ class Trainer:
         return self._mover
 
     def _backward_stage(self, run: _PlanRun, i: int, loss_fn: LossFn) -> None:
-        """Re-run stage i with autograd from the current state, backpropagate, push its gradient.
+        """Re-run position i with autograd from the current state and backpropagate; push its
+        stage's gradient when i is the stage's lowest position, else add it to the stage's sum.
 
         With k micro-batches this runs once per micro-batch on the same weights (one tape live at
         a time) and sums their parameter gradients in micro-batch order, as accumulation into
         ``.grad`` would."""
         assert run.current is not None
-        fetched = self._prefetcher.get(i) if run.loop_weights is None else None
-        runner = self._runners[i if fetched is not None else 0]
-        params = (
-            runner.leaves(fetched.weights, fetched.base) if fetched is not None else runner.leaves(run.loop_weights)
-        )
+        runner = run.runner_at(i)
+        weights, fetched = self._weights(run, runner.stage)
+        params = runner.leaves(weights, fetched.base if fetched is not None else None)
         lanes = lanes_of(run.current[1], run.k)
         grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
         run.drop_current()
@@ -669,20 +720,22 @@ class Trainer:
             param_grads, grad_out = self._backward_lanes(run, i, runner, params, lanes, grad_lanes, loss_fn)
         run.grad_out = grad_out
         del params
-        if fetched is None:  # a loop body: sum over its applications, push once at the end
-            run.add_loop_grads(param_grads)
-            return
-        if self._delayed() and not self.reader:  # (i, t) applies to version t: (i, t - 1) must be done
-            self._pusher.wait_stage(i)
-        if self._allreduce is None:
-            self._pusher.push(i, self._step, runner.spec, param_grads)
-        else:  # every rank averages; rank 0 pushes the mean (client/distributed.py)
-            device = next((g.device for g in param_grads if g is not None), self.device)
-            mean = self._allreduce.mean(runner.spec, param_grads, device)
-            if not self.reader:
-                self._pusher.push_flat(i, self._step, mean)
-        run.pushed = True
-        self._prefetcher.release(fetched)
+        stage = runner.stage
+        grads = run.add_grads(stage, runner.stage_grads(param_grads))
+        if i == self._first_use[stage]:  # backward has no use of this stage left
+            del run.grads[stage]
+            if self._delayed() and not self.reader:  # (s, t) applies to version t: (s, t - 1) must be done
+                self._pusher.wait_stage(stage)
+            if self._allreduce is None:
+                self._pusher.push(stage, self._step, runner.spec, grads)
+            else:  # every rank averages; rank 0 pushes the mean (client/distributed.py)
+                device = next((g.device for g in grads if g is not None), self.device)
+                mean = self._allreduce.mean(runner.spec, grads, device)
+                if not self.reader:
+                    self._pusher.push_flat(stage, self._step, mean)
+            run.pushed = True
+        if fetched is not None:
+            self._prefetcher.release(fetched)
 
     def _backward_lanes(
         self,
@@ -696,7 +749,7 @@ class Trainer:
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Backpropagate stage i for every micro-batch: (summed parameter gradients, the input
         gradients of every micro-batch, packed)."""
-        leaves = [params[p.name] for p in runner.spec.params]
+        leaves = [v for v in params.values() if v.requires_grad]  # not a frozen base's views
         param_grads: list[torch.Tensor | None] = [None] * len(leaves)
         grad_out: list[torch.Tensor | None] = []
         for j, (lane, lane_grad_out) in enumerate(zip(lanes, grad_lanes)):
@@ -782,25 +835,26 @@ class _PlanRun:
 
     __slots__ = (
         "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last",
-        "loop_weights", "loop_grads", "_kept_bytes", "_arriving_bytes", "_current_bytes", "_current_kept",
+        "runner_at", "held", "grads", "_kept_bytes", "_arriving_bytes", "_current_bytes", "_current_kept",
         "k", "targets", "advanced",
     )
 
     def __init__(
         self,
         inputs: Boundary,
+        runner_at: Callable[[int], StageRunner],
         *,
         targets: list[Any],
         k: int = 1,
         last: int = -1,
-        loop_weights: torch.Tensor | None = None,
     ) -> None:
         self.k = k  # micro-batches: every state is k lanes packed (see ``join_lanes``)
         self.advanced: set[int] = set()  # stages run forward this step (a rerun is a recomputation)
         self.targets = targets  # one per micro-batch
         self.last = last  # the position whose BACKWARD computes the loss
-        self.loop_weights = loop_weights  # a loop body's weights, the same for every position
-        self.loop_grads: list[torch.Tensor | None] | None = None
+        self.runner_at = runner_at  # position -> its runner (a loop: the body, for any position)
+        self.held: dict[int, torch.Tensor] = {}  # weights fetched once for the whole step (a loop body's)
+        self.grads: dict[int, list[torch.Tensor | None]] = {}  # stage -> gradient summed over its positions so far
         self.current: tuple[int, Boundary] | None = None
         self.kept: dict[int, Boundary] = {}
         self.host: dict[int, PendingMove] = {}  # offloaded inputs (a copy, also on a CPU worker)
@@ -858,14 +912,16 @@ class _PlanRun:
         self._arriving_bytes += pending.nbytes
         self._account()
 
-    def add_loop_grads(self, grads: list[torch.Tensor | None]) -> None:
-        if self.loop_grads is None:
-            self.loop_grads = list(grads)
-            return
+    def add_grads(self, stage: int, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Add one position's gradients (``spec.params`` order) to its stage's sum; return the sum."""
+        acc = self.grads.get(stage)
+        if acc is None:
+            self.grads[stage] = acc = list(grads)
+            return acc
         for k, g in enumerate(grads):
             if g is not None:
-                acc = self.loop_grads[k]
-                self.loop_grads[k] = g if acc is None else acc.add_(g)
+                acc[k] = g if acc[k] is None else acc[k].add_(g)
+        return acc
 
     def _account(self) -> None:
         live = self._kept_bytes + self._arriving_bytes

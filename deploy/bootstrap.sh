@@ -6,7 +6,7 @@
 #
 # Creates .venv (if missing) next to this repository, installs torch FIRST, keeping a torch that
 # is already importable (set WSTREAM_TORCH to choose another requirement, e.g. a CUDA build), then
-# installs wstream itself in editable mode with its test extras.
+# installs wstream itself in editable mode with its test extras (and, to test, the hf extra).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -29,7 +29,10 @@ py="$venv/bin/python"
 if ! "$py" -c "import torch" >/dev/null 2>&1; then
   "$py" -m pip install --quiet "${WSTREAM_TORCH:-torch==2.13.0}"
 fi
-"$py" -m pip install --quiet -e "$here[test]"
+# tests: the hf extra (transformers) too, so that tests/test_hf.py runs rather than skips
+extras=test
+if [ "$what" = test ]; then extras=test,hf; fi
+"$py" -m pip install --quiet -e "$here[$extras]"
 
 cd "$here"
 export PYTHONUNBUFFERED=1

@@ -1,4 +1,4 @@
-"""The demo in examples/ runs end to end (small settings) and says what it promises."""
+"""The examples in examples/ run end to end (small settings) and say what they promise."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from wstream.protocol.shm import segment_paths
 
@@ -39,6 +41,32 @@ def test_gpt_demo_starts_a_server_trains_and_reports_memory(tmp_path: Path) -> N
     assert any(e.get("cat") == "optimizer" for e in trace["traceEvents"])  # the server's side
     pid = int(re.search(r"started wstream-server \(pid (\d+)\)", text).group(1))
     assert segment_paths(pid) == []  # the demo's server cleaned up (other servers may be running)
+
+
+def test_hf_finetune_example_trains_exports_and_reloads(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    out = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "examples" / "hf_finetune.py"),
+            *("--server", f"ipc://{tmp_path}/hf.sock", "--steps", "6", "--seq", "32", "--batch", "4"),
+            *("--out", str(tmp_path / "finetuned")),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    text = out.stdout
+    assert "5 stages, positions [0, 1, 2, 3, 4, 0]" in text  # the tied head runs on stage 0
+    first, last = (float(v) for v in text.split("\nloss ")[1].split(" in ")[0].split(" -> "))
+    assert last < first
+    diff = float(text.split("gives the streamed logits to ")[1].split()[0])
+    assert diff <= 1e-5
+    model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "finetuned")
+    assert model.config.n_layer == 4
+    pid = int(re.search(r"started wstream-server \(pid (\d+)\)", text).group(1))
+    assert segment_paths(pid) == []
 
 
 def run_example(name: str, *args: str) -> str:

@@ -1,0 +1,245 @@
+"""Hugging Face causal LMs through wstream: the streamed model computes what ``transformers`` does,
+trains as ``transformers`` + ``torch.optim.AdamW`` does, exports to a folder ``from_pretrained``
+loads, and is created without holding more than one stage."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from wstream.client import AdamW, Client, LayoutError, Tied  # noqa: E402
+from wstream.protocol.layout import numel_of  # noqa: E402
+from wstream.client import hf  # noqa: E402
+from wstream.client.hf import (  # noqa: E402
+    attach_job_from_pretrained,
+    causal_lm_loss,
+    create_job_from_pretrained,
+    export_pretrained,
+    stages_from_pretrained,
+)
+
+VOCAB, SEQ = 96, 12
+
+
+def tiny_config(kind: str, *, dropout: float = 0.0) -> Any:
+    """2 layers, width 32, vocabulary 96: ``gpt2`` (tied head), ``llama`` (untied), ``llama_tied``."""
+    common = {"vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 1}
+    if kind == "gpt2":
+        return transformers.GPT2Config(
+            n_layer=2, n_embd=32, n_head=4, n_positions=32, resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, **common
+        )
+    return transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
+        tie_word_embeddings=kind == "llama_tied",
+        **common,
+    )
+
+
+def save_model(kind: str, folder: Path, *, max_shard_size: str | None = None, dropout: float = 0.0, seed: int = 0) -> Path:
+    """A model of ``tiny_config(kind)`` with random weights, written by ``save_pretrained``."""
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config(kind, dropout=dropout))
+    options = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, **options)
+    return folder
+
+
+def reference(folder: Path, attn: str = "sdpa") -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn)
+
+
+def batch(step: int, size: int = 4) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (size, SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def padded(ids: torch.Tensor) -> torch.Tensor:
+    """An attention mask with left padding in every other row."""
+    mask = torch.ones_like(ids)
+    mask[1::2, :3] = 0
+    return mask
+
+
+def weights_by_name(job_state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``job.state_dict()`` keyed by checkpoint names (the stage prefix dropped)."""
+    return {key.split(".", 1)[1]: t for key, t in job_state.items()}
+
+
+def largest_difference(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
+    return max((got[k] - want[k]).abs().max().item() for k in got)
+
+
+@pytest.mark.parametrize(("kind", "shard"), [("gpt2", None), ("llama", "20KB"), ("llama_tied", None)])
+def test_streamed_logits_equal_transformers(client: Client, tmp_path: Path, kind: str, shard: str | None) -> None:
+    folder = save_model(kind, tmp_path / "model", max_shard_size=shard)
+    assert (folder / "model.safetensors.index.json").exists() == (shard is not None)
+    ids = batch(0)
+    for attn in ("sdpa", "eager"):
+        want = reference(folder, attn)
+        job = create_job_from_pretrained(client, f"{kind}-{attn}", folder, token="t", attn_implementation=attn)
+        tied = kind != "llama"
+        assert job.positions == ([0, 1, 2, 0] if tied else [0, 1, 2, 3])  # embed, 2 blocks (+ norm), head
+        with job.trainer() as trainer:
+            with torch.no_grad():
+                torch.testing.assert_close(trainer.forward(ids), want(ids).logits, rtol=0, atol=1e-5)
+                mask = padded(ids)
+                torch.testing.assert_close(
+                    trainer.forward((ids, mask)), want(ids, attention_mask=mask).logits, rtol=0, atol=1e-5
+                )
+    # a second worker attaches from the config alone and sees the same model
+    other = attach_job_from_pretrained(client, f"{kind}-eager", folder, token="t", attn_implementation="eager")
+    with other.trainer() as trainer, torch.no_grad():
+        torch.testing.assert_close(trainer.forward(ids), want(ids).logits, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("kind", "blocks_per_stage", "dropout"), [("gpt2", 1, 0.1), ("llama", 1, 0.0), ("llama_tied", 2, 0.0)]
+)
+def test_training_equals_transformers_with_adamw(
+    client: Client, tmp_path: Path, kind: str, blocks_per_stage: int, dropout: float
+) -> None:
+    """A few steps through a real server give the weights of the same steps of plain
+    ``transformers`` training: in particular the tied embedding gets both uses' gradients."""
+    folder = save_model(kind, tmp_path / "model", dropout=dropout)
+    steps, lr, wd = 3, 1e-3, 0.01
+    model = reference(folder)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    torch.manual_seed(123)  # the same dropout masks on both sides
+    want_losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = model(batch(s), labels=batch(s)).loss
+        loss.backward()
+        opt.step()
+        want_losses.append(loss.item())
+
+    job = create_job_from_pretrained(
+        client, kind, folder, token="t", blocks_per_stage=blocks_per_stage, optimizer=AdamW(lr=lr, weight_decay=wd)
+    )
+    torch.manual_seed(123)
+    with job.trainer() as trainer:
+        losses = [trainer.step(batch(s), batch(s), causal_lm_loss) for s in range(steps)]
+    got = weights_by_name(job.state_dict())
+    want = model.state_dict()
+    assert largest_difference(got, want) < 1e-5
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    if kind != "llama":  # the tied matrix is one parameter, and it moved by both uses' gradients
+        embed = "transformer.wte.weight" if kind == "gpt2" else "model.embed_tokens.weight"
+        assert "lm_head.weight" not in got
+        start = reference(folder).state_dict()[embed]
+        assert (got[embed] - start).abs().max().item() > 1e-3
+
+
+def test_export_round_trips_through_from_pretrained(client: Client, tmp_path: Path) -> None:
+    folder = save_model("gpt2", tmp_path / "model", max_shard_size="20KB")
+    (folder / "tokenizer_config.json").write_text('{"model_max_length": 32}\n')
+    job = create_job_from_pretrained(client, "ex", folder, token="t", optimizer=AdamW(lr=1e-2))
+    ids = batch(0)
+    with job.trainer() as trainer:
+        trainer.step(ids, ids, causal_lm_loss)  # the export must carry trained weights, not the source's
+        logits = trainer.forward(ids)
+    trained = weights_by_name(job.state_dict())
+    for shard in ("20KB", "5GB"):
+        out = export_pretrained(job, tmp_path / f"out-{shard}", folder, max_shard_size=shard)
+        written = sorted(p.name for p in out.glob("*.safetensors"))
+        assert (len(written) > 1) == (shard == "20KB")
+        if len(written) > 1:
+            assert all((out / name).stat().st_size <= 20_000 + 4096 for name in written)  # data + header
+            index = json.loads((out / "model.safetensors.index.json").read_text())
+            assert set(index["weight_map"].values()) == set(written)
+            assert "lm_head.weight" not in index["weight_map"]  # tied weights are written once
+        assert (out / "tokenizer_config.json").exists()
+        loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+            out, attn_implementation="sdpa", output_loading_info=True
+        )
+        assert not info["missing_keys"] and not info["unexpected_keys"], info
+        assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+        state = loaded.state_dict()
+        assert largest_difference(trained, state) == 0.0
+        with torch.no_grad():
+            torch.testing.assert_close(loaded(ids).logits, logits, rtol=0, atol=1e-5)
+    with pytest.raises(FileExistsError, match="already holds weights"):
+        export_pretrained(job, tmp_path / "out-5GB", folder)
+    # from a config object: the model class is recorded as save_pretrained does
+    out = export_pretrained(job, tmp_path / "out-config", tiny_config("gpt2"))
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["GPT2LMHeadModel"]
+    # a job that is not this model is refused before anything is written
+    other = client.create_job("other", [torch.nn.Linear(4, 4)], token="t")
+    with pytest.raises(LayoutError, match="does not hold a gpt2 model"):
+        export_pretrained(other, tmp_path / "out-other", tiny_config("gpt2"))
+    assert not (tmp_path / "out-other").exists()
+
+
+def test_creation_holds_one_stage_and_reads_only_its_tensors(
+    client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While ``create_job`` consumes the loader, the materialized parameters alive at once are
+    those of the stage being uploaded, and each stage reads only its own tensors."""
+    folder = save_model("gpt2", tmp_path / "model", max_shard_size="20KB")
+    reads: list[str] = []
+    real_open = hf.safe_open
+
+    class Counting:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._f = real_open(*args, **kwargs)
+
+        def __enter__(self) -> Counting:
+            self._f.__enter__()
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            self._f.__exit__(*exc)
+
+        def keys(self) -> list[str]:
+            return list(self._f.keys())
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            reads.append(name)
+            return self._f.get_tensor(name)
+
+    monkeypatch.setattr(hf, "safe_open", Counting)
+    seen: list[torch.nn.Module] = []
+    live: list[int] = []
+    read_per_stage: list[list[str]] = []
+
+    def watched() -> Iterator[torch.nn.Module | Tied]:
+        done = 0
+        for item in stages_from_pretrained(folder):
+            module = item.module if isinstance(item, Tied) else item
+            seen.append(module)
+            live.append(sum(p.numel() * p.element_size() for m in seen for p in m.parameters() if not p.is_meta))
+            read_per_stage.append(reads[done:])
+            done = len(reads)
+            yield item
+
+    job = client.create_job("mem", watched(), token="t")
+    stage_bytes = [sum(numel_of(p.shape) for p in spec.params) * 4 for spec in job.specs]
+    assert live == [*stage_bytes, 0]  # one stage at a time; the tied head is a meta skeleton
+    assert all(p.is_meta for m in seen for p in m.parameters())  # every stage was freed after upload
+    for k, spec in enumerate(job.specs):
+        assert sorted(read_per_stage[k]) == sorted(p.name for p in spec.params)
+    assert len(reads) == len(set(reads))  # nothing read twice
+
+
+def test_a_bare_model_checkpoint_is_read_without_its_prefix(tmp_path: Path) -> None:
+    """``GPT2Model.save_pretrained`` names tensors ``h.0...`` where the LM says ``transformer.h.0...``."""
+    torch.manual_seed(0)
+    bare = transformers.GPT2Model(tiny_config("gpt2"))
+    bare.save_pretrained(tmp_path / "bare")
+    stages = [s for s in stages_from_pretrained(tmp_path / "bare") if not isinstance(s, Tied)]
+    got = {name: p for s in stages for name, p in s.named_parameters()}
+    want = {f"transformer.{name}": p for name, p in bare.state_dict().items()}
+    assert got.keys() == want.keys()
+    assert largest_difference(got, want) == 0.0
