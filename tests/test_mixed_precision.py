@@ -30,12 +30,13 @@ def _train(
     return losses, job.state_dict()
 
 
-@pytest.mark.parametrize("zero_copy", [True, False])
-def test_bfloat16_job_computes_in_bfloat16_and_trains_close_to_float32(client: Client, zero_copy: bool) -> None:
+@pytest.mark.parametrize("mode", ["zero-copy", "shm-copy", "frames"])
+def test_bfloat16_job_computes_in_bfloat16_and_trains_close_to_float32(client: Client, mode: str) -> None:
     seen32: list[torch.dtype] = []
     seen16: list[torch.dtype] = []
     fp32, w32 = _train(client, "fp32", "float32", seen32)
-    bf16, w16 = _train(client, "bf16", "bfloat16", seen16, zero_copy=zero_copy)
+    kw = {"frames": {"shm": False}, "shm-copy": {"zero_copy": False}, "zero-copy": {"zero_copy": True}}[mode]
+    bf16, w16 = _train(client, "bf16", "bfloat16", seen16, **kw)  # frames: bf16 weights as data frames
     assert set(seen32) == {torch.float32} and set(seen16) == {torch.bfloat16}  # activations in bf16
     start = reference_train(models.mixed(seed=6), lambda p: torch.optim.AdamW(p, lr=3e-3), "mixed", 0)
     assert fp32[-1] < 0.9 * fp32[0] and bf16[-1] < 0.9 * bf16[0]  # both learn
