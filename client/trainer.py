@@ -164,7 +164,7 @@ class Trainer:
             job.name,
             self._step,
             len(runners),
-            prefetch,
+            self.prefetch,
             self._ring.nbytes,
             ("shared memory, zero-copy" if self.zero_copy else "shared memory") if self.shm else "data frames",
         )
