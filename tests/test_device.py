@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 
 import pytest
 import torch
 
 import models
 from test_equivalence import assert_weights_equal, reference_train
-from wstream.client import AdamW, Client
+from wstream.client import SGD, AdamW, Client
 from wstream.client import trainer as trainer_module
 from wstream.client.device import (
     DONE,
@@ -24,6 +25,7 @@ from wstream.client.device import (
     ring_capacity,
 )
 from wstream.client.stages import scatter_grads, spec_of
+from wstream.protocol import StaleStepError
 from wstream.protocol.frames import tensor_frames
 
 STEPS = 4
@@ -155,3 +157,64 @@ def test_staged_path_on_a_cpu_trains_to_plain_pytorch(
         assert trainer.stats().registered_bytes == 0  # nothing is page-locked on a CPU
     want = reference_train(start, lambda p: torch.optim.AdamW(p, lr=3e-3, weight_decay=0.05), "mixed", STEPS)
     assert_weights_equal(job.state_dict(), want, atol=1e-6)
+
+
+# ---- the pusher's sender thread ------------------------------------------------------------------
+class _HeldTicket:
+    """A copy that completes only when the test says so (a D2H copy still running)."""
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+
+    def wait_stream(self) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        assert self.released.wait(60), "the test never released the copy"
+
+    def done(self) -> bool:
+        return self.released.is_set()
+
+
+class _HeldStager:
+    def __init__(self, inner: GradientStager) -> None:
+        self.inner = inner
+        self.ticket = _HeldTicket()
+        self.nbytes = 0
+
+    def write(self, slot: torch.Tensor, spec: object, grads: list[torch.Tensor | None]) -> _HeldTicket:
+        self.inner.write(slot, spec, grads)  # type: ignore[arg-type]
+        return self.ticket
+
+
+def test_a_push_is_sent_only_once_its_copy_is_complete(client: Client) -> None:
+    job = client.create_job("held", models.mixed(), optimizer=SGD(lr=0.1), token="t")
+    with job.trainer(zero_copy=False) as trainer:
+        pusher = trainer._pusher
+        held = _HeldStager(pusher._stager)
+        pusher._stager = held  # type: ignore[assignment]
+        spec = trainer._runners[4].spec
+        pusher.push(4, 0, spec, [torch.ones(5, 48)])
+        assert pusher._unsent and not pusher._outstanding  # waiting for its copy, compute went on
+        held.ticket.released.set()
+        pusher.wait_stage(4)  # sent, and acknowledged once stage 4 updated
+        assert not pusher._unsent and not pusher._outstanding
+        assert pusher.stats.pushes == 1
+        pusher._stager = held.inner  # type: ignore[assignment]
+    want = models.mixed()[4].weight.detach() - 0.1 * torch.ones(5, 48)  # SGD applied that gradient
+    assert torch.allclose(job.state_dict()["4.weight"], want)
+
+
+def test_an_error_reply_to_a_push_is_raised_in_the_compute_thread(client: Client) -> None:
+    job = client.create_job("bad-push", models.mixed(), optimizer=SGD(lr=0.1), token="t")
+    trainer = job.trainer()
+    try:
+        pusher = trainer._pusher
+        pusher.push(4, 7, trainer._runners[4].spec, [torch.ones(5, 48)])  # the job is at step 0
+        with pytest.raises(StaleStepError, match="only gradients for step 0"):
+            pusher.drain()
+        with pytest.raises(StaleStepError):  # and again: the sender thread stopped on it
+            pusher.drain()
+    finally:
+        trainer._pusher.forget_outstanding()
+        trainer.close()
