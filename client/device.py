@@ -103,8 +103,12 @@ class HostRegistration:
 
 def _unregister(device: torch.device, ptr: int, mapping: torch.Tensor, what: str) -> None:
     """Unregister ``ptr``; ``mapping`` is passed only to keep the mapping alive until now."""
-    with torch.cuda.device(device):
-        code = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    try:
+        with torch.cuda.device(device):
+            code = int(torch.cuda.cudart().cudaHostUnregister(ptr))
+    except Exception as exc:  # at interpreter exit CUDA may be torn down already; the pages go with it
+        log.debug("cudaHostUnregister of %s skipped: %s", what, exc)
+        return
     if code != 0:
         log.warning("cudaHostUnregister of %s failed: error %d", what, code)
     del mapping
