@@ -110,6 +110,11 @@ class Channel:
     def close(self) -> None:
         self._sock.close(linger=0)
 
+    @property
+    def socket(self) -> zmq.Socket[Any]:
+        """The DEALER socket, for a thread that polls it together with other sources."""
+        return self._sock
+
     def _check(self) -> None:
         if self._broken is not None:
             raise ServerUnavailable(self._broken)

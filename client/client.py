@@ -331,7 +331,7 @@ class Job:
         self,
         device: str | torch.device = "cpu",
         *,
-        prefetch: int = 2,
+        prefetch: int | None = None,
         shm: bool | None = None,
         grad_slots: int = 2,
         world_size: int = 1,
@@ -342,11 +342,15 @@ class Job:
         memory_budget: int | str | None = None,
         reconnect_s: float = 300.0,
         reduce: str = "server",
+        weight_budget: int | str | None = None,
     ) -> Trainer:
         """Join the job as a data-parallel worker.
 
         ``prefetch``: stages fetched ahead of compute (at most ``prefetch + 1`` stages' weights are
-        held at once). ``shm``: map the server's shared memory (None: when it can be mapped, else
+        held at once; default 2). ``weight_budget`` (bytes or "8GiB"), instead of ``prefetch``:
+        device memory for the weight ring, which holds floor(budget / largest stage) stages (at
+        least 2, at most one per stage) and never more; it is separate from ``memory_budget``
+        (activations, below); DESIGN.md "GPU data path" says why. ``shm``: map the server's shared memory (None: when it can be mapped, else
         receive weights as data frames). ``grad_slots``: gradients in flight to the server.
         ``world_size``: data-parallel workers to wait for before the first update (every worker of
         the job passes the same number); later, each step is the mean over the live workers.
@@ -390,6 +394,9 @@ class Job:
             raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted([*PLANNERS, *profiled])}")
         if slots is not None and schedule != "revolve":
             raise ValueError(f"slots= applies to schedule='revolve', not {schedule!r}")
+        if prefetch is not None and weight_budget is not None:
+            raise ValueError("give prefetch= or weight_budget= (the ring's depth follows from the budget), not both")
+        weights = parse_size(weight_budget) if weight_budget is not None else None
         budget = parse_size(memory_budget) if memory_budget is not None else None
         budgeted = ("optimal", "auto", "offload")
         if (budget is not None) != (schedule in budgeted):
@@ -406,7 +413,7 @@ class Job:
             self,
             runners,
             device=torch.device(device),
-            prefetch=prefetch,
+            prefetch=2 if prefetch is None else prefetch,
             shm=shm,
             grad_slots=grad_slots,
             world_size=world_size,
@@ -416,6 +423,7 @@ class Job:
             plan_from_profile=from_profile,
             reconnect_s=reconnect_s,
             reduce=reduce,
+            weight_budget=weights,
         )
 
     def state_dict(self, *, progress: bool | None = None) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from wstream.protocol import StageSpec
+from wstream.protocol.messages import ParamSpec
 
 from .stages import scatter_grads
 
@@ -55,6 +56,11 @@ def from_torchrun(*, init_process_group: bool = True, backend: str | None = None
     if init_process_group and launch.world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
     return launch
+
+
+def flat_spec(spec: StageSpec) -> StageSpec:
+    """``spec`` seen as one flat parameter: the layout of an already flat gradient, to push it."""
+    return StageSpec(name=spec.name, numel=spec.numel, params=[ParamSpec("flat", (spec.numel,), 0)])
 
 
 class AllReduceGradients:

@@ -11,8 +11,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -31,8 +33,8 @@ from wstream.protocol.curve import ClientKeys
 
 from wstream.protocol.frames import copy_frames_into, frames_nbytes, tensor_frames
 
-from .channel import Channel, raise_or_narrow
-from .stages import scatter_grads
+from .channel import Channel, no_answer, raise_or_narrow
+from .device import DONE, CopyEngine, CopyTicket, GradientStager, ReceiveRing
 from .timeline import Tracer
 
 TRACE_MIN_WAIT_NS = 20_000
@@ -54,6 +56,8 @@ class WeightRing:
     ) -> None:
         size = numel if allocate else 0
         self.buffers = [torch.empty(size, dtype=dtype, device=device) for _ in range(capacity)]
+        # per buffer: when compute was done with it (NOTE [Copy ordering on a GPU], rule 2)
+        self._consumed: list[CopyTicket] = [DONE] * capacity
         self._free: deque[int] = deque(range(capacity))
         self._cond = threading.Condition()
         self.resident = 0
@@ -81,8 +85,13 @@ class WeightRing:
             self.peak = max(self.peak, self.resident)
             return idx
 
-    def release(self, idx: int) -> None:
+    def consumed(self, idx: int) -> CopyTicket:
+        """When the last reader of buffer ``idx`` was done with it (a copy into it waits for this)."""
+        return self._consumed[idx]
+
+    def release(self, idx: int, consumed: CopyTicket = DONE) -> None:
         with self._cond:
+            self._consumed[idx] = consumed
             self._free.append(idx)
             self.resident -= 1
             self._cond.notify()
@@ -99,6 +108,7 @@ class Fetched:
     stage: int
     buffer: int
     weights: torch.Tensor  # flat view of the ring buffer, the stage's numel long
+    ready: CopyTicket = DONE  # the copy into it (the compute stream waits for it in ``get``)
     base: torch.Tensor | None = None  # a job on a frozen base: the base's stage, flat
 
 
@@ -180,9 +190,13 @@ class StreamContext:
 class Prefetcher:
     """A thread that fetches stages in the order the trainer announces, into the ring."""
 
-    def __init__(self, sc: StreamContext, ring: WeightRing) -> None:
+    def __init__(
+        self, sc: StreamContext, ring: WeightRing, engine: CopyEngine, receive: ReceiveRing | None = None
+    ) -> None:
         self._sc = sc
         self._ring = ring
+        self._engine = engine  # host -> device copies (NOTE [Copy ordering on a GPU], rule 1)
+        self._receive = receive  # data frames land here first when the ring is on a device
         self._orders: queue.SimpleQueue[tuple[int, list[int]] | None] = queue.SimpleQueue()
         self._ready: queue.SimpleQueue[Fetched | BaseException] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -218,10 +232,12 @@ class Prefetcher:
             raise item
         if item.stage != stage:
             raise AssertionError(f"prefetch order broken: got stage {item.stage}, wanted {stage} (a bug in wstream)")
+        item.ready.wait_stream()
         return item
 
     def release(self, fetched: Fetched) -> None:
-        self._ring.release(fetched.buffer)
+        """Compute is done with ``fetched`` (as far as the host has issued it)."""
+        self._ring.release(fetched.buffer, self._engine.mark())
 
     def reset(self) -> None:
         """Stop the thread, forget queued work and free every buffer (after a failed step)."""
@@ -321,31 +337,39 @@ class Prefetcher:
                 end = reply.base_offset + base_numel * itemsize
                 base = sc.base_published[reply.base_offset : end].view(sc.published_dtype)
             self.stats.fetches += 1
-            return Fetched(stage, idx, view, base)
+            return Fetched(stage, idx, view, base=base)
         try:  # the ring buffer holds the stage, then its base's stage (a job on a frozen base)
             buf = self._ring.buffers[idx]
             dst, base_dst = buf[:numel], buf[numel : numel + base_numel]
-            if data:
-                own, rest = _split_frames(data, numel * itemsize)
+            after = [self._ring.consumed(idx)]
+            own, rest = _split_frames(data, numel * itemsize) if data else ([], [])
+            if data and self._receive is not None:  # (the trainer refuses a base here)
+                ready = self._receive.load(self._engine, dst, own, after)
+            elif data:
+                for t in after:
+                    t.synchronize()
                 copy_frames_into(dst, own)
                 if base_numel:
                     copy_frames_into(base_dst, rest)
+                ready = DONE
             else:
                 assert sc.published is not None
-                dst.copy_(sc.published[reply.offset : reply.offset + numel * itemsize].view(sc.published_dtype))
-                if base_numel:
+                src = sc.published[reply.offset : reply.offset + numel * itemsize].view(sc.published_dtype)
+                ready = self._engine.copy(dst, src, after=after)
+                if base_numel:  # the same stream: its ticket comes after the first copy's
                     assert sc.base_published is not None and reply.base_offset is not None
-                    src = sc.base_published[reply.base_offset : reply.base_offset + base_numel * itemsize]
-                    base_dst.copy_(src.view(sc.published_dtype))
+                    base_src = sc.base_published[reply.base_offset : reply.base_offset + base_numel * itemsize]
+                    ready = self._engine.copy(base_dst, base_src.view(sc.published_dtype), after=after)
         except BaseException:
-            self._ring.release(idx)
+            self._ring.release(idx, self._ring.consumed(idx))
             raise
         nbytes = (numel + base_numel) * itemsize
         self.stats.fetches += 1
+        nbytes = (numel + base_numel) * itemsize
         self.stats.bytes_fetched += nbytes
-        if sc.tracer is not None:
+        if sc.tracer is not None:  # on a GPU: the time to issue the copy, which runs on its stream
             sc.tracer.add(f"copy {stage}", "copy", "weight copies", t0, stage=stage, bytes=nbytes)
-        return Fetched(stage, idx, dst, base_dst if base_numel else None)
+        return Fetched(stage, idx, dst, ready, base_dst if base_numel else None)
 
 
 def _split_frames(data: list[zmq.Frame], nbytes: int) -> tuple[list[zmq.Frame], list[zmq.Frame]]:
@@ -358,99 +382,190 @@ def _split_frames(data: list[zmq.Frame], nbytes: int) -> tuple[list[zmq.Frame], 
     return data, []
 
 
+@dataclass(slots=True)
+class _Unsent:
+    """A push handed to the sender thread: sent once ``ticket`` (the gradient's copy) is done."""
+
+    message: m.Push
+    frames: list[object]
+    ticket: CopyTicket
+
+
+@dataclass(slots=True)
+class _Sent:
+    slot: int
+    stage: int
+    step: int
+    sent_ns: int
+    returned_ns: int
+
+
 class GradientPusher:
-    """Sends stage gradients without waiting; a ``pushed`` reply frees its slot (a credit)."""
+    """Sends stage gradients without making compute wait; a ``pushed`` reply frees its slot (a credit).
 
-    def __init__(self, sc: StreamContext, slots: list[torch.Tensor] | None, nslots: int) -> None:
+    The compute thread writes a gradient into a free slot (on a GPU: issues its device -> host
+    copy, NOTE [Copy ordering on a GPU] rule 3) and hands the ``push`` to a sender thread, which
+    owns this pusher's socket: it sends each push, in order, once its copy is complete, and reads
+    the replies. The compute thread only waits for a free slot or, at the end of a step, for the
+    acknowledgements; a reply that does not come within the client's ``wait_timeout`` while it
+    waits is :class:`ServerUnavailable`, and an error reply is raised there too.
+
+    ``slots`` are host fp32 views: the worker's shared-memory gradient ring, or (``shm=False``) its
+    own buffers whose bytes go out as data frames (a slot is busy until its reply, so a buffer is
+    never refilled while ZeroMQ may still read it)."""
+
+    def __init__(self, sc: StreamContext, slots: list[torch.Tensor], *, shm: bool, stager: GradientStager) -> None:
         self._sc = sc
-        self._chan = sc.channel()
-        self._slots = slots  # shm views, or None in frames mode
-        self._free = list(range(nslots))[::-1]
-        # request id -> (slot, frame keep-alive, stage, step, send started, send returned)
-        self._outstanding: dict[int, tuple[int, object, int, int, int, int]] = {}
+        self._slots = slots
+        self._shm = shm
+        self._stager = stager
+        self._cond = threading.Condition()
+        self._free = list(range(len(slots)))[::-1]
+        self._unsent: deque[_Unsent] = deque()
+        self._outstanding: dict[int, _Sent] = {}  # request id -> what was sent
+        self._replies = 0  # replies seen: progress, for the wait deadline
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
         self.stats = StreamStats()
+        self._thread = threading.Thread(target=self._run, name="wstream-push", daemon=True)
+        self._thread.start()
 
+    # ---- the compute thread ----------------------------------------------------------------------
     def push(self, stage: int, step: int, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
-        """Write the stage's per-parameter gradients into a free slot and send ``push``."""
+        """Write the stage's per-parameter gradients into a free slot and have ``push`` sent."""
         slot = self._acquire(stage)
         t0 = time.monotonic_ns()
         numel = spec.numel
-        keep: object = None
-        frames: list[object] = []
-        if self._slots is not None:
-            scatter_grads(self._slots[slot][:numel], spec, grads)
-        else:
-            keep = torch.empty(numel, dtype=torch.float32)
-            scatter_grads(keep, spec, grads)
-            frames = list(tensor_frames(keep))
+        ticket = self._stager.write(self._slots[slot], spec, grads)
+        frames: list[object] = [] if self._shm else list(tensor_frames(self._slots[slot][:numel]))
+        msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
+        with self._cond:
+            self._unsent.append(_Unsent(msg, frames, ticket))
+        os.write(self._wake_w, b"x")
         if self._sc.tracer is not None:
             self._sc.tracer.add(f"grad copy {stage}", "push", "compute", t0, stage=stage, step=step)
-        self._send(stage, step, slot, numel, keep, frames)
-
-    def push_flat(self, stage: int, step: int, flat: torch.Tensor) -> None:
-        """Send an already flat fp32 gradient (``numel`` of the stage) into a free slot."""
-        slot = self._acquire(stage)
-        numel = flat.numel()
-        keep: object = None
-        frames: list[object] = []
-        if self._slots is not None:
-            self._slots[slot][:numel].copy_(flat)
-        else:
-            keep = flat.detach().to("cpu", copy=True)
-            frames = list(tensor_frames(keep))
-        self._send(stage, step, slot, numel, keep, frames)
-
-    def _send(self, stage: int, step: int, slot: int, numel: int, keep: object, frames: list[object]) -> None:
-        msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
-        sent = time.monotonic_ns()
-        rid = self._chan.send(msg, frames, copy=False)
-        self._outstanding[rid] = (slot, keep, stage, step, sent, time.monotonic_ns())
         self.stats.pushes += 1
         self.stats.bytes_pushed += numel * 4
 
     def drain(self) -> None:
         """Wait until every push is acknowledged, i.e. the server applied those updates."""
-        self._wait_until(lambda: not self._outstanding, "wait updates")
+        self._wait_until(lambda: not self._outstanding and not self._unsent, "wait updates")
 
     def wait_stage(self, stage: int) -> None:
         """Wait until no push of ``stage`` is unacknowledged (its update was applied)."""
-        self._wait_until(lambda: all(e[2] != stage for e in self._outstanding.values()), f"wait update {stage}")
+
+        def done() -> bool:
+            return all(e.stage != stage for e in self._outstanding.values()) and all(
+                u.message.stage != stage for u in self._unsent
+            )
+
+        self._wait_until(done, f"wait update {stage}")
 
     def _acquire(self, stage: int) -> int:
         self._wait_until(lambda: bool(self._free), f"wait grad slot {stage}")
-        return self._free.pop()
+        with self._cond:
+            return self._free.pop()
 
     def _wait_until(self, done: Callable[[], bool], what: str) -> None:
-        if done():
-            return
+        """Wait (with the lock's condition) until ``done()``; raise what the sender thread met, an
+        abort, or :class:`ServerUnavailable` after ``wait_timeout`` without any reply."""
+        with self._cond:
+            if self._error is None and done():
+                return
         t0, t0_ns = time.perf_counter(), time.monotonic_ns()
-        while not done():
-            self._collect_one()
+        limit = self._sc.wait_timeout_s
+        with self._cond:
+            seen, deadline = self._replies, time.monotonic() + limit
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if done():
+                    break
+                if self._sc.abort.is_set():
+                    self._sc.raise_aborted()
+                if self._replies != seen:
+                    seen, deadline = self._replies, time.monotonic() + limit
+                elif time.monotonic() > deadline:
+                    self._error = ServerUnavailable(no_answer(self._sc.address, limit, self._sc.curve))
+                    raise self._error
+                self._cond.wait(0.1)
         self.stats.push_wait_s += time.perf_counter() - t0
         if self._sc.tracer is not None:
             self._sc.tracer.add(what, "wait", "compute", t0_ns)
 
-    def _collect_one(self) -> None:
-        try:
-            reply, _ = self._chan.recv(timeout_s=self._sc.wait_timeout_s, stop=self._sc.abort)
-        except InterruptedError:
-            self._sc.raise_aborted()
-        entry = self._outstanding.pop(reply.id, None)
-        if entry is None:
-            log.debug("dropping an unexpected reply %s", type(reply).__name__)
-            return
-        self._free.append(entry[0])
-        if self._sc.tracer is not None:  # the send; when the worker saw the reply goes in args
-            _, _, stage, step, sent, returned = entry
-            seen_us = (time.monotonic_ns() - sent) / 1000
-            self._sc.tracer.add(f"push {stage}", "push", "gradient pushes", sent, returned, stage=stage, step=step, ack_seen_us=seen_us)
-        raise_or_narrow(reply, m.Pushed)
-
     def forget_outstanding(self) -> None:
-        self._outstanding.clear()
+        with self._cond:
+            self._outstanding.clear()
+            self._unsent.clear()
 
     def close(self) -> None:
-        self._chan.close()
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        os.write(self._wake_w, b"x")
+        self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ---- the sender thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        chan = self._sc.channel()
+        poller = zmq.Poller()
+        poller.register(chan.socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                sent = self._send_ready(chan)
+                events = dict(poller.poll(0 if sent else 100))
+                if self._wake_r in events:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                if chan.socket in events:
+                    self._take_replies(chan)
+        except BaseException as exc:  # raised in the compute thread by its next wait
+            with self._cond:
+                if self._error is None:
+                    self._error = exc
+                self._cond.notify_all()
+        finally:
+            chan.close()
+
+    def _send_ready(self, chan: Channel) -> bool:
+        """Send the oldest unsent push once its copy is done (waits for that copy only)."""
+        with self._cond:
+            if not self._unsent:
+                return False
+            item = self._unsent[0]
+        item.ticket.synchronize()
+        sent = time.monotonic_ns()
+        rid = chan.send(item.message, item.frames, copy=False)
+        msg = item.message
+        with self._cond:
+            if self._unsent and self._unsent[0] is item:  # not forgotten meanwhile
+                self._unsent.popleft()
+                self._outstanding[rid] = _Sent(msg.slot, msg.stage, msg.step, sent, time.monotonic_ns())
+        return True
+
+    def _take_replies(self, chan: Channel) -> None:
+        while chan.socket.poll(0, zmq.POLLIN):
+            reply, _ = chan.recv(timeout_s=self._sc.wait_timeout_s)
+            with self._cond:
+                entry = self._outstanding.pop(reply.id, None)
+                if entry is None:
+                    log.debug("dropping an unexpected reply %s", type(reply).__name__)
+                    continue
+                self._free.append(entry.slot)
+                self._replies += 1
+                self._cond.notify_all()
+            if self._sc.tracer is not None:  # the send; when the worker saw the reply goes in args
+                seen_us = (time.monotonic_ns() - entry.sent_ns) / 1000
+                self._sc.tracer.add(
+                    f"push {entry.stage}", "push", "gradient pushes", entry.sent_ns, entry.returned_ns,
+                    stage=entry.stage, step=entry.step, ack_seen_us=seen_us,
+                )
+            raise_or_narrow(reply, m.Pushed)
 
 
 class HeartbeatThread:

@@ -26,7 +26,16 @@ from wstream.protocol import messages as m
 from wstream.protocol.shm import map_segment
 
 from .channel import attach_session
-from .distributed import AllReduceGradients
+from .device import (
+    GradientStager,
+    HostRegistration,
+    ReceiveRing,
+    copy_engine,
+    host_staging,
+    ring_capacity,
+    synchronize,
+)
+from .distributed import AllReduceGradients, flat_spec
 from .offload import HostMover, PendingMove
 from .plans import OnlineBisection, Op, Plan, StageCosts
 from .stages import Boundary, StageRunner, as_boundary, boundary_bytes, join_lanes, lanes_of, split_micro_batches
@@ -82,6 +91,14 @@ class TrainerStats:
     fetch_latency_skipped: int
     """Fetches left out of ``fetch_latency``: their reply waited for a ring buffer compute held."""
     reconnects: int
+    weight_budget: int | None = None
+    """The device bytes the weight ring was sized from (None: ``prefetch + 1`` stages)."""
+    registered_bytes: int = 0
+    """Host memory page-locked with ``cudaHostRegister`` at attach (0 on a CPU worker)."""
+    registration_s: float = 0.0
+    """Seconds those registrations took."""
+    grad_staging_bytes: int = 0
+    """Device memory of the two fp32 gradient staging buffers (0 on a CPU worker)."""
 
 
 class Trainer:
@@ -103,6 +120,7 @@ class Trainer:
         plan_from_profile: Callable[[StageCosts], Plan] | None = None,
         reconnect_s: float = 300.0,
         reduce: str = "server",
+        weight_budget: int | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
@@ -138,6 +156,9 @@ class Trainer:
         self._closed = False
         self.reconnect_s = reconnect_s
         self.reconnects = 0
+        self.weight_budget = weight_budget
+        self._registrations: list[HostRegistration] = []
+        self._receive: ReceiveRing | None = None
         self._connect_args = (shm, grad_slots, world_size, prefetch, zero_copy)
         self._steps_done = 0
         self._peak_boundary = 0
@@ -163,7 +184,7 @@ class Trainer:
             self._step,
             len(runners),
             len(self._first_use),
-            prefetch,
+            self.prefetch,
             self._ring.nbytes,
             ("shared memory, zero-copy" if self.zero_copy else "shared memory") if self.shm else "data frames",
         )
@@ -192,6 +213,8 @@ class Trainer:
         if zero_copy and not cpu_shm:
             raise StateError("zero_copy=True needs a CPU device and shared memory (shm)")
         self.zero_copy = cpu_shm if zero_copy is None else zero_copy
+        if published is not None:  # once, at attach (NOTE [Copy ordering on a GPU] in device.py)
+            self._register(published, f"job {job.name!r} published weights")
         self.delayed_update = attached.delayed_update
         self.delay_after = attached.delay_after
         self.reader = self._allreduce is not None and self._allreduce.rank != 0
@@ -201,19 +224,32 @@ class Trainer:
         )
         self.worker_id = joined.worker
         self._step = joined.step
-        grad_views = None
+        max_numel = max(s.numel for s in attached.stages)
         if self.shm and joined.grad_slots:
             ring = map_segment(joined.grad_path, joined.grad_slot_bytes * joined.grad_slots)
-            max_numel = max(s.numel for s in attached.stages)
+            self._register(ring, "gradient slots")
             grad_views = [
                 ring[k * joined.grad_slot_bytes : k * joined.grad_slot_bytes + max_numel * 4].view(torch.float32)
                 for k in range(joined.grad_slots)
             ]
+        else:  # the worker's own slots, sent as data frames
+            grad_views = [torch.empty(max_numel, dtype=torch.float32) for _ in range(joined.grad_slots)]
+            for k, view in enumerate(grad_views):
+                self._register(view, f"gradient buffer {k}")
         pub_dtype = TORCH_DTYPES[attached.published_dtype]
+        self.compute_dtype = pub_dtype
+        if pub_dtype == torch.float16:
+            log.warning(
+                "job %r computes in float16 without loss scaling (not built: DESIGN.md 'GPU data path'); "
+                "small gradients may underflow: bfloat16 needs no scaling",
+                job.name,
+            )
         base_numels = [s.numel for s in attached.base_stages]
         base_published = (
             map_segment(attached.base_path, attached.base_bytes) if published is not None and attached.base else None
         )
+        if base_published is not None:
+            self._register(base_published, f"job {job.name!r} frozen base {attached.base!r}")
         self._sc = StreamContext(
             ctx=client.ctx,
             address=client.address,
@@ -231,9 +267,21 @@ class Trainer:
             base_numels=base_numels,
         )
         largest = max(n + (base_numels[i] if base_numels else 0) for i, n in enumerate(self._sc.numels))
-        self._ring = WeightRing(prefetch + 1, largest, pub_dtype, self.device, allocate=not self.zero_copy)
-        self._prefetcher = Prefetcher(self._sc, self._ring)
-        self._pusher = GradientPusher(self._sc, grad_views, joined.grad_slots)
+        stage_bytes = largest * pub_dtype.itemsize
+        capacity = prefetch + 1 if self.weight_budget is None else ring_capacity(self.weight_budget, stage_bytes, len(self._sc.numels))
+        self.prefetch = capacity - 1
+        self._ring = WeightRing(capacity, largest, pub_dtype, self.device, allocate=not self.zero_copy)
+        staged = host_staging(self.device)
+        if not self.shm and staged:
+            if attached.base:
+                raise StateError(
+                    "a job on a frozen base cannot be trained over data frames on a GPU yet (not built): "
+                    "run the worker on the server's host (shared memory)"
+                )
+            self._receive = ReceiveRing(2, stage_bytes, self.device)
+        self._prefetcher = Prefetcher(self._sc, self._ring, copy_engine(self.device, "h2d"), self._receive)
+        self._stager = GradientStager(self.device, max_numel, copy_engine(self.device, "d2h"), staged=staged)
+        self._pusher = GradientPusher(self._sc, grad_views, shm=self.shm, stager=self._stager)
         self._heartbeat = HeartbeatThread(
             self._sc, interval_s=max(0.05, attached.lease_s / 3), timeout_s=min(client.timeout_s, max(1.0, attached.lease_s))
         )
@@ -245,6 +293,7 @@ class Trainer:
         self._heartbeat.close()
         self._prefetcher.close()
         self._pusher.close()
+        self._release_host_memory()
         old_session, old_signer = self.session, self._sc.signer
         self._chan.close()
         client = self.job.client
@@ -387,6 +436,7 @@ class Trainer:
         return losses
 
     def _step_once(self, inputs: Any, targets: Any, loss_fn: LossFn, k: int) -> float:
+        inputs, targets = _place(inputs, self.device, self.compute_dtype), _place(targets, self.device)
         lanes = split_micro_batches(inputs, k, what="inputs")
         lane_targets = split_micro_batches(targets, k, what="targets")
         if self.plan is None or (self._plan_from is not None and k != self._plan_k):
@@ -439,6 +489,7 @@ class Trainer:
             raise StateError(f"step_loop trains a job of one stage (the loop body); this job has {len(self._runners)}")
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        inputs, targets = _place(inputs, self.device, self.compute_dtype), _place(targets, self.device)
         self._prefetcher.start(self._step, [0])
         fetched = self._prefetcher.get(0)  # the body's weights serve every application
         body = self._runners[0]
@@ -530,6 +581,12 @@ class Trainer:
             fetch_latency=pf.fetch_latency,
             fetch_latency_skipped=pf.fetch_latency_skipped,
             reconnects=self.reconnects,
+            weight_budget=self.weight_budget,
+            registered_bytes=sum(r.nbytes for r in self._registrations)
+            + (sum(r.nbytes for r in self._receive.registrations) if self._receive is not None else 0),
+            registration_s=sum(r.seconds for r in self._registrations)
+            + (sum(r.seconds for r in self._receive.registrations) if self._receive is not None else 0.0),
+            grad_staging_bytes=self._stager.nbytes,
         )
 
     def close(self) -> None:
@@ -550,7 +607,23 @@ class Trainer:
         except WstreamError as exc:
             log.warning("leave failed (the server will detach this worker when its lease ends): %s", exc)
         self._pusher.close()
+        self._release_host_memory()
         self._chan.close()
+
+    def _register(self, mapping: torch.Tensor, what: str) -> None:
+        """Page-lock ``mapping`` for DMA (nothing on a CPU worker); undone by ``_release_host_memory``."""
+        self._registrations.append(HostRegistration(mapping, self.device, what=what))
+
+    def _release_host_memory(self) -> None:
+        """Unregister host memory once no copy can touch it any more (before its unmapping)."""
+        synchronize(self.device)
+        if self._receive is not None:
+            self._receive.close()
+            self._registrations.extend(self._receive.registrations)
+            self._receive = None
+        for r in self._registrations:
+            r.unregister()
+        self._registrations.clear()
 
     def __enter__(self) -> Trainer:
         return self
@@ -595,9 +668,11 @@ class Trainer:
                 for i in range(n):
                     fetched = self._prefetcher.get(self._runners[i].stage)
                     state_bytes.append(boundary_bytes(current))
+                    synchronize(self.device)  # a GPU runs asynchronously: time the work, not its launch
                     t0 = time.perf_counter()
                     with torch.no_grad():
                         out = self._runners[i](fetched.weights, current, fetched.base)
+                    synchronize(self.device)
                     forward_s.append(time.perf_counter() - t0)
                     tape_bytes.append(self._tape_bytes(i, fetched, current))
                     self._prefetcher.release(fetched)
@@ -732,7 +807,7 @@ class Trainer:
                 device = next((g.device for g in grads if g is not None), self.device)
                 mean = self._allreduce.mean(runner.spec, grads, device)
                 if not self.reader:
-                    self._pusher.push_flat(stage, self._step, mean)
+                    self._pusher.push(stage, self._step, flat_spec(runner.spec), [mean])
             run.pushed = True
         if fetched is not None:
             self._prefetcher.release(fetched)
@@ -933,6 +1008,18 @@ class _PlanRun:
 def _to_device(b: Boundary, device: torch.device) -> Boundary:
     """A synchronous copy of a boundary's tensors on ``device`` (the profile times it)."""
     return tuple(t.to(device, copy=True) if isinstance(t, torch.Tensor) else t for t in b)
+
+
+def _place(value: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """``value`` (a tensor, or a tuple or list of items) on ``device``, floating-point tensors cast
+    to ``dtype`` when given: a job computes in its published dtype from its first stage's input on
+    (a no-op for fp32 tensors already there)."""
+    if isinstance(value, torch.Tensor):
+        cast = dtype if dtype is not None and value.is_floating_point() else None
+        return value.to(device=device, dtype=cast)
+    if type(value) in (tuple, list):
+        return type(value)(_place(v, device, dtype) for v in value)
+    return value
 
 
 def _wants_grad(x: Any) -> bool:

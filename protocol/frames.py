@@ -27,7 +27,10 @@ def frames_nbytes(frames: Sequence[Any]) -> int:
 
 def tensor_frames(tensor: torch.Tensor, chunk: int = CHUNK_BYTES) -> list[memoryview]:
     """Zero-copy data frames of a contiguous CPU tensor (keep ``tensor`` alive until sent)."""
-    flat = memoryview(tensor.detach().contiguous().view(-1).numpy()).cast("B")
+    import torch
+
+    # as bytes: NumPy has no bfloat16, and a byte view is all a frame needs
+    flat = memoryview(tensor.detach().contiguous().view(-1).view(torch.uint8).numpy()).cast("B")
     if len(flat) == 0:
         return [flat]
     return [flat[i : i + chunk] for i in range(0, len(flat), chunk)]

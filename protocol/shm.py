@@ -4,65 +4,232 @@ Naming: ``wstream-<server pid>-<32 hex>``. The random part makes names unguessab
 restarted server reap segments left by a crashed one. Files are created ``O_EXCL`` with mode
 0600 and fully preallocated, so a full /dev/shm is an error at admission instead of a SIGBUS when a
 page is first touched.
+
+# NOTE [Huge pages]
+# 1. A GPU worker page-locks the segments it maps (``cudaHostRegister``); on 4 KiB pages that runs
+#    at 1-2 GB/s of pages, minutes for hundreds of GB. On 2 MiB (or 1 GiB) pages it is that many
+#    times fewer pages. So the server may create segments on a hugetlbfs mount (``--huge-pages``).
+# 2. hugetlbfs rather than ``memfd_create(MFD_HUGETLB)``: workers open segments by path, and a
+#    memfd is reachable from another process only through ``/proc/<server pid>/fd/<n>``, which
+#    needs ptrace rights over the server. A hugetlbfs file is a path like any other.
+# 3. Sizes on hugetlbfs are whole huge pages: every size given to create, grow, truncate or map is
+#    rounded up to the mount's page size (both ends compute it from the path, see
+#    :func:`page_size_of`), so a mapping never ends inside a page (munmap would refuse it).
+# 4. ``auto`` uses huge pages for a segment whose expected size is at least
+#    :data:`HUGE_PAGES_MIN_BYTES` and fits in the free huge pages, else /dev/shm (logged); ``on``
+#    uses them for every segment and refuses one that does not fit (like a full /dev/shm);
+#    ``off`` never. Huge pages exist only where an administrator reserved them
+#    (``vm.nr_hugepages``), so ``auto`` changes nothing on a host without any.
 """
 
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import secrets
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 import psutil
 
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
     import torch
 
 log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 PREFIX = "wstream-"
+HUGETLBFS_PREFERRED = "/dev/hugepages"
+HUGE_PAGES_MIN_BYTES = 256 * 2**20
+"""``auto`` puts segments of at least this size on huge pages (smaller ones register fast anyway)."""
+
+HugePagesMode = Literal["auto", "on", "off"]
 
 
 class SegmentSpaceError(OSError):
     """/dev/shm has no room for the segment."""
 
 
-def segment_paths(pid: int | None = None) -> list[str]:
-    """Paths of wstream segments in /dev/shm, all or those of one server pid."""
+@dataclass(frozen=True, slots=True)
+class HugePageMount:
+    path: str
+    page_size: int
+
+
+def _read(path: str) -> str:
     try:
-        names = os.listdir(SHM_DIR)
-    except FileNotFoundError:
-        return []
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def parse_meminfo(text: str) -> dict[str, int]:
+    """``/proc/meminfo`` as numbers: sizes in bytes (the file says kB), counts as they are."""
+    out: dict[str, int] = {}
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[key.strip()] = int(parts[0]) * (1024 if parts[1:] == ["kB"] else 1)
+    return out
+
+
+def _size_option(text: str) -> int:
+    """``2M`` / ``1G`` / ``2048k`` (hugetlbfs's pagesize= option) in bytes."""
+    units = {"k": 2**10, "m": 2**20, "g": 2**30}
+    text = text.strip().lower()
+    if text and text[-1] in units:
+        return int(text[:-1]) * units[text[-1]]
+    return int(text)
+
+
+def parse_hugetlbfs_mounts(mounts: str, default_page_size: int) -> list[HugePageMount]:
+    """The hugetlbfs mounts of a ``/proc/mounts`` text, ``/dev/hugepages`` first."""
+    found = []
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 4 or fields[2] != "hugetlbfs":
+            continue
+        size = default_page_size
+        for opt in fields[3].split(","):
+            if opt.startswith("pagesize="):
+                size = _size_option(opt.split("=", 1)[1])
+        found.append(HugePageMount(fields[1].replace("\\040", " "), size))
+    return sorted(found, key=lambda m: m.path != HUGETLBFS_PREFERRED)
+
+
+@functools.lru_cache(maxsize=1)
+def hugetlbfs_mounts() -> tuple[HugePageMount, ...]:
+    """This host's hugetlbfs mounts (read once per process)."""
+    default = parse_meminfo(_read("/proc/meminfo")).get("Hugepagesize", 2 * 2**20)
+    return tuple(parse_hugetlbfs_mounts(_read("/proc/mounts"), default))
+
+
+def huge_pages_free(page_size: int) -> int:
+    """Bytes of free huge pages of ``page_size`` (reserved by ``vm.nr_hugepages`` and unused)."""
+    text = _read(f"/sys/kernel/mm/hugepages/hugepages-{page_size // 1024}kB/free_hugepages").strip()
+    if text.isdigit():
+        return int(text) * page_size
+    info = parse_meminfo(_read("/proc/meminfo"))
+    if info.get("Hugepagesize") == page_size:
+        return info.get("HugePages_Free", 0) * page_size
+    return 0
+
+
+def round_up(nbytes: int, page: int) -> int:
+    return -(-max(nbytes, 1) // page) * page
+
+
+@dataclass(frozen=True, slots=True)
+class HugePagePolicy:
+    """Where the server creates segments (NOTE [Huge pages], rule 4)."""
+
+    mode: HugePagesMode = "off"
+    mount: HugePageMount | None = None
+    free: Callable[[int], int] = huge_pages_free
+
+    def directory_for(self, expected: int | None) -> tuple[str, int]:
+        """(directory, page size) for a segment expected to grow to ``expected`` bytes (None: unknown)."""
+        m = self.mount
+        if m is None or self.mode == "off":
+            return SHM_DIR, 1
+        if self.mode == "on":
+            return m.path, m.page_size
+        if expected is None or expected < HUGE_PAGES_MIN_BYTES:
+            return SHM_DIR, 1
+        need, free = round_up(expected, m.page_size), self.free(m.page_size)
+        if need <= free:
+            return m.path, m.page_size
+        log.info("huge pages: a segment of %d bytes needs %d, %d are free in %s; using %s", expected, need, free, m.path, SHM_DIR)
+        return SHM_DIR, 1
+
+
+_policy = HugePagePolicy()
+
+
+def configure_huge_pages(mode: HugePagesMode, mounts: Sequence[HugePageMount] | None = None) -> HugePagePolicy:
+    """Set where this process (the server) creates segments; ``on`` without a writable hugetlbfs
+    mount is a ValueError naming what to set up. Returns the policy, which the caller may log."""
+    global _policy
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"huge_pages must be auto, on or off, got {mode!r}")
+    candidates = [m for m in (hugetlbfs_mounts() if mounts is None else mounts) if os.access(m.path, os.W_OK)]
+    mount = candidates[0] if candidates and mode != "off" else None
+    if mode == "on" and mount is None:
+        raise ValueError(
+            "--huge-pages on: no writable hugetlbfs mount (mount -t hugetlbfs -o pagesize=2M none "
+            f"{HUGETLBFS_PREFERRED}, and reserve pages with sysctl vm.nr_hugepages=N)"
+        )
+    if mode == "auto" and mount is None:
+        log.info("huge pages: no writable hugetlbfs mount; shared memory in %s on ordinary pages", SHM_DIR)
+    elif mount is not None:
+        log.info(
+            "huge pages (%s): %s, pages of %d bytes, %d bytes free now",
+            mode, mount.path, mount.page_size, huge_pages_free(mount.page_size),
+        )
+    _policy = HugePagePolicy(mode, mount)
+    return _policy
+
+
+def _known_mounts() -> list[HugePageMount]:
+    return [*((_policy.mount,) if _policy.mount is not None else ()), *hugetlbfs_mounts()]
+
+
+def segment_dirs() -> list[str]:
+    """Where segments may be: /dev/shm and the hugetlbfs mounts."""
+    return list(dict.fromkeys([SHM_DIR, *(m.path for m in _known_mounts())]))
+
+
+def page_size_of(path: str) -> int:
+    """The page size sizes of ``path`` are rounded to: a hugetlbfs mount's, else 1 (no rounding)."""
+    for m in _known_mounts():
+        if os.path.dirname(path) == m.path:
+            return m.page_size
+    return 1
+
+
+def segment_paths(pid: int | None = None) -> list[str]:
+    """Paths of wstream segments in /dev/shm (and hugetlbfs mounts), all or those of one server pid."""
     prefix = PREFIX if pid is None else f"{PREFIX}{pid}-"
-    return sorted(os.path.join(SHM_DIR, n) for n in names if n.startswith(prefix))
+    paths = []
+    for d in segment_dirs():
+        try:
+            names = os.listdir(d)
+        except OSError:
+            continue
+        paths.extend(os.path.join(d, n) for n in names if n.startswith(prefix))
+    return sorted(paths)
 
 
-def create_segment(nbytes: int) -> str:
-    """Create a preallocated segment of ``nbytes`` (at least one page) and return its path."""
-    path = os.path.join(SHM_DIR, f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}")
+def create_segment(nbytes: int, *, expected: int | None = None) -> str:
+    """Create a preallocated segment of ``nbytes`` (at least one page) and return its path.
+    ``expected``: the size it will grow to, if known (decides huge pages under ``auto``)."""
+    directory, page = _policy.directory_for(nbytes if expected is None else max(expected, nbytes))
+    path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
-        os.posix_fallocate(fd, 0, max(nbytes, 1))
+        os.posix_fallocate(fd, 0, round_up(nbytes, page))
     except OSError as exc:
         os.close(fd)
         os.unlink(path)
         if exc.errno == errno.ENOSPC:
-            free = shm_free_bytes()
-            raise SegmentSpaceError(
-                errno.ENOSPC, f"{SHM_DIR} has {free} bytes free, a segment of {nbytes} bytes does not fit"
-            ) from None
+            raise SegmentSpaceError(errno.ENOSPC, f"{_space(directory)}, a segment of {nbytes} bytes does not fit") from None
         raise
     os.close(fd)
     return path
 
 
 def map_segment(path: str, nbytes: int) -> torch.Tensor:
-    """Map ``path`` shared, read-write, as a uint8 tensor that owns the mapping."""
+    """Map ``path`` shared, read-write, as a uint8 tensor that owns the mapping (whole huge pages
+    on hugetlbfs; the tensor is that long)."""
     import torch
 
-    return torch.from_file(path, shared=True, size=max(nbytes, 1), dtype=torch.uint8)
+    return torch.from_file(path, shared=True, size=round_up(nbytes, page_size_of(path)), dtype=torch.uint8)
 
 
 def unlink_segment(path: str) -> None:
@@ -75,6 +242,14 @@ def unlink_segment(path: str) -> None:
 def shm_free_bytes() -> int:
     st = os.statvfs(SHM_DIR)
     return st.f_bavail * st.f_frsize
+
+
+def _space(directory: str) -> str:
+    """What is free where a segment did not fit, for the error."""
+    if directory == SHM_DIR:
+        return f"{SHM_DIR} has {shm_free_bytes()} bytes free"
+    page = page_size_of(os.path.join(directory, "x"))
+    return f"{directory} has {huge_pages_free(page)} bytes of free huge pages ({page}-byte pages)"
 
 
 def reap_stale_segments() -> list[str]:
@@ -98,11 +273,11 @@ def grow_segment(path: str, nbytes: int) -> None:
     """Extend ``path`` to ``nbytes``, preallocated (raises :class:`SegmentSpaceError` when full)."""
     fd = os.open(path, os.O_RDWR)
     try:
-        os.posix_fallocate(fd, 0, nbytes)
+        os.posix_fallocate(fd, 0, round_up(nbytes, page_size_of(path)))
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise SegmentSpaceError(
-                errno.ENOSPC, f"{SHM_DIR} has {shm_free_bytes()} bytes free, growing a segment to {nbytes} bytes failed"
+                errno.ENOSPC, f"{_space(os.path.dirname(path))}, growing a segment to {nbytes} bytes failed"
             ) from None
         raise
     finally:
@@ -110,4 +285,4 @@ def grow_segment(path: str, nbytes: int) -> None:
 
 
 def truncate_segment(path: str, nbytes: int) -> None:
-    os.truncate(path, max(nbytes, 1))
+    os.truncate(path, round_up(nbytes, page_size_of(path)))

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--curve-authorized-keys", metavar="DIR", dest="curve_authorized_keys_dir",
         help="with --curve-secret-key: only clients whose public certificate (*.key) is in DIR may connect",
     )
+    p.add_argument("--huge-pages", choices=["auto", "on", "off"], default=default_of("huge_pages"),
+                   help="shared memory on hugetlbfs huge pages (faster GPU page-locking): auto (default), on, off")
     p.add_argument("--nonce-ttl", type=float, default=30.0, metavar="SECONDS", help="lifetime of a handshake nonce")
     p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     return p
@@ -95,6 +97,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "nonce_ttl_s": args.nonce_ttl,
         "curve_secret_key_file": args.curve_secret_key_file,
         "curve_authorized_keys_dir": args.curve_authorized_keys_dir,
+        "huge_pages": args.huge_pages,
     }
     if args.bind:
         kwargs["bind"] = args.bind

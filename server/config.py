@@ -92,7 +92,15 @@ class ServerConfig:
     clients may connect over CURVE; without it any client that has the server's public key may
     (encryption only: jobs still authenticate by HMAC). Needs ``curve_secret_key_file``."""
 
+    huge_pages: str = "auto"
+    """Shared memory on huge pages (a hugetlbfs mount such as /dev/hugepages), which GPU workers
+    page-lock many times faster: ``auto`` for segments of at least 256 MiB that fit in the free
+    huge pages (else /dev/shm, logged), ``on`` for every segment (refused when they run out; the
+    server does not start without a mount), ``off`` never. NOTE [Huge pages] in protocol/shm.py."""
+
     def __post_init__(self) -> None:
+        if self.huge_pages not in ("auto", "on", "off"):
+            raise ValueError(f"ServerConfig.huge_pages must be auto, on or off, got {self.huge_pages!r}")
         if not self.bind:
             raise ValueError("ServerConfig.bind: give at least one endpoint to listen on")
         for addr in self.bind:

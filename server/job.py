@@ -225,9 +225,11 @@ class Job:
         self.base_step = 0  # delayed updates read max(t - 1, base_step): see NOTE rule 5
         self.published_dtype = record.dtype if self.double_buffer else "float32"
         self.memory = memory
+        expected: int | None = None  # the published segment's final size, if known (huge pages)
         if total_numel is not None:
             pub, priv = stage_bytes(total_numel, record.optimizer, record.dtype, self.double_buffer)
             memory.check(pub + priv, f"job {record.name!r}")
+            expected = pub
         self.snapshot: Snapshot | None = None  # the snapshot being written, if any
         self.last_snapshot_step: int | None = None
         self._versions: Counter[int] = Counter()  # stage version -> how many stages are at it
@@ -249,7 +251,7 @@ class Job:
         memory.reserve(SEGMENT_START, f"job {record.name!r} (its first shared-memory block)")
         self._slack = SEGMENT_START
         try:
-            self.published_path = create_segment(SEGMENT_START)
+            self.published_path = create_segment(SEGMENT_START, expected=expected)
         except BaseException:
             memory.release(SEGMENT_START)
             raise

@@ -45,7 +45,7 @@ from wstream.protocol import (
 from wstream.protocol import messages as m
 from wstream.protocol.auth import admin_proof, base_proof, mac_matches, secret_key, session_key
 from wstream.protocol.curve import load_secret_certificate, uses_curve
-from wstream.protocol.shm import SegmentSpaceError, reap_stale_segments
+from wstream.protocol.shm import SegmentSpaceError, configure_huge_pages, reap_stale_segments
 
 from .auth import NonceStore, ReplayWindow, start_authenticator
 from .config import ServerConfig, read_admin_secret
@@ -82,6 +82,7 @@ class Server:
 
     def __init__(self, config: ServerConfig) -> None:
         self.config = config
+        configure_huge_pages(config.huge_pages)  # type: ignore[arg-type]  # validated by ServerConfig
         self.memory = MemoryAccount(config.memory_limit)
         self.jobs: dict[str, Job] = {}
         self.sessions: dict[bytes, Session] = {}

@@ -138,3 +138,15 @@ def wait_worker(proc: subprocess.Popen[bytes], out: Path, log_path: Path, timeou
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """``@pytest.mark.cuda`` tests run only where a CUDA device is (tests/test_cuda.py)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

@@ -53,6 +53,7 @@ def every_setting(tmp_path: Path) -> dict[str, tuple[str, list[str], object]]:
         "admin_secret_file": (f'"{secret}"', ["--admin-secret-file", str(secret)], str(secret)),
         "nonce_ttl_s": ("5", ["--nonce-ttl", "5"], 5.0),
         "max_pending_nonces": ("100", ["--max-pending-nonces", "100"], 100),
+        "huge_pages": ('"off"', ["--huge-pages", "off"], "off"),
         "curve_secret_key_file": (f'"{server_secret}"', ["--curve-secret-key", server_secret], server_secret),
         "curve_authorized_keys_dir": (f'"{clients}"', ["--curve-authorized-keys", str(clients)], str(clients)),
     }

@@ -1,0 +1,66 @@
+"""Helpers of the GPU benchmarks: refuse clearly without CUDA, print what the figures ran on, and
+time GPU work (between device synchronizes: the host only issues it)."""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+
+from common import machine
+
+
+def require_cuda(script: str) -> torch.device:
+    """The CUDA device, or exit 2 with a message saying what this benchmark needs."""
+    if not torch.cuda.is_available():
+        why = "this torch has no CUDA support" if torch.version.cuda is None else "no CUDA device is visible"
+        print(
+            f"{script}: needs a CUDA GPU and a CUDA build of torch ({why}; torch {torch.__version__}). "
+            "Nothing was measured. On the device machine: bash bench/gpu_all.sh (BENCHMARKS.md).",
+            file=sys.stderr,
+        )
+        sys.exit(2)
+    return torch.device("cuda")
+
+
+def driver_version() -> str:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )
+        return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError) as exc:
+        return f"unknown ({exc.__class__.__name__})"
+
+
+def header(device: torch.device) -> None:
+    """What the figures ran on: GPU, driver, torch and CUDA versions, host."""
+    props = torch.cuda.get_device_properties(device)
+    print(f"gpu: {torch.cuda.get_device_name(device)} ({props.total_memory / 2**30:.1f} GiB)")
+    print(f"driver: {driver_version()}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+    print(f"host: {machine()}")
+    sys.stdout.flush()
+
+
+def gpu_seconds(fn: Callable[[], object], *, repeat: int, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn`` from one full device synchronize to the next (so work that
+    ``fn`` only issued, on any stream, is counted)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def gb_per_s(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9

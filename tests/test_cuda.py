@@ -1,0 +1,155 @@
+"""The GPU data path on a CUDA device (skipped without one; tests/test_device.py runs the same
+classes on a CPU): registration of shared memory, copies on their own stream ordered by events,
+the weight ring within its budget, and training equal to the CPU reference.
+
+Run on a GPU machine with ``pytest -m cuda -s`` (``-s`` shows the registration rates)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from test_equivalence import assert_weights_equal, reference_train
+from wstream.client import AdamW, Client
+from wstream.client.device import CudaCopyEngine, GradientStager, HostRegistration, tensor_nbytes
+from wstream.client.stages import scatter_grads, spec_of
+from wstream.protocol.shm import create_segment, map_segment, unlink_segment
+
+pytestmark = pytest.mark.cuda
+
+DEV = torch.device("cuda")
+STEPS = 5
+SLEEP_CYCLES = 5_000_000  # a few ms of GPU time: compute lags far behind the host's issue
+
+
+class Slow(nn.Module):
+    """A stage whose GPU work is delayed, so that copies issued by other threads would overtake it
+    if they were not ordered by events (on a CPU it is the wrapped stage)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            torch.cuda._sleep(SLEEP_CYCLES)
+        return self.inner(x)
+
+
+def test_registration_pins_a_shared_mapping_once_and_unregisters_it() -> None:
+    nbytes = 256 * 2**20
+    path = create_segment(nbytes)
+    try:
+        mapping = map_segment(path, nbytes)
+        reg = HostRegistration(mapping, DEV, what="test segment")
+        print(f"registered {reg.nbytes} bytes in {reg.seconds:.4f} s ({reg.nbytes / reg.seconds / 1e9:.2f} GB/s)")
+        assert reg.registered and reg.nbytes == nbytes and reg.seconds > 0
+        assert mapping.is_pinned()
+        reg.unregister()
+        reg.unregister()  # idempotent
+        assert not reg.registered and not mapping.is_pinned()
+        again = HostRegistration(mapping, DEV, what="test segment again")  # no stale registration left
+        t0 = again.seconds
+        again.unregister()
+        assert t0 > 0
+    finally:
+        unlink_segment(path)
+
+
+def _registered(n: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, HostRegistration]:
+    host = torch.empty(n, dtype=dtype)
+    return host, HostRegistration(host, DEV, what="test buffer")
+
+
+def test_h2d_copy_waits_for_the_consumer_and_compute_waits_for_the_copy() -> None:
+    engine = CudaCopyEngine(DEV, "h2d")
+    src, reg = _registered(1 << 22)
+    src.copy_(torch.randn(1 << 22))
+    dst = torch.empty(1 << 22, device=DEV)
+    try:
+        torch.cuda._sleep(SLEEP_CYCLES * 4)  # the compute stream is busy...
+        dst.fill_(7.0)  # ...and then still writes dst: the copy must come after this
+        ticket = engine.copy(dst, src, after=[engine.mark()])
+        assert not ticket.done()  # it waits behind the compute stream's work
+        ticket.wait_stream()
+        out = dst * 1.0  # computed after the copy
+        torch.cuda.synchronize()
+        assert ticket.done() and torch.equal(out.cpu(), src)
+    finally:
+        torch.cuda.synchronize()
+        reg.unregister()
+
+
+def test_gradients_are_staged_in_fp32_and_copied_into_the_registered_slot() -> None:
+    module = models.Residual(32, 64)
+    spec = spec_of(0, module)
+    grads_cpu = [torch.randn_like(p) for p in module.parameters()]
+    want = torch.empty(spec.numel)
+    scatter_grads(want, spec, [g.to(torch.bfloat16).float() for g in grads_cpu])
+    stager = GradientStager(DEV, spec.numel, CudaCopyEngine(DEV, "d2h"))
+    slot, reg = _registered(spec.numel)
+    try:
+        for _ in range(3):
+            slot.fill_(float("nan"))
+            torch.cuda._sleep(SLEEP_CYCLES)  # the gradients are "still being computed"
+            grads = [g.to(DEV, torch.bfloat16) for g in grads_cpu]
+            ticket = stager.write(slot, spec, grads)
+            ticket.synchronize()
+            assert torch.equal(slot, want)
+    finally:
+        torch.cuda.synchronize()
+        reg.unregister()
+
+
+@pytest.mark.parametrize("mode", ["shm", "frames"])
+def test_cuda_worker_trains_to_the_cpu_reference_within_its_weight_budget(client: Client, mode: str) -> None:
+    stages = [Slow(s) for s in models.mixed(seed=9)]
+    start = copy.deepcopy(stages)
+    job = client.create_job("cuda", stages, optimizer=AdamW(lr=3e-3), token="t")
+    largest = max(spec_of(i, s).numel for i, s in enumerate(models.mixed())) * 4
+    budget = 2 * largest + largest // 2  # two buffers: every copy reuses one compute just left
+    warm = nn.Linear(8, 8).to(DEV)  # cuBLAS takes its workspace from the caching allocator once
+    warm(torch.ones(4, 8, device=DEV)).sum().backward()
+    del warm
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with job.trainer("cuda", shm=mode == "shm", weight_budget=budget) as trainer:
+        st = trainer.stats()
+        assert st.ring_capacity == 2 and st.ring_bytes == 2 * largest <= budget
+        assert torch.cuda.memory_allocated() - base <= st.ring_bytes + st.grad_staging_bytes  # allocated once
+        assert st.registered_bytes > 0 and st.registration_s > 0
+        ptrs = [b.data_ptr() for b in trainer._ring.buffers]
+        for s in range(STEPS):
+            trainer.step(*models.batch("mixed", s), models.loss_fn)  # CPU tensors: placed on the GPU
+            assert [b.data_ptr() for b in trainer._ring.buffers] == ptrs
+        peak = torch.cuda.max_memory_allocated() - base
+        print(f"{mode}: ring {st.ring_bytes} B (budget {budget}), staging {st.grad_staging_bytes} B, peak {peak} B")
+        assert peak < st.ring_bytes + st.grad_staging_bytes + 8 * 2**20  # + this tiny model's activations
+    want = reference_train(start, lambda p: torch.optim.AdamW(p, lr=3e-3), "mixed", STEPS)
+    assert_weights_equal(job.state_dict(), want, atol=1e-5)
+
+
+def test_bfloat16_job_on_cuda_trains_close_to_float32(client: Client) -> None:
+    def run(dtype: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+        job = client.create_job(f"mp-{dtype}", models.mixed(seed=6), optimizer=AdamW(lr=3e-3), token="t", dtype=dtype)  # type: ignore[arg-type]
+        batch = models.batch("mixed", 0, size=64)
+        with job.trainer("cuda") as trainer:
+            losses = [trainer.step(*batch, lambda o, t: models.loss_fn(o.float(), t)) for _ in range(8)]
+        return losses, job.state_dict()
+
+    l32, w32 = run("float32")
+    l16, w16 = run("bfloat16")
+    start = nn.Sequential(*models.mixed(seed=6)).state_dict()
+    d32 = torch.cat([(w32[k] - start[k]).flatten() for k in start])
+    d16 = torch.cat([(w16[k] - start[k]).flatten() for k in start])
+    assert l16 == pytest.approx(l32, rel=1e-2)
+    assert ((d16 - d32).norm() / d32.norm()).item() < 0.06
+
+
+def test_tensor_nbytes_counts_the_dtype() -> None:
+    assert tensor_nbytes(torch.empty(10, dtype=torch.bfloat16, device=DEV)) == 20
