@@ -15,20 +15,21 @@ from wstream.protocol.shm import segment_paths
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_gpt_demo_starts_a_server_trains_and_reports_memory(tmp_path: Path) -> None:
+def run_example(name: str, *args: str) -> str:
+    """Run examples/NAME with ARGS to completion (it must exit 0); its standard output."""
     out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "train_gpt.py"),
-            *("--server", f"ipc://{tmp_path}/demo.sock", "--steps", "12", "--layers", "2", "--embd", "64"),
-            *("--micro-batches", "2", "--trace", str(tmp_path / "trace.json")),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
+        [sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True, timeout=240
     )
     assert out.returncode == 0, out.stdout + out.stderr
-    text = out.stdout
+    return out.stdout
+
+
+def test_gpt_demo_starts_a_server_trains_and_reports_memory(tmp_path: Path) -> None:
+    text = run_example(
+        "train_gpt.py",
+        *("--server", f"ipc://{tmp_path}/demo.sock", "--steps", "12", "--layers", "2", "--embd", "64"),
+        *("--micro-batches", "2", "--trace", str(tmp_path / "trace.json")),
+    )
     assert "started wstream-server" in text
     assert "job 'gpt-demo-" in text and "4 stages" in text
     first, last = (float(v) for v in text.split("\nloss ")[1].split(" in ")[0].split(" -> "))
@@ -45,19 +46,11 @@ def test_gpt_demo_starts_a_server_trains_and_reports_memory(tmp_path: Path) -> N
 
 def test_hf_finetune_example_trains_exports_and_reloads(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
-    out = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples" / "hf_finetune.py"),
-            *("--server", f"ipc://{tmp_path}/hf.sock", "--steps", "6", "--seq", "32", "--batch", "4"),
-            *("--out", str(tmp_path / "finetuned")),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
+    text = run_example(
+        "hf_finetune.py",
+        *("--server", f"ipc://{tmp_path}/hf.sock", "--steps", "6", "--seq", "32", "--batch", "4"),
+        *("--out", str(tmp_path / "finetuned")),
     )
-    assert out.returncode == 0, out.stdout + out.stderr
-    text = out.stdout
     assert "5 stages, positions [0, 1, 2, 3, 4, 0]" in text  # the tied head runs on stage 0
     first, last = (float(v) for v in text.split("\nloss ")[1].split(" in ")[0].split(" -> "))
     assert last < first
@@ -67,14 +60,6 @@ def test_hf_finetune_example_trains_exports_and_reloads(tmp_path: Path) -> None:
     assert model.config.n_layer == 4
     pid = int(re.search(r"started wstream-server \(pid (\d+)\)", text).group(1))
     assert segment_paths(pid) == []
-
-
-def run_example(name: str, *args: str) -> str:
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / name), *args], capture_output=True, text=True, timeout=240
-    )
-    assert out.returncode == 0, out.stdout + out.stderr
-    return out.stdout
 
 
 def test_concepts_example_equals_plain_pytorch(tmp_path: Path) -> None:
