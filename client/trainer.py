@@ -12,10 +12,10 @@ an earlier one (a tied head: NOTE [Positions and weight stages] in ``stages.py``
 from __future__ import annotations
 
 import contextlib
-import os
 import logging
+import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -353,7 +353,7 @@ class Trainer:
         """Record a timeline of the steps run inside ``with trainer.trace("step.json"):`` and
         write it, with the server's side of the same time (gradients gathered, updates queued and
         run per stage, fetches it held back), as Chrome-trace JSON for https://ui.perfetto.dev or
-        chrome://tracing. See docs/timeline.md for how to read it."""
+        chrome://tracing. See docs/throughput.md for how to read it."""
         if self._tracer is not None:
             raise StateError("this trainer is already tracing")
         tracer = Tracer()
@@ -552,7 +552,7 @@ class Trainer:
             for runner in self._runners:
                 fetched = self._prefetcher.get(runner.stage)
                 with torch.no_grad():
-                    out = runner(fetched.weights, current)
+                    out = runner(fetched.weights, current, fetched.base)
                 self._prefetcher.release(fetched)
                 current = as_boundary(out)
         except BaseException:
@@ -719,8 +719,7 @@ class Trainer:
         if op == Op.ADVANCE:
             assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
             runner = run.runner_at(i)
-            weights, fetched = self._weights(run, runner.stage)
-            base = fetched.base if fetched is not None else None
+            weights, base, fetched = self._weights(run, runner.stage)
             outs: list[Boundary] = []
             first = i not in run.advanced
             run.advanced.add(i)
@@ -753,14 +752,14 @@ class Trainer:
         """The weight stages to fetch for a plan's compute positions (its ``fetch_order``)."""
         return [self._runners[p].stage for p in positions]
 
-    def _weights(self, run: _PlanRun, stage: int) -> tuple[torch.Tensor, Fetched | None]:
-        """Stage ``stage``'s weights: held for the whole step (a loop body), or the next fetch,
-        which the caller releases after use."""
+    def _weights(self, run: _PlanRun, stage: int) -> tuple[torch.Tensor, torch.Tensor | None, Fetched | None]:
+        """Stage ``stage``'s weights and its frozen base's (if any): held for the whole step (a
+        loop body), or the next fetch, which the caller releases after use."""
         held = run.held.get(stage)
         if held is not None:
-            return held, None
+            return held, None, None
         fetched = self._prefetcher.get(stage)
-        return fetched.weights, fetched
+        return fetched.weights, fetched.base, fetched
 
     def _delayed(self) -> bool:
         """Whether this step may end before its updates (a delayed-update job past its warm-up)."""
@@ -786,8 +785,8 @@ class Trainer:
         ``.grad`` would."""
         assert run.current is not None
         runner = run.runner_at(i)
-        weights, fetched = self._weights(run, runner.stage)
-        params = runner.leaves(weights, fetched.base if fetched is not None else None)
+        weights, base, fetched = self._weights(run, runner.stage)
+        params = runner.leaves(weights, base)
         lanes = lanes_of(run.current[1], run.k)
         grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
         run.drop_current()
@@ -834,10 +833,7 @@ class Trainer:
             grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
             roots, root_grads = self._roots(run, out, lane_grad_out, loss_fn, j)
             grads = torch.autograd.grad(roots, [*leaves, *grad_inputs], root_grads, allow_unused=True)
-            for p, g in enumerate(grads[: len(leaves)]):
-                if g is not None:
-                    acc = param_grads[p]
-                    param_grads[p] = g if acc is None else acc.add_(g)
+            _add_into(param_grads, grads[: len(leaves)])
             it = iter(grads[len(leaves) :])
             grad_out.extend(next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs)
             del out, roots, root_grads, grads, inputs, grad_inputs
@@ -924,7 +920,7 @@ class _PlanRun:
         last: int = -1,
     ) -> None:
         self.k = k  # micro-batches: every state is k lanes packed (see ``join_lanes``)
-        self.advanced: set[int] = set()  # stages run forward this step (a rerun is a recomputation)
+        self.advanced: set[int] = set()  # positions run forward this step (a rerun is a recomputation)
         self.targets = targets  # one per micro-batch
         self.last = last  # the position whose BACKWARD computes the loss
         self.runner_at = runner_at  # position -> its runner (a loop: the body, for any position)
@@ -993,9 +989,7 @@ class _PlanRun:
         if acc is None:
             self.grads[stage] = acc = list(grads)
             return acc
-        for k, g in enumerate(grads):
-            if g is not None:
-                acc[k] = g if acc[k] is None else acc[k].add_(g)
+        _add_into(acc, grads)
         return acc
 
     def _account(self) -> None:
@@ -1008,6 +1002,14 @@ class _PlanRun:
 def _to_device(b: Boundary, device: torch.device) -> Boundary:
     """A synchronous copy of a boundary's tensors on ``device`` (the profile times it)."""
     return tuple(t.to(device, copy=True) if isinstance(t, torch.Tensor) else t for t in b)
+
+
+def _add_into(acc: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
+    """``acc[k] += grads[k]`` in place where both exist (the first gradient of a slot is taken as it
+    is), as accumulation into ``.grad`` would."""
+    for k, g in enumerate(grads):
+        if g is not None:
+            acc[k] = g if acc[k] is None else acc[k].add_(g)
 
 
 def _place(value: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:

@@ -172,3 +172,13 @@ def test_a_base_and_its_jobs_resume_after_a_restart(tmp_path: Path) -> None:
         assert_weights_equal(got, trained_alone(start, 1), atol=1e-6)
     finally:
         assert srv.stop() == 0, srv.log()
+
+
+def test_forward_of_a_job_on_a_base_reads_the_base(client: Client) -> None:
+    base = base_stages()
+    start = adapted(copy.deepcopy(base), 4)
+    client.create_job("base", base, token="base-token", frozen=True)
+    job = client.create_job("fwd", copy.deepcopy(start), token="t", base="base", base_token="base-token")
+    x, _ = batch(4, 0)
+    with job.trainer() as trainer, torch.no_grad():
+        assert torch.allclose(trainer.forward(x), nn.Sequential(*start)(x), atol=1e-6)
