@@ -47,7 +47,7 @@ from wstream.protocol import (
     StateError,
 )
 from wstream.protocol import messages as m
-from wstream.protocol.auth import attach_proof, secret_key, session_key
+from wstream.protocol.auth import attach_proof, base_proof, secret_key, session_key
 from wstream.protocol.frames import copy_frames_into, frames_nbytes, tensor_frames
 from wstream.protocol.layout import numel_of, validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
@@ -213,7 +213,6 @@ class Job:
     def __init__(self, record: JobRecord, memory: MemoryAccount, total_numel: int | None = None) -> None:
         self.name = record.name
         self._token = record.token_digest
-        self.token_key = record.token_digest  # SHA-256 of the token: the HMAC key of its proofs
         self.optimizer_spec = record.optimizer
         self.dtype = record.dtype
         self.delayed_update = record.delayed_update
@@ -431,6 +430,11 @@ class Job:
         """Check an attach proof (the expected value is never revealed)."""
         if not hmac.compare_digest(proof, attach_proof(self._token, self.name, nonce, client_nonce)):
             raise AuthError(f"wrong token for job {self.name!r}: the attach proof does not match")
+
+    def check_base_proof(self, nonce: bytes, client_nonce: bytes, proof: bytes | None) -> None:
+        """Check the proof a new job gives of this (frozen) job's token, to train on top of it."""
+        if proof is None or not hmac.compare_digest(proof, base_proof(self._token, self.name, nonce, client_nonce)):
+            raise AuthError(f"wrong token for the base {self.name!r}: the base proof does not match")
 
     def session_key(self, nonce: bytes, client_nonce: bytes) -> bytes:
         return session_key(self._token, nonce, client_nonce)

@@ -43,7 +43,7 @@ from wstream.protocol import (
     peek_id,
 )
 from wstream.protocol import messages as m
-from wstream.protocol.auth import admin_proof, base_proof, mac_matches, secret_key, session_key
+from wstream.protocol.auth import admin_proof, mac_matches, secret_key, session_key
 from wstream.protocol.curve import load_secret_certificate, uses_curve
 from wstream.protocol.shm import SegmentSpaceError, configure_huge_pages, reap_stale_segments
 
@@ -394,16 +394,9 @@ class Server:
         ``protocol/README.md``: an admin session names any job; a job session acts only on its own,
         and only where the server has no admin secret (or, for ``drop_job``, while its job is still
         being created, so a failed creation can clean up after itself)."""
+        job = self._named_job(s, name, what)
         if s.job is None:
-            if name is None:
-                raise StateError(f"{what} with an admin session: name the job ('job' field)")
-            job = self.jobs.get(name)
-            if job is None:
-                raise UnknownJobError(f"no job named {name!r} on this server")
             return job
-        job = s.job
-        if name is not None and name != job.name:
-            raise AuthError(f"a session of job {job.name!r} cannot {what} job {name!r}: use an admin session")
         creating = what == "drop" and not job.ready
         if self._admin_key is not None and not creating:
             raise AuthError(
@@ -460,10 +453,7 @@ class Server:
             raise UnknownJobError(f"no job named {msg.base!r} on this server (the base of {msg.name!r})")
         if not base.frozen or not base.ready:
             raise StateError(f"job {msg.base!r} is not a frozen, ready base (create it with frozen=True)")
-        if msg.base_proof is None or not hmac.compare_digest(
-            msg.base_proof, base_proof(base.token_key, msg.base, msg.nonce, msg.client_nonce)
-        ):
-            raise AuthError(f"wrong token for the base {msg.base!r}: the base proof does not match")
+        base.check_base_proof(msg.nonce, msg.client_nonce, msg.base_proof)
         if msg.dtype != base.dtype:
             raise LayoutError(
                 f"job {msg.name!r} computes in {msg.dtype}; its base {msg.base!r} in {base.dtype}: "
@@ -572,19 +562,24 @@ class Server:
         job = self._readable_job(msg.session, msg.job)
         return Outgoing(identity, m.Layout(id=msg.id, job=job.name, stages=[s.spec for s in job.stages], step=job.step))
 
+    def _named_job(self, s: Session, name: str | None, what: str) -> Job:
+        """The job ``name`` of an op an admin session may aim at any job (it must name one), and a
+        job session only at its own (``name`` None or its job's)."""
+        if s.job is None:
+            if name is None:
+                raise StateError(f"{what} with an admin session: name the job ('job' field)")
+            job = self.jobs.get(name)
+            if job is None:
+                raise UnknownJobError(f"no job named {name!r} on this server")
+            return job
+        if name is not None and name != s.job.name:
+            raise AuthError(f"a session of job {s.job.name!r} cannot {what} job {name!r}: use an admin session")
+        return s.job
+
     def _readable_job(self, sid: bytes, name: str | None) -> Job:
-        """The job whose weights a session may read: its own, or any named one for an admin."""
-        s = self._known_session(sid)
-        if s.job is not None:
-            if name is not None and name != s.job.name:
-                raise AuthError(f"a session of job {s.job.name!r} cannot read job {name!r}: use an admin session")
-            return s.job
-        if name is None:
-            raise StateError("reading weights with an admin session: name the job ('job' field)")
-        job = self.jobs.get(name)
-        if job is None:
-            raise UnknownJobError(f"no job named {name!r} on this server")
-        return job
+        """The job whose weights a session may read (``pull``, ``describe``): its own, or any named
+        one for an admin session; reading needs no admin secret beyond that."""
+        return self._named_job(self._known_session(sid), name, "read")
 
     def _on_heartbeat(self, identity: bytes, msg: m.Message, _data: list[zmq.Frame]) -> Outgoing:
         assert isinstance(msg, m.Heartbeat)
