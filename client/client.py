@@ -260,7 +260,7 @@ class Client:
             for i, spec in enumerate(layout.stages):
                 assert self._admin is not None
                 _, data = self._chan.request(m.Pull(session=self._admin.session, stage=i, job=name), m.Master)
-                out.update(named_tensors(i, spec, data))
+                out.update({f"{i}.{name}": t for name, t in stage_tensors(spec, data).items()})
                 bar.update(sum(numel_of(p.shape) for p in spec.params))
         save_file(out, os.fspath(path), metadata={"job": name})
         return layout.step
@@ -442,13 +442,7 @@ class Job:
         time, for exports of models larger than this process's memory."""
         spec = self.specs[stage]
         _, data = self.client._chan.request(m.Pull(session=self.session, stage=stage), m.Master)
-        flat = torch.empty(spec.numel, dtype=torch.float32)
-        copy_frames_into(flat, data)
-        out: dict[str, torch.Tensor] = {}
-        for p in spec.params:
-            n = numel_of(p.shape)
-            out[p.name] = flat[p.offset : p.offset + n].view(p.shape).clone()
-        return out
+        return stage_tensors(spec, data)
 
     def save(self, timeout: float | None = None) -> tuple[int, str]:
         """Snapshot the job on the server's store; returns (step, directory) once it is durable.
@@ -475,11 +469,11 @@ class Job:
         self.client._chan.request(m.DropJob(session=self.session), m.Ok)
 
 
-def named_tensors(i: int, spec: StageSpec, data: list[Any]) -> dict[str, torch.Tensor]:
-    """Stage i's parameters, ``{"<i>.<name>": tensor}``, from the data frames of a ``master``."""
+def stage_tensors(spec: StageSpec, data: list[Any]) -> dict[str, torch.Tensor]:
+    """A stage's parameters, ``{name: tensor}``, from the data frames of a ``master`` reply."""
     flat = torch.empty(spec.numel, dtype=torch.float32)
     copy_frames_into(flat, data)
-    return {f"{i}.{p.name}": flat[p.offset : p.offset + numel_of(p.shape)].view(p.shape).clone() for p in spec.params}
+    return {p.name: flat[p.offset : p.offset + numel_of(p.shape)].view(p.shape).clone() for p in spec.params}
 
 
 def _layout_on(base_stages: list[StageSpec] | None, i: int, module: nn.Module) -> StageSpec:
