@@ -5,10 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-import signal
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -17,7 +14,7 @@ from typing import Any
 import psutil
 import torch
 
-from wstream.client import wait_for_server
+from wstream.client import local_server
 
 
 def machine() -> str:
@@ -40,15 +37,8 @@ def server(*extra: str, address: str | None = None, **client_options: Any) -> It
     address. ``client_options``: what a ``Client`` needs to reach it (CURVE keys)."""
     with tempfile.TemporaryDirectory() as tmp:
         address = address or f"ipc://{tmp}/bench.sock"
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "wstream.server", "--bind", address, "--log-level", "WARNING", *extra]
-        )
-        try:
-            wait_for_server(address, timeout=60, alive=lambda: proc.poll() is None, **client_options)
+        with local_server(address, *extra, memory_limit=None, reuse=False, **client_options):
             yield address
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=30)
 
 
 def median_time(fn: Callable[[], object], *, repeat: int, warmup: int = 1) -> float:

@@ -17,7 +17,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from wstream.protocol import ServerUnavailable
 
@@ -33,17 +34,24 @@ def default_address() -> str:
 
 @contextlib.contextmanager
 def local_server(
-    address: str | None = None, *args: str, memory_limit: str | None = "2GiB", reuse: bool = True
+    address: str | None = None,
+    *args: str,
+    memory_limit: str | None = "2GiB",
+    reuse: bool = True,
+    announce: Callable[[str], object] = log.info,
+    **client_options: Any,
 ) -> Iterator[str]:
     """Yield the address of a server: one already answering at ``address`` when ``reuse`` (left
     running at the end), else a ``wstream-server`` subprocess started with ``args`` (more flags)
     and stopped with SIGTERM at the end (it snapshots and cleans its shared memory as usual).
-    ``memory_limit``: its ``--memory-limit`` (None: the server's default, or the config file's)."""
+    ``memory_limit``: its ``--memory-limit`` (None: the server's default, or the config file's).
+    ``announce`` gets one line saying which (``print`` in examples); ``client_options`` are what a
+    :class:`Client` needs to reach the server (CURVE keys)."""
     address = address or default_address()
     if reuse:
         try:
-            wait_for_server(address, timeout=1.0)
-            log.info("using the wstream-server already running at %s", address)
+            wait_for_server(address, timeout=1.0, **client_options)
+            announce(f"using the wstream-server already running at {address}")
             yield address
             return
         except ServerUnavailable:
@@ -55,12 +63,12 @@ def local_server(
         cmd += ["--log-level", "WARNING"]
     proc = subprocess.Popen(cmd)
     try:
-        wait_for_server(address, timeout=60, alive=lambda: proc.poll() is None)
+        wait_for_server(address, timeout=60, alive=lambda: proc.poll() is None, **client_options)
     except ServerUnavailable:
         proc.kill()
         proc.wait()
         raise ServerUnavailable(f"wstream-server did not come up at {address} (exit code {proc.poll()})") from None
-    log.info("started wstream-server (pid %d) at %s", proc.pid, address)
+    announce(f"started wstream-server (pid {proc.pid}) at {address}")
     try:
         yield address
     finally:

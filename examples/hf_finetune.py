@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import signal
 import sys
 import tempfile
 import time
@@ -25,11 +24,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from wstream.client import AdamW, Client
+from wstream.client import AdamW, Client, local_server
 from wstream.client.hf import causal_lm_loss, create_job_from_pretrained, export_pretrained
 
 sys.path.insert(0, str(Path(__file__).parent))
-from train_gpt import DEFAULT_SERVER, TEXT, start_server  # noqa: E402
+from train_gpt import DEFAULT_SERVER, TEXT  # noqa: E402
 
 
 def tiny_gpt2(folder: Path, seed: int) -> Path:
@@ -75,9 +74,8 @@ def main() -> None:
     out = args.out or Path(scratch.name) / "finetuned"
     config = transformers.AutoConfig.from_pretrained(model)
     ids = torch.tensor(encoder(model, config.vocab_size)(TEXT.read_text()))
-    server = start_server(args.server)
     name = f"hf-demo-{os.getpid()}"
-    try:
+    with local_server(args.server, announce=print):
         with Client(args.server) as client:
             job = create_job_from_pretrained(
                 client, name, model, token="demo", blocks_per_stage=args.blocks_per_stage,
@@ -103,10 +101,6 @@ def main() -> None:
         print(f"exported to {out}; from_pretrained gives the streamed logits to {diff:.1e}")
         if args.out is None:
             print("(a temporary folder, removed now: pass --out to keep it)")
-    finally:
-        if server is not None:
-            server.send_signal(signal.SIGTERM)
-            server.wait(timeout=30)
         scratch.cleanup()
 
 

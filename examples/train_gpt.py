@@ -13,9 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import signal
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,31 +22,12 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from wstream.client import AdamW, Client, ServerUnavailable, wait_for_server
+from wstream.client import AdamW, Client, local_server
 from wstream.client.models import GPTConfig, gpt_stages, lm_loss
 from wstream.protocol import format_bytes
 
 TEXT = Path(__file__).parent / "data" / "sonnets.txt"
 DEFAULT_SERVER = f"ipc://{tempfile.gettempdir()}/wstream-demo-{os.getuid()}.sock"
-
-
-def start_server(address: str) -> subprocess.Popen[bytes] | None:
-    """Start a server at ``address`` unless one answers there already; wait until it does."""
-    try:
-        wait_for_server(address, timeout=1.0)
-        print(f"using the wstream-server already running at {address}")
-        return None
-    except ServerUnavailable:
-        pass
-    cmd = [sys.executable, "-m", "wstream.server", "--bind", address, "--memory-limit", "2GiB", "--log-level", "WARNING"]
-    proc = subprocess.Popen(cmd)
-    try:
-        wait_for_server(address, timeout=60, alive=lambda: proc.poll() is None)
-    except ServerUnavailable:
-        proc.kill()
-        raise SystemExit(f"wstream-server did not come up (exit code {proc.poll()})") from None
-    print(f"started wstream-server (pid {proc.pid}) at {address}")
-    return proc
 
 
 def batches(data: torch.Tensor, seq: int, batch: int, seed: int):
@@ -96,9 +74,8 @@ def main() -> None:
     data = torch.tensor([stoi[c] for c in text])
     cfg = GPTConfig(vocab_size=len(itos), block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
 
-    server = start_server(args.server)
     job_name = f"gpt-demo-{os.getpid()}"
-    try:
+    with local_server(args.server, announce=print):
         with Client(args.server) as client:
             torch.manual_seed(args.seed)
             job = client.create_job(
@@ -149,10 +126,6 @@ def main() -> None:
             model.eval()
             print("\nsample:\n" + sample(model, stoi, itos, "Shall I ", 240, args.seq))
             job.drop()
-    finally:
-        if server is not None:
-            server.send_signal(signal.SIGTERM)
-            server.wait(timeout=30)
 
 
 if __name__ == "__main__":
