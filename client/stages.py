@@ -84,22 +84,30 @@ def specs_of(modules: Iterable[nn.Module]) -> Iterator[StageSpec]:
         yield spec_of(i, mod)
 
 
+Shape = tuple[int, ...]
+
+
+def _not_in(params: Iterable[tuple[str, torch.Tensor]], spec: StageSpec) -> tuple[str, Shape, Shape | None] | None:
+    """The first of ``params`` that ``spec`` lacks by name and shape: (name, its shape, the spec's
+    shape or None when the spec has no such name); None when all are there."""
+    have = {p.name: tuple(p.shape) for p in spec.params}
+    for name, p in params:
+        if have.get(name) != tuple(p.shape):
+            return name, tuple(p.shape), have.get(name)
+    return None
+
+
 def frozen_params(index: int, module: nn.Module, base: StageSpec) -> list[str]:
     """The parameters of ``module`` that stage ``index`` reads from its frozen base (those without
     ``requires_grad``); each must be in the base's stage with the same shape."""
-    have = {p.name: tuple(p.shape) for p in base.params}
-    names = []
-    for name, p in module.named_parameters():
-        if p.requires_grad:
-            continue
-        if name not in have:
+    frozen = [(name, p) for name, p in module.named_parameters() if not p.requires_grad]
+    bad = _not_in(frozen, base)
+    if bad is not None:
+        name, shape, theirs = bad
+        if theirs is None:
             raise LayoutError(f"stage {index}: frozen parameter {name!r} is not in the base's stage {index}")
-        if have[name] != tuple(p.shape):
-            raise LayoutError(
-                f"stage {index}: frozen parameter {name!r} has shape {tuple(p.shape)}, the base's {have[name]}"
-            )
-        names.append(name)
-    return names
+        raise LayoutError(f"stage {index}: frozen parameter {name!r} has shape {shape}, the base's {theirs}")
+    return [name for name, _ in frozen]
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,14 +132,11 @@ def check_tied(position: int, tied: Tied, specs: list[StageSpec]) -> None:
     buffers = [name for name, _ in tied.module.named_buffers()]
     if buffers:
         raise LayoutError(f"position {position} (tied to stage {tied.stage}) has buffers {buffers[:5]}")
-    shapes = {p.name: tuple(p.shape) for p in specs[tied.stage].params}
-    for name, param in tied.module.named_parameters():
-        if shapes.get(name) != tuple(param.shape):
-            why = "no such parameter" if name not in shapes else f"it has shape {shapes[name]}"
-            raise LayoutError(
-                f"position {position}: parameter {name!r} {tuple(param.shape)} is not one of stage "
-                f"{tied.stage}'s ({why})"
-            )
+    bad = _not_in(tied.module.named_parameters(), specs[tied.stage])
+    if bad is not None:
+        name, shape, theirs = bad
+        why = "no such parameter" if theirs is None else f"it has shape {theirs}"
+        raise LayoutError(f"position {position}: parameter {name!r} {shape} is not one of stage {tied.stage}'s ({why})")
 
 
 class StageRunner:
