@@ -62,3 +62,17 @@ class FlatStage(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+
+def time_fetches(trainer: Any, stages: int, *, rounds: int, repeat: int) -> float:
+    """Median seconds for ``trainer``'s prefetcher to fetch every stage ``rounds`` times: the
+    worker's real fetch path (request, reply, copy into the ring), driven without compute."""
+    pf = trainer._prefetcher
+    order = list(range(stages)) * rounds
+
+    def fetch_all() -> None:
+        pf.start(0, order)
+        for s in order:
+            pf.release(pf.get(s))
+
+    return median_time(fetch_all, repeat=repeat)

@@ -15,7 +15,7 @@ import socket
 import tempfile
 from typing import Any
 
-from common import FlatStage, machine, median_time, server
+from common import FlatStage, machine, server, time_fetches
 from wstream.client import AdamW, Client
 from wstream.protocol.curve import write_keypair
 
@@ -31,16 +31,8 @@ def fetch_seconds(address: str, args: argparse.Namespace, **keys: Any) -> float:
     with Client(address, **keys) as client:
         job = client.create_job("bw", (FlatStage(numel) for _ in range(args.stages)), optimizer=AdamW(), token="b")
         trainer = job.trainer(prefetch=2, shm=False)
-        pf = trainer._prefetcher  # the worker's real fetch path, driven without compute
-        order = list(range(args.stages)) * args.rounds
-
-        def fetch_all() -> None:
-            pf.start(0, order)
-            for s in order:
-                pf.release(pf.get(s))
-
         try:
-            return median_time(fetch_all, repeat=args.repeat)
+            return time_fetches(trainer, args.stages, rounds=args.rounds, repeat=args.repeat)
         finally:
             trainer.close()
 

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from common import FlatStage, machine, median_time, server
+from common import FlatStage, machine, median_time, server, time_fetches
 from wstream.client import AdamW, Client
 
 
@@ -47,15 +47,7 @@ def main() -> None:
             # the copying path: on a GPU this copy is the host-to-device transfer (CPU workers
             # default to zero_copy, which moves no bytes at all)
             trainer = job.trainer(prefetch=args.prefetch, shm=shm, zero_copy=False if shm else None)
-            pf = trainer._prefetcher  # the worker's real fetch path, driven without compute
-            order = list(range(args.stages)) * args.rounds
-
-            def fetch_all() -> None:
-                pf.start(0, order)
-                for s in order:
-                    pf.release(pf.get(s))
-
-            results[mode] = median_time(fetch_all, repeat=args.repeat)
+            results[mode] = time_fetches(trainer, args.stages, rounds=args.rounds, repeat=args.repeat)
             trainer.close()
     t_memcpy = min(t_memcpy_before, median_time(memcpy, repeat=args.repeat))
     gbs = lambda t: total_bytes / t / 1e9  # noqa: E731
