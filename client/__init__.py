@@ -29,6 +29,7 @@ from wstream.protocol import (
 
 from .client import Client, Job, wait_for_server
 from .local import local_server
+from .loss_scale import LossScale
 from .stages import Tied
 from .trainer import Resynced, Trainer, TrainerStats
 
@@ -41,6 +42,7 @@ __all__ = [
     "Job",
     "JobExistsError",
     "LayoutError",
+    "LossScale",
     "MemoryLimitError",
     "ProtocolError",
     "Resynced",

@@ -41,6 +41,7 @@ from .channel import (
     curve_hint,
     curve_keys,
 )
+from .loss_scale import LossScale
 from .plans import PLANNERS, Plan, StageCosts, auto, min_peak, offload, optimal
 from .stages import StageRunner, Tied, check_tied, flatten, frozen_params, skeleton_of, spec_of
 from .trainer import Trainer
@@ -343,6 +344,7 @@ class Job:
         reconnect_s: float = 300.0,
         reduce: str = "server",
         weight_budget: int | str | None = None,
+        loss_scale: LossScale | bool | None = None,
     ) -> Trainer:
         """Join the job as a data-parallel worker.
 
@@ -373,6 +375,10 @@ class Job:
         server averages over ``world_size`` workers) or ``"allreduce"`` (ranks of an initialized
         ``torch.distributed`` group average each stage's gradient among themselves and rank 0
         alone pushes; leave ``world_size=1``). See ``wstream.client.distributed``.
+        ``loss_scale``: dynamic loss scaling of the gradients (NOTE [Per-stage loss scaling] in
+        ``wstream.client.loss_scale``): None (default) scales a float16 job with ``LossScale()``
+        and no other; ``True``/a ``LossScale(...)`` scales any job; ``False`` never. Unlike
+        GradScaler no step is skipped: a stage whose gradient overflows runs again at a lower scale.
         """
         if self._chain is None:
             raise StateError(
@@ -424,6 +430,7 @@ class Job:
             reconnect_s=reconnect_s,
             reduce=reduce,
             weight_budget=weights,
+            loss_scale=loss_scale,
         )
 
     def state_dict(self, *, progress: bool | None = None) -> dict[str, torch.Tensor]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -36,6 +37,7 @@ from .device import (
     synchronize,
 )
 from .distributed import AllReduceGradients, flat_spec
+from .loss_scale import LossScale, LossScaler, all_finite, unscaled
 from .offload import HostMover, PendingMove
 from .plans import OnlineBisection, Op, Plan, StageCosts
 from .stages import Boundary, StageRunner, as_boundary, boundary_bytes, join_lanes, lanes_of, split_micro_batches
@@ -99,6 +101,10 @@ class TrainerStats:
     """Seconds those registrations took."""
     grad_staging_bytes: int = 0
     """Device memory of the two fp32 gradient staging buffers (0 on a CPU worker)."""
+    loss_scale: float | None = None
+    """The loss scale of the next step (None: no loss scaling; NOTE [Per-stage loss scaling])."""
+    loss_scale_backoffs: int = 0
+    """Stage backward passes run again at a lower scale because a gradient was not finite."""
 
 
 class Trainer:
@@ -121,6 +127,7 @@ class Trainer:
         reconnect_s: float = 300.0,
         reduce: str = "server",
         weight_budget: int | None = None,
+        loss_scale: LossScale | bool | None = None,
     ) -> None:
         if prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {prefetch}")
@@ -157,6 +164,8 @@ class Trainer:
         self.reconnect_s = reconnect_s
         self.reconnects = 0
         self.weight_budget = weight_budget
+        self._loss_scale = loss_scale
+        self._scaler: LossScaler | None = None  # made at the first connect, once the dtype is known
         self._registrations: list[HostRegistration] = []
         self._receive: ReceiveRing | None = None
         self._connect_args = (shm, grad_slots, world_size, prefetch, zero_copy)
@@ -238,10 +247,13 @@ class Trainer:
                 self._register(view, f"gradient buffer {k}")
         pub_dtype = TORCH_DTYPES[attached.published_dtype]
         self.compute_dtype = pub_dtype
-        if pub_dtype == torch.float16:
+        if self._scaler is None and self._loss_scale is not False:  # kept across reconnects
+            if self._loss_scale is True or isinstance(self._loss_scale, LossScale) or pub_dtype == torch.float16:
+                self._scaler = LossScaler(self._loss_scale if isinstance(self._loss_scale, LossScale) else LossScale())
+        if pub_dtype == torch.float16 and self._scaler is None:
             log.warning(
-                "job %r computes in float16 without loss scaling (not built: DESIGN.md 'GPU data path'); "
-                "small gradients may underflow: bfloat16 needs no scaling",
+                "job %r computes in float16 with loss scaling switched off: gradients below 6e-8 "
+                "become 0 and above 65504 become inf",
                 job.name,
             )
         base_numels = [s.numel for s in attached.base_stages]
@@ -449,6 +461,7 @@ class Trainer:
             k=k,
             targets=lane_targets,
             last=len(self._runners) - 1,
+            scale=None if self._scaler is None else self._scaler.scale,
         )
         started = time.monotonic_ns()
         try:
@@ -463,6 +476,9 @@ class Trainer:
             self._abort_step(run.pushed)
             raise
         self._peak_boundary = max(self._peak_boundary, run.peak_bytes)
+        if self._scaler is not None:
+            assert run.scales is not None
+            self._scaler.end_step(run.scales)
         if self._tracer is not None:
             self._tracer.add(f"step {self._step}", "step", "steps", started, step=self._step, micro_batches=k)
         self._step += 1
@@ -493,7 +509,12 @@ class Trainer:
         self._prefetcher.start(self._step, [0])
         fetched = self._prefetcher.get(0)  # the body's weights serve every application
         body = self._runners[0]
-        run = _PlanRun(as_boundary(inputs), lambda position: body, targets=[targets])
+        run = _PlanRun(
+            as_boundary(inputs),
+            lambda position: body,
+            targets=[targets],
+            scale=None if self._scaler is None else self._scaler.scale,
+        )
         run.held[0] = fetched.weights
         planner = OnlineBisection()
         try:
@@ -516,6 +537,9 @@ class Trainer:
             raise
         self.last_loop_steps = planner.position
         self._peak_boundary = max(self._peak_boundary, run.peak_bytes)
+        if self._scaler is not None:
+            assert run.scales is not None
+            self._scaler.end_step(run.scales)
         self._step += 1
         self._steps_done += 1
         return run.loss
@@ -587,6 +611,8 @@ class Trainer:
             registration_s=sum(r.seconds for r in self._registrations)
             + (sum(r.seconds for r in self._receive.registrations) if self._receive is not None else 0.0),
             grad_staging_bytes=self._stager.nbytes,
+            loss_scale=None if self._scaler is None else self._scaler.scale,
+            loss_scale_backoffs=0 if self._scaler is None else self._scaler.backoffs,
         )
 
     def close(self) -> None:
@@ -822,35 +848,63 @@ class Trainer:
         loss_fn: LossFn,
     ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
         """Backpropagate stage i for every micro-batch: (summed parameter gradients, the input
-        gradients of every micro-batch, packed)."""
+        gradients of every micro-batch, packed). With loss scaling a micro-batch whose gradients
+        are not finite is run again at a lower scale (NOTE [Per-stage loss scaling]) and its
+        parameter gradients are summed unscaled, in fp32."""
         leaves = [v for v in params.values() if v.requires_grad]  # not a frozen base's views
         param_grads: list[torch.Tensor | None] = [None] * len(leaves)
         grad_out: list[torch.Tensor | None] = []
+        scaler = self._scaler
         for j, (lane, lane_grad_out) in enumerate(zip(lanes, grad_lanes)):
-            inputs = tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in lane)
-            with self._stage_rng(run, i, j), torch.enable_grad():
-                out = runner.call_with(params, inputs)
-            grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-            roots, root_grads = self._roots(run, out, lane_grad_out, loss_fn, j)
-            grads = torch.autograd.grad(roots, [*leaves, *grad_inputs], root_grads, allow_unused=True)
-            _add_into(param_grads, grads[: len(leaves)])
+            attempt = 0
+            while True:
+                inputs = tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in lane)
+                with self._stage_rng(run, i, j), torch.enable_grad():
+                    out = runner.call_with(params, inputs)
+                grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+                roots, root_grads = self._roots(run, out, lane_grad_out, loss_fn, j, first=attempt == 0)
+                grads = torch.autograd.grad(roots, [*leaves, *grad_inputs], root_grads, allow_unused=True)
+                del out, roots, root_grads
+                if scaler is None or all_finite(grads):
+                    break
+                where = f"step {self._step}, position {i}, micro-batch {j}"
+                lower = scaler.back_off(run.scales[j], where)
+                factor = lower / run.scales[j]
+                run.scales[j] = lower
+                if lane_grad_out is not None:  # exact for a power-of-two factor
+                    lane_grad_out = tuple(g * factor if isinstance(g, torch.Tensor) else g for g in lane_grad_out)
+                attempt += 1
+            own = grads[: len(leaves)]
+            _add_into(param_grads, own if scaler is None else unscaled(own, run.scales[j]))
             it = iter(grads[len(leaves) :])
             grad_out.extend(next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs)
-            del out, roots, root_grads, grads, inputs, grad_inputs
+            del grads, inputs, grad_inputs, own
         return param_grads, grad_out
 
     @staticmethod
     def _roots(
-        run: _PlanRun, out: Any, grad_out: Boundary | None, loss_fn: LossFn, lane: int
+        run: _PlanRun, out: Any, grad_out: Boundary | None, loss_fn: LossFn, lane: int, *, first: bool = True
     ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """What micro-batch ``lane`` of a stage backpropagates from: the loss (divided by the
-        number of micro-batches) at the chain's end, else the outputs that have a gradient."""
+        number of micro-batches; seeded with the lane's loss scale, if any) at the chain's end,
+        else the outputs that have a gradient. ``first``: not a loss-scaling retry (the loss is
+        counted once)."""
         if grad_out is None:
             loss = loss_fn(out, run.targets[lane])
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-            run.loss += float(loss.detach()) / run.k
-            return [loss if run.k == 1 else loss / run.k], [None]
+            value = float(loss.detach())
+            if not math.isfinite(value):
+                raise FloatingPointError(
+                    f"the loss of micro-batch {lane} is {value}: nothing of this step was sent (the job's "
+                    "weights are unchanged); check the data and the learning rate"
+                )
+            if first:
+                run.loss += value / run.k
+            root = loss if run.k == 1 else loss / run.k
+            if run.scales is None:
+                return [root], [None]
+            return [root.float()], [torch.tensor(run.scales[lane], dtype=torch.float32, device=root.device)]
         roots: list[torch.Tensor] = []
         root_grads: list[torch.Tensor | None] = []
         for o, g in zip(as_boundary(out), grad_out):
@@ -866,14 +920,11 @@ class Trainer:
             return
         if pushed_any:
             self._pusher.forget_outstanding()
-            self._closed = True
             log.error(
                 "a step failed after gradients were sent; this trainer is closed, create a new one "
                 "(the server discards this worker's unfinished step when it leaves)"
             )
-            with contextlib.suppress(WstreamError):
-                self._chan.request(m.Leave(session=self.session), m.Ok, timeout_s=5.0)
-            self._heartbeat.close()
+            self.close()  # leaves the job, stops the threads, closes the sockets
 
     # ---- RNG ---------------------------------------------------------------------------------------
     def _stage_rng(self, run: _PlanRun, i: int, lane: int = 0) -> contextlib.AbstractContextManager[None]:
@@ -907,7 +958,7 @@ class _PlanRun:
     __slots__ = (
         "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last",
         "runner_at", "held", "grads", "_kept_bytes", "_arriving_bytes", "_current_bytes", "_current_kept",
-        "k", "targets", "advanced",
+        "k", "targets", "advanced", "scales",
     )
 
     def __init__(
@@ -918,8 +969,10 @@ class _PlanRun:
         targets: list[Any],
         k: int = 1,
         last: int = -1,
+        scale: float | None = None,
     ) -> None:
         self.k = k  # micro-batches: every state is k lanes packed (see ``join_lanes``)
+        self.scales = None if scale is None else [scale] * k  # each micro-batch's loss scale, if scaling
         self.advanced: set[int] = set()  # positions run forward this step (a rerun is a recomputation)
         self.targets = targets  # one per micro-batch
         self.last = last  # the position whose BACKWARD computes the loss
