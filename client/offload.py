@@ -46,17 +46,20 @@ class _ThreadMove:
 
 
 class _CudaMove:
-    __slots__ = ("_value", "_event", "_to_device", "nbytes")
+    __slots__ = ("_value", "_event", "_to_device", "_device", "nbytes")
 
-    def __init__(self, value: Boundary, event: torch.cuda.Event, to_device: bool, nbytes: int) -> None:
+    def __init__(
+        self, value: Boundary, event: torch.cuda.Event, to_device: bool, nbytes: int, device: torch.device
+    ) -> None:
         self._value = value
         self._event = event
         self._to_device = to_device
+        self._device = device  # the worker's device: its current stream is the compute stream
         self.nbytes = nbytes
 
     def result(self) -> Boundary:
         if self._to_device:  # the compute stream waits; the host goes on
-            stream = torch.cuda.current_stream()
+            stream = torch.cuda.current_stream(self._device)  # not the current device's: it may be another
             stream.wait_event(self._event)
             for t in self._value:
                 if isinstance(t, torch.Tensor):
@@ -118,7 +121,7 @@ class HostMover:
                 out.append(dst)
             event = torch.cuda.Event()
             event.record(stream)
-        return _CudaMove(tuple(out), event, to_device=not pinned, nbytes=nbytes)
+        return _CudaMove(tuple(out), event, to_device=not pinned, nbytes=nbytes, device=self.device)
 
     def close(self) -> None:
         if self._pool is not None:
