@@ -52,6 +52,8 @@ def from_torchrun(*, init_process_group: bool = True, backend: str | None = None
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
         world_size=int(os.environ.get("WORLD_SIZE", "1")),
     )
+    if torch.cuda.is_available():  # NCCL and device-less CUDA calls use the current device: this
+        torch.cuda.set_device(launch.local_rank)  # rank's, else every rank also creates a context on cuda:0
     dist = torch.distributed
     if init_process_group and launch.world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
