@@ -15,12 +15,15 @@ mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
 site=/tmp/wstream-site
-if ! PYTHONPATH=$site python3 -c "import zmq, msgspec, wstream.client" 2>/dev/null; then
+if ! PYTHONPATH=$site python3 -c "import zmq, msgspec, pytest_asyncio" 2>/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target $site .whl/*.whl \
         || { echo "gpu_all: installing .whl/ failed: run bench/gpu_prepare.sh here and carry .whl"; exit 1; }
-    python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target $site . \
-        || { echo "gpu_all: installing wstream failed"; exit 1; }
 fi
+# wstream itself every call: a machine still warm from an earlier call keeps /tmp (and the ignored
+# build/), and this call's tree may differ from the one installed then
+rm -rf build $site/wstream $site/wstream-*.dist-info
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-cache-dir --upgrade --target $site . \
+    || { echo "gpu_all: installing wstream failed"; exit 1; }
 export PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH}
 
 step() {  # step NAME SECONDS COMMAND...: run with a time limit, log to $out/NAME.log
