@@ -102,9 +102,12 @@ class HostRegistration:
 
 
 def _unregister(device: torch.device, ptr: int, mapping: torch.Tensor, what: str) -> None:
-    """Unregister ``ptr``; ``mapping`` is passed only to keep the mapping alive until now."""
+    """Unregister ``ptr``; ``mapping`` is passed only to keep the mapping alive until now. The
+    device is synchronized first: when a trainer is collected without ``close()`` a copy may still
+    be reading the pages (after ``close()`` this finds the device idle)."""
     try:
         with torch.cuda.device(device):
+            torch.cuda.synchronize(device)
             code = int(torch.cuda.cudart().cudaHostUnregister(ptr))
     except Exception as exc:  # at interpreter exit CUDA may be torn down already; the pages go with it
         log.debug("cudaHostUnregister of %s skipped: %s", what, exc)
@@ -159,11 +162,13 @@ class _EventTicket:
     def wait_stream(self) -> None:
         torch.cuda.current_stream(self._device).wait_event(self._event)
 
-    def synchronize(self) -> None:
-        self._event.synchronize()
+    def synchronize(self) -> None:  # the device's context: a sender thread must not make one on GPU 0
+        with torch.cuda.device(self._device):
+            self._event.synchronize()
 
     def done(self) -> bool:
-        return bool(self._event.query())
+        with torch.cuda.device(self._device):
+            return bool(self._event.query())
 
 
 class CopyEngine:
