@@ -14,7 +14,7 @@ from torch import nn
 
 import models
 from test_equivalence import assert_weights_equal, reference_train
-from wstream.client import AdamW, Client
+from wstream.client import AdamW, Client, LossScale
 from wstream.client.device import CudaCopyEngine, GradientStager, HostRegistration, tensor_nbytes
 from wstream.client.stages import scatter_grads, spec_of
 from wstream.protocol.shm import create_segment, map_segment, unlink_segment
@@ -149,6 +149,24 @@ def test_bfloat16_job_on_cuda_trains_close_to_float32(client: Client) -> None:
     d16 = torch.cat([(w16[k] - start[k]).flatten() for k in start])
     assert l16 == pytest.approx(l32, rel=1e-2)
     assert ((d16 - d32).norm() / d32.norm()).item() < 0.06
+
+
+def test_float16_job_on_cuda_overflows_backs_off_and_trains_every_step(client: Client) -> None:
+    """From 2^30 the first backward overflows; each overflowing stage runs again at a lower scale
+    on the GPU (the finiteness check synchronizes once per stage) and no step is lost."""
+
+    def run(name: str, init: float) -> tuple[dict[str, torch.Tensor], int]:
+        job = client.create_job(name, models.mixed(seed=3), optimizer=AdamW(lr=3e-3), token="t", dtype="float16")
+        with job.trainer("cuda", loss_scale=LossScale(init_scale=init)) as trainer:
+            for t in range(STEPS):
+                trainer.step(*models.batch("mixed", t), lambda o, y: models.loss_fn(o.float(), y))
+            backoffs = trainer.stats().loss_scale_backoffs
+        return job.state_dict(), backoffs
+
+    high, backed = run("fp16-high", 2.0**30)
+    low, none = run("fp16-low", 2.0**8)
+    assert backed >= 14 and none == 0
+    assert_weights_equal(high, low, atol=2e-5)  # powers of two scale exactly
 
 
 def test_tensor_nbytes_counts_the_dtype() -> None:
