@@ -65,6 +65,13 @@ def main() -> None:
     p.add_argument("--micro-batches", type=int, default=1, help="run each stage for K micro-batches of the batch (stage-major)")
     p.add_argument("--delayed-update", action="store_true", help="one-step delayed parameter update (off the critical path)")
     p.add_argument("--delay-after", type=int, default=0, metavar="N", help="with --delayed-update: the first N steps are synchronous")
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="the dtype the server publishes and the worker computes in (fp32 master on the server; float16 scales the loss); "
+        "the 16-bit types are for GPUs: a CPU emulates them, about 10x slower",
+    )
     p.add_argument("--trace", metavar="FILE", help="write a Chrome-trace/Perfetto timeline of the last 2 steps to FILE")
     args = p.parse_args()
 
@@ -86,6 +93,7 @@ def main() -> None:
                 progress=True,
                 delayed_update=args.delayed_update,
                 delay_after=args.delay_after,
+                dtype=args.dtype,
             )
             print(f"job {job_name!r}: {job.num_stages} stages, {job.num_params:,} parameters")
             data_iter = batches(data, args.seq, args.batch, args.seed)
@@ -101,7 +109,8 @@ def main() -> None:
                         x, y = next(data_iter)
                         last = trainer.step(x, y, lm_loss, micro_batches=args.micro_batches)
                         first = first or last
-                        bar.set_postfix(loss=f"{last:.3f}")
+                        scale = trainer.stats().loss_scale
+                        bar.set_postfix(loss=f"{last:.3f}", **({"loss_scale": f"{scale:g}"} if scale else {}))
                 elapsed = time.perf_counter() - t0
                 stats = trainer.stats()
             rss = process.memory_info().rss

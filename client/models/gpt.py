@@ -98,5 +98,6 @@ def gpt_stages(cfg: GPTConfig) -> Iterator[nn.Module]:
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy over every position."""
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    """Next-token cross entropy over every position, in fp32 whatever the logits' dtype (a bf16 or
+    fp16 softmax over a large vocabulary loses the small probabilities)."""
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
