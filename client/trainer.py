@@ -623,6 +623,10 @@ class Trainer:
             self._pusher.drain()  # a delayed-update job's last gradients
         except WstreamError as exc:
             log.warning("the last gradients were not acknowledged: %s", exc)
+        self._shut_down()
+
+    def _shut_down(self) -> None:
+        """Leave the job, stop the threads and close the sockets, without waiting for pushes."""
         self._closed = True
         self._heartbeat.close()
         self._prefetcher.close()
@@ -924,7 +928,7 @@ class Trainer:
                 "a step failed after gradients were sent; this trainer is closed, create a new one "
                 "(the server discards this worker's unfinished step when it leaves)"
             )
-            self.close()  # leaves the job, stops the threads, closes the sockets
+            self._shut_down()
 
     # ---- RNG ---------------------------------------------------------------------------------------
     def _stage_rng(self, run: _PlanRun, i: int, lane: int = 0) -> contextlib.AbstractContextManager[None]:
