@@ -3,6 +3,7 @@ time GPU work (between device synchronizes: the host only issues it)."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import subprocess
 import sys
@@ -64,3 +65,12 @@ def gpu_seconds(fn: Callable[[], object], *, repeat: int, warmup: int = 1) -> fl
 
 def gb_per_s(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The GPT of figures 2 and 4 (one definition, so that DeepSpeed runs the same model and batches)."""
+    p.add_argument("--layers", type=int, default=24)
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batches", default="4,8,16", help="batch sizes (sequences per step)")

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from gpu_common import header, require_cuda
+from gpu_common import add_model_args, header, require_cuda
 from gpu_train import VOCAB, batch, loss_fn
 from wstream.client.models.gpt import GPTConfig, gpt_stages
 
@@ -82,11 +82,7 @@ def run(cfg: GPTConfig, size: int, device: torch.device, steps: int, warmup: int
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batches", default="4,8,16")
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--compare", help="the --json file of bench/gpu_train.py from this run")

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from common import server
-from gpu_common import header, require_cuda
+from gpu_common import add_model_args, header, require_cuda
 from wstream.client import SGD, AdamW, Client
 from wstream.client.models.gpt import GPTConfig, gpt_stages, lm_loss
 
@@ -139,11 +139,7 @@ def gib(n: int) -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--heads", type=int, default=16)
-    p.add_argument("--seq", type=int, default=1024)
-    p.add_argument("--batches", default="4,8,16", help="batch sizes (sequences per step)")
+    add_model_args(p)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--weight-budget", default="4GiB")
