@@ -247,9 +247,10 @@ class Trainer:
                 self._register(view, f"gradient buffer {k}")
         pub_dtype = TORCH_DTYPES[attached.published_dtype]
         self.compute_dtype = pub_dtype
-        if self._scaler is None and self._loss_scale is not False:  # kept across reconnects
-            if self._loss_scale is True or isinstance(self._loss_scale, LossScale) or pub_dtype == torch.float16:
-                self._scaler = LossScaler(self._loss_scale if isinstance(self._loss_scale, LossScale) else LossScale())
+        if self._scaler is None:  # made once, kept across reconnects
+            wanted = pub_dtype == torch.float16 if self._loss_scale is None else self._loss_scale
+            if wanted is not False:
+                self._scaler = LossScaler(LossScale() if wanted is True else wanted)
         if pub_dtype == torch.float16 and self._scaler is None:
             log.warning(
                 "job %r computes in float16 with loss scaling switched off: gradients below 6e-8 "
@@ -461,7 +462,7 @@ class Trainer:
             k=k,
             targets=lane_targets,
             last=len(self._runners) - 1,
-            scale=None if self._scaler is None else self._scaler.scale,
+            scale=self._next_scale(),
         )
         started = time.monotonic_ns()
         try:
@@ -475,10 +476,7 @@ class Trainer:
         except BaseException:
             self._abort_step(run.pushed)
             raise
-        self._peak_boundary = max(self._peak_boundary, run.peak_bytes)
-        if self._scaler is not None:
-            assert run.scales is not None
-            self._scaler.end_step(run.scales)
+        self._end_run(run)
         if self._tracer is not None:
             self._tracer.add(f"step {self._step}", "step", "steps", started, step=self._step, micro_batches=k)
         self._step += 1
@@ -513,7 +511,7 @@ class Trainer:
             as_boundary(inputs),
             lambda position: body,
             targets=[targets],
-            scale=None if self._scaler is None else self._scaler.scale,
+            scale=self._next_scale(),
         )
         run.held[0] = fetched.weights
         planner = OnlineBisection()
@@ -536,13 +534,20 @@ class Trainer:
             self._abort_step(run.pushed)
             raise
         self.last_loop_steps = planner.position
+        self._end_run(run)
+        self._step += 1
+        self._steps_done += 1
+        return run.loss
+
+    def _next_scale(self) -> float | None:
+        return None if self._scaler is None else self._scaler.scale
+
+    def _end_run(self, run: _PlanRun) -> None:
+        """A step's run completed: record its peak, and move the loss scale by what it met."""
         self._peak_boundary = max(self._peak_boundary, run.peak_bytes)
         if self._scaler is not None:
             assert run.scales is not None
             self._scaler.end_step(run.scales)
-        self._step += 1
-        self._steps_done += 1
-        return run.loss
 
     def plan_summary(self) -> dict[str, Any]:
         """What the checkpoint plan costs per step: recomputation, memory and weight traffic."""
@@ -611,7 +616,7 @@ class Trainer:
             registration_s=sum(r.seconds for r in self._registrations)
             + (sum(r.seconds for r in self._receive.registrations) if self._receive is not None else 0.0),
             grad_staging_bytes=self._stager.nbytes,
-            loss_scale=None if self._scaler is None else self._scaler.scale,
+            loss_scale=self._next_scale(),
             loss_scale_backoffs=0 if self._scaler is None else self._scaler.backoffs,
         )
 
@@ -860,13 +865,13 @@ class Trainer:
         grad_out: list[torch.Tensor | None] = []
         scaler = self._scaler
         for j, (lane, lane_grad_out) in enumerate(zip(lanes, grad_lanes)):
-            attempt = 0
+            first = True
             while True:
                 inputs = tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in lane)
                 with self._stage_rng(run, i, j), torch.enable_grad():
                     out = runner.call_with(params, inputs)
                 grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-                roots, root_grads = self._roots(run, out, lane_grad_out, loss_fn, j, first=attempt == 0)
+                roots, root_grads = self._roots(run, out, lane_grad_out, loss_fn, j, first=first)
                 grads = torch.autograd.grad(roots, [*leaves, *grad_inputs], root_grads, allow_unused=True)
                 del out, roots, root_grads
                 if scaler is None or all_finite(grads):
@@ -877,7 +882,7 @@ class Trainer:
                 run.scales[j] = lower
                 if lane_grad_out is not None:  # exact for a power-of-two factor
                     lane_grad_out = tuple(g * factor if isinstance(g, torch.Tensor) else g for g in lane_grad_out)
-                attempt += 1
+                first = False
             own = grads[: len(leaves)]
             _add_into(param_grads, own if scaler is None else unscaled(own, run.scales[j]))
             it = iter(grads[len(leaves) :])
