@@ -106,18 +106,23 @@ def _positions(hidden: torch.Tensor) -> torch.Tensor:
     return torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
 
 
-_MASK_WANTS_CACHE_POSITION = "cache_position" in inspect.signature(create_causal_mask).parameters
+_MASK_PARAMETERS = inspect.signature(create_causal_mask).parameters
+_MASK_WANTS_CACHE_POSITION = "cache_position" in _MASK_PARAMETERS
 """transformers 5.2 and 5.3 require ``cache_position``; later versions dropped it."""
+_MASK_CACHE_ARG = "cache" if "cache" in _MASK_PARAMETERS else "past_key_values"
+"""The name of the (empty) cache argument: ``past_key_values`` until transformers 5.2x renamed it
+``cache`` (the old name then warns that it is deprecated)."""
 
 
 def _causal_mask(config: PretrainedConfig, hidden: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor) -> Any:
     """The mask the model's forward builds for its blocks (None where sdpa's is_causal does)."""
-    extra = {"cache_position": position_ids[0]} if _MASK_WANTS_CACHE_POSITION else {}
+    extra: dict[str, Any] = {_MASK_CACHE_ARG: None}
+    if _MASK_WANTS_CACHE_POSITION:
+        extra["cache_position"] = position_ids[0]
     return create_causal_mask(
         config=config,
         inputs_embeds=hidden,
         attention_mask=attention_mask,
-        past_key_values=None,
         position_ids=position_ids,
         **extra,
     )
