@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 
 from .budget import auto, min_peak, offload, optimal
 from .costs import StageCosts
@@ -20,13 +20,14 @@ from .plan import Plan
 from .schedules import divide_and_conquer, revolve, sqrt_segments, store_all
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
+@dataclass(frozen=True, slots=True)
 class Schedule:
     """One schedule ``job.trainer(schedule=name)`` accepts. Exactly one builder is given."""
 
     name: str
     description: str
     """One line for a reader choosing among schedules."""
+    _: KW_ONLY
     takes_slots: bool = False
     """Whether ``slots=`` (kept stage inputs) applies; only with ``from_n``."""
     from_n: Callable[[int, int | None], Plan] | None = None
@@ -56,52 +57,15 @@ def _revolve(n: int, slots: int | None = None) -> Plan:
 SCHEDULES: dict[str, Schedule] = {
     s.name: s
     for s in (
-        Schedule(
-            name="store_all",
-            description="keep every stage input: n-1 advances, the least",
-            from_n=lambda n, slots=None: store_all(n),
-        ),
-        Schedule(
-            name="sqrt",
-            description="keep the inputs of ceil(sqrt n) segments (Chen et al.)",
-            from_n=lambda n, slots=None: sqrt_segments(n),
-        ),
-        Schedule(
-            name="sqrt_recursive",
-            description="sqrt segments, each split the same way again: O(log n) memory",
-            from_n=lambda n, slots=None: sqrt_segments(n, recursive=True),
-        ),
-        Schedule(
-            name="dnc",
-            description="bisection: O(log n) memory, O(n log n) recomputation",
-            from_n=lambda n, slots=None: divide_and_conquer(n),
-        ),
-        Schedule(
-            name="revolve",
-            description="binomial: least recomputation with `slots` kept inputs (default ceil(log2 n))",
-            takes_slots=True,
-            from_n=_revolve,
-        ),
-        Schedule(
-            name="optimal",
-            description="least recomputation time within the byte budget, from a profile",
-            from_budget=optimal,
-        ),
-        Schedule(
-            name="auto",
-            description="the fastest of every planner's plans that fits the byte budget, from a profile",
-            from_budget=auto,
-        ),
-        Schedule(
-            name="min_peak",
-            description="the kept subset of least peak activation memory, from a profile",
-            from_profile=min_peak,
-        ),
-        Schedule(
-            name="offload",
-            description="every k-th input to host memory as fast as the copy keeps up, from a profile",
-            from_budget=offload,
-        ),
+        Schedule("store_all", "keep every stage input (n-1 advances, the least)", from_n=lambda n, slots=None: store_all(n)),
+        Schedule("sqrt", "keep ceil(sqrt n) segment inputs (Chen et al.)", from_n=lambda n, slots=None: sqrt_segments(n)),
+        Schedule("sqrt_recursive", "sqrt, split again", from_n=lambda n, slots=None: sqrt_segments(n, recursive=True)),
+        Schedule("dnc", "bisection: O(log n) memory", from_n=lambda n, slots=None: divide_and_conquer(n)),
+        Schedule("revolve", "binomial: least recomputation for `slots` kept inputs", takes_slots=True, from_n=_revolve),
+        Schedule("optimal", "least recomputation time within the byte budget, from a profile", from_budget=optimal),
+        Schedule("auto", "the fastest of every planner's plans that fits the byte budget", from_budget=auto),
+        Schedule("min_peak", "the kept subset of least peak activation memory, from a profile", from_profile=min_peak),
+        Schedule("offload", "every k-th input to host memory as fast as the copy keeps up", from_budget=offload),
     )
 }
 """Schedules by name, in the order ``Job.trainer``'s docstring lists them."""
