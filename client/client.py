@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import os
 import time
@@ -42,7 +41,7 @@ from .channel import (
     curve_keys,
 )
 from .loss_scale import LossScale
-from .plans import PLANNERS, Plan, StageCosts, auto, min_peak, offload, optimal
+from .plans import resolve as resolve_schedule
 from .stages import StageRunner, Tied, check_tied, flatten, frozen_params, skeleton_of, spec_of
 from .trainer import Trainer
 
@@ -395,26 +394,11 @@ class Job:
             )
             for stage, skeleton in self._chain
         ]
-        profiled = ("optimal", "min_peak", "auto", "offload")
-        if schedule not in PLANNERS and schedule not in profiled:
-            raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted([*PLANNERS, *profiled])}")
-        if slots is not None and schedule != "revolve":
-            raise ValueError(f"slots= applies to schedule='revolve', not {schedule!r}")
         if prefetch is not None and weight_budget is not None:
             raise ValueError("give prefetch= or weight_budget= (the ring's depth follows from the budget), not both")
         weights = parse_size(weight_budget) if weight_budget is not None else None
         budget = parse_size(memory_budget) if memory_budget is not None else None
-        budgeted = ("optimal", "auto", "offload")
-        if (budget is not None) != (schedule in budgeted):
-            raise ValueError(f"memory_budget= goes with schedule in {budgeted} (and they need it)")
-        plan = PLANNERS[schedule](len(runners), slots) if schedule in PLANNERS else None
-        from_profile: Callable[[StageCosts], Plan] | None = None
-        if schedule in budgeted:
-            assert budget is not None
-            planner = {"optimal": optimal, "auto": auto, "offload": offload}[schedule]
-            from_profile = functools.partial(planner, budget_bytes=budget)
-        elif schedule == "min_peak":
-            from_profile = min_peak
+        plan, from_profile = resolve_schedule(schedule, len(runners), slots=slots, budget_bytes=budget)
         return Trainer(
             self,
             runners,

@@ -1,0 +1,284 @@
+"""Byte-budget planners: plans for a profiled chain (:class:`~.costs.StageCosts`) whose activation
+memory must stay within a number of bytes.
+
+``min_budget`` (the least memory any plan needs), ``optimal`` (least recomputation time within a
+budget, by dynamic program), ``min_peak`` (the kept subset of least peak memory), ``offload``
+(asynchronous multistage checkpointing to host memory, with ``offload_spacing``) and ``auto``
+(the fastest plan of every planner's that fits). Separate from :mod:`.schedules` because these
+read a profile of the stages' sizes and times, not only their number.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from collections.abc import Iterator
+from functools import lru_cache
+
+from .costs import StageCosts, plan_time
+from .plan import Action, Op, Plan, PlanError
+from .schedules import divide_and_conquer, revolve, segments_plan, sqrt_segments, store_all
+from .simulate import checked_plan, simulate
+
+
+def min_budget(costs: StageCosts) -> int:
+    """The least activation memory any plan needs: x_0 stays live throughout (it cannot be
+    recomputed), each x_{j+1} is computed from x_j at least once, and each backward needs x_i
+    and its tape. Keeping only x_0 and recomputing from it reaches this bound."""
+    return _reverse_need(costs, 0, costs.n)
+
+
+def optimal(costs: StageCosts, budget_bytes: int, *, resolution: int = 256) -> Plan:
+    """The plan of least recomputation time whose activation memory stays within ``budget_bytes``.
+
+    Dynamic program over (first stage a, end b, memory left): reverse [a, b) from the kept x_a
+    either directly (b = a + 1) or by advancing to some k, keeping x_k, reversing [k, b) with the
+    memory x_a leaves, then [a, k) (the structure of Beaumont et al.'s DP without the "keep the
+    whole tape" option, which this executor does not have). Memory is counted in units of
+    budget/``resolution``, rounding sizes up, so the plan always fits. O(n^3 * resolution)."""
+    need = min_budget(costs)
+    if budget_bytes < need:
+        raise PlanError(
+            f"a budget of {budget_bytes} bytes cannot hold this chain: the least any plan needs is "
+            f"{need} bytes (x_0, one stage's input and output, and its tape)"
+        )
+    sizes = [*costs.state_bytes, *costs.tape_bytes]
+    exact = math.gcd(*sizes) if any(sizes) else 1
+    if exact and budget_bytes // exact <= 16 * resolution:
+        return _optimal_in_units(costs, budget_bytes, exact, need)  # exact: every size is a multiple
+    for res in (resolution, 4 * resolution, 16 * resolution):
+        try:
+            return _optimal_in_units(costs, budget_bytes, max(1, budget_bytes // res), need)
+        except PlanError:
+            continue
+    raise PlanError(
+        f"no plan fits {budget_bytes} bytes at a resolution of {16 * resolution} units; the least any plan "
+        f"needs is {need} bytes: give a little more memory"
+    )
+
+
+class _ReverseDP:
+    """The dynamic program behind :func:`optimal` (and the segments of :func:`offload`): the least
+    recomputation time to reverse [a, b) from the kept x_a within ``mem`` units of memory (x_a's
+    included), either directly (b = a + 1) or by advancing to some k, keeping x_k, reversing
+    [k, b) with the memory x_a leaves, then [a, k). Sizes are rounded up to ``unit`` bytes."""
+
+    def __init__(self, costs: StageCosts, unit: int) -> None:
+        self.x = [-(-b // unit) for b in costs.state_bytes]
+        self.tape = [-(-b // unit) for b in costs.tape_bytes]
+        self.prefix = [0.0]
+        for i in range(costs.n):
+            self.prefix.append(self.prefix[-1] + costs.advance_cost(i))
+        self.best = lru_cache(maxsize=None)(self._best)
+
+    def _best(self, a: int, b: int, mem: int) -> tuple[float, int]:
+        """(cost, split); split 0 means reverse directly."""
+        x, tape = self.x, self.tape
+        if b - a == 1:
+            return (0.0, 0) if x[a] + tape[a] <= mem else (math.inf, -1)
+        top: tuple[float, int] = (math.inf, -1)
+        peak = x[a] + x[a + 1]  # advancing from x_a (kept and current) to x_{a+1}
+        for k in range(a + 1, b):
+            if k > a + 1:
+                peak = max(peak, x[a] + x[k - 1] + x[k])
+            if peak > mem:
+                break
+            right = self.best(k, b, mem - x[a])[0]
+            if right == math.inf:
+                continue
+            left = self.best(a, k, mem)[0]
+            total = self.prefix[k] - self.prefix[a] + right + left
+            if total < top[0]:
+                top = (total, k)
+        return top
+
+    def emit(self, a: int, b: int, mem: int, out: list[Action]) -> None:
+        _, k = self.best(a, b, mem)
+        if k == 0:
+            out.append((Op.BACKWARD, a))
+            return
+        out.extend((Op.ADVANCE, i) for i in range(a, k))
+        out.append((Op.SNAPSHOT, k))
+        self.emit(k, b, mem - self.x[a], out)
+        out += [(Op.FREE, k), (Op.RESTORE, a)]
+        self.emit(a, k, mem, out)
+
+
+@contextlib.contextmanager
+def _deep_recursion(n: int) -> Iterator[None]:
+    old = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(old, 10 * n + 1000))
+    try:
+        yield
+    finally:
+        sys.setrecursionlimit(old)
+
+
+def _optimal_in_units(costs: StageCosts, budget_bytes: int, unit: int, need: int) -> Plan:
+    n = costs.n
+    dp = _ReverseDP(costs, unit)
+    budget = budget_bytes // unit
+    with _deep_recursion(n):
+        if dp.best(0, n, budget)[0] == math.inf:  # rounding up to units lost the last few bytes
+            raise PlanError(f"no plan fits {budget_bytes} bytes in units of {unit} bytes (the least is {need})")
+        actions: list[Action] = [(Op.SNAPSHOT, 0)]
+        dp.emit(0, n, budget, actions)
+        actions.append((Op.FREE, 0))
+    return checked_plan("optimal", n, actions)
+
+
+# ---- the checkpoint subset of least peak memory --------------------------------------------------
+def min_peak(costs: StageCosts) -> Plan:
+    """The checkpoint subset whose plan (:func:`segments_plan`) has the least peak activation
+    memory, by an O(n^2) dynamic program over the next kept input (after Hong et al., 2025).
+
+    With K_j the bytes kept before segment j = [a, b), reversing it peaks at
+    K_j + max_i (x_{a+1} + .. + x_i + tape_i) over i in [a, b), and the forward sweep through it at
+    K_j + x_j + x_{j+1} (x_a not counted twice); G(p) = x_p + min_q max(peak of [p, q), G(q))."""
+    n, x, tape = costs.n, costs.state_bytes, costs.tape_bytes
+    inf = math.inf
+    g: list[float] = [inf] * (n + 1)
+    nxt: list[int] = [n] * (n + 1)
+    for p in range(n - 1, -1, -1):
+        best_val, best_q = inf, n
+        inner = 0  # x_{p+1} + .. + x_{q-1}
+        seg = 0  # max over i in [p, q) of (x_{p+1} + .. + x_i + tape_i)
+        fwd = 0  # max over j in [p, q-1) of the forward sweep's x_j + x_{j+1} (x_p is kept)
+        for q in range(p + 1, n + 1):
+            i = q - 1
+            seg = max(seg, inner + (x[i] if i > p else 0) + tape[i])
+            inner += x[i] if i > p else 0
+            if q == n:
+                val = seg
+            else:
+                fwd = max(fwd, (x[i] if i > p else 0) + x[q])
+                val = max(seg, fwd, g[q])
+            if val < best_val:
+                best_val, best_q = val, q
+        g[p] = x[p] + best_val
+        nxt[p] = best_q
+    bounds = [0]
+    while nxt[bounds[-1]] < n:
+        bounds.append(nxt[bounds[-1]])
+    return segments_plan(n, bounds, "min_peak")
+
+
+def auto(costs: StageCosts, budget_bytes: int) -> Plan:
+    """The fastest plan, by the cost model, among every planner's whose activation memory fits
+    ``budget_bytes`` (checked exactly with :func:`simulate`), ``offload`` included when the costs
+    give a host bandwidth. Named ``auto(<chosen>)``."""
+    n = costs.n
+    need = min_budget(costs)
+    if budget_bytes < need:
+        raise PlanError(f"a budget of {budget_bytes} bytes cannot hold this chain: the least any plan needs is {need} bytes")
+    candidates = [store_all(n), sqrt_segments(n), sqrt_segments(n, recursive=True), divide_and_conquer(n), min_peak(costs)]
+    candidates += [revolve(n, k) for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if k < n]
+    try:
+        candidates.append(optimal(costs, budget_bytes))
+    except PlanError:
+        pass  # rounding to memory units can lose a bound-hugging budget; the others still compete
+    if costs.host_bandwidth > 0:  # host memory is there too: its copies run beside compute
+        try:
+            candidates.append(offload(costs, budget_bytes))
+        except PlanError:
+            pass
+    fits = []
+    for plan in candidates:
+        peak = simulate(n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes).peak_bytes
+        if peak <= budget_bytes:
+            fits.append((plan_time(costs, plan), plan.advances, peak, plan.name, plan))
+    if not fits:
+        raise PlanError(f"no plan fits {budget_bytes} bytes (the least any plan needs is {need} bytes)")
+    best = min(fits, key=lambda f: f[:4])[-1]
+    return Plan(f"auto({best.name})", n, best.actions, best.advances, best.peak_slots, best.peak_states)
+
+
+# ---- asynchronous multistage checkpointing: offload to host memory --------------------------------
+def offload_spacing(costs: StageCosts, bandwidth: float) -> int:
+    """The smallest k such that copying one stage input to the host (at ``bandwidth`` bytes/s)
+    takes no longer than running k stages (each the longer of its forward and its weight fetch):
+    offloading every k-th input keeps up with compute."""
+    if bandwidth <= 0:
+        raise PlanError(f"offload needs a host transfer bandwidth > 0 bytes/s, got {bandwidth}")
+    per_stage = sum(max(costs.forward_s[i], costs.advance_cost(i) - costs.forward_s[i]) for i in range(costs.n))
+    per_stage /= costs.n
+    copy = max(costs.state_bytes) / bandwidth
+    return max(1, math.ceil(copy / per_stage - 1e-9)) if per_stage > 0 else 1
+
+
+def _reverse_need(costs: StageCosts, a: int, b: int) -> int:
+    """The least memory that reverses the sub-chain [a, b) from a kept x_a (see :func:`min_budget`)."""
+    x, tape = costs.state_bytes, costs.tape_bytes
+    need = x[a] + tape[a] if b - a == 1 else max(x[a] + tape[a], x[a] + x[a + 1])
+    for j in range(a + 1, b):
+        need = max(need, x[a] + x[j] + tape[j])
+        if j + 1 < b:
+            need = max(need, x[a] + x[j] + x[j + 1])
+    return need
+
+
+def offload(
+    costs: StageCosts,
+    budget_bytes: int,
+    bandwidth: float | None = None,
+    *,
+    spacing: int | None = None,
+    resolution: int = 256,
+) -> Plan:
+    """Asynchronous multistage checkpointing (after Kukreja, Hueckelheim and Gorman, 2018).
+
+    Forward: one sweep that offloads every ``spacing``-th input to host memory (by default as
+    often as the transfer keeps up with compute: :func:`offload_spacing`). Backward: segment by
+    segment from the last, the next segment's start is prefetched ahead while the current one is
+    reversed in the device memory the budget leaves, by the dynamic program of :func:`optimal`
+    (least recomputation time, weight fetches included; on equal stages it recomputes as Revolve
+    does). Recomputation per stage depends on the spacing and the budget only, so it is the same
+    for any n."""
+    n = costs.n
+    bw = bandwidth if bandwidth is not None else costs.host_bandwidth
+    k = spacing if spacing is not None else offload_spacing(costs, bw)
+    if k < 1:
+        raise PlanError(f"spacing must be >= 1, got {k}")
+    starts = list(range(0, n, k))
+    ends = [*starts[1:], n]
+    x = costs.state_bytes
+    # device memory: during the forward sweep the current and next inputs and the source of an
+    # offload still copying; in backward a segment's reversal plus the next start arriving
+    need = max(x[i] + x[i + 1] + x[s] for s, e in zip(starts, ends) for i in range(s, min(e, n - 1))) if n > 1 else 0
+    for j, (s0, e0) in enumerate(zip(starts, ends)):
+        need = max(need, _reverse_need(costs, s0, e0) + (x[starts[j - 1]] if j > 0 else 0))
+    if budget_bytes < need:
+        raise PlanError(
+            f"a budget of {budget_bytes} bytes cannot hold the offload plan: it needs at least {need} bytes "
+            "(a segment's start, the current input and the next or a tape, and the next segment's start)"
+        )
+    sizes = [*costs.state_bytes, *costs.tape_bytes]
+    exact = math.gcd(*sizes) if any(sizes) else 1
+    unit = exact if exact and budget_bytes // exact <= 16 * resolution else max(1, budget_bytes // (16 * resolution))
+    dp = _ReverseDP(costs, unit)
+    budget = budget_bytes // unit
+    actions: list[Action] = []
+    for j, s0 in enumerate(starts):  # the forward sweep, offloading segment starts
+        actions.append((Op.OFFLOAD, s0))
+        if j + 1 < len(starts):
+            actions.extend((Op.ADVANCE, i) for i in range(s0, ends[j]))
+    last = len(starts) - 1
+    actions.append((Op.SNAPSHOT, starts[last]))
+    with _deep_recursion(k):
+        for j in range(last, -1, -1):
+            s0, e0 = starts[j], ends[j]
+            mem = budget
+            if j > 0:
+                actions.append((Op.PREFETCH, starts[j - 1]))  # overlaps this segment's reversal
+                mem -= dp.x[starts[j - 1]]
+            if dp.best(s0, e0, mem)[0] == math.inf:
+                raise PlanError(
+                    f"no offload plan fits {budget_bytes} bytes in units of {unit} bytes (the least is {need})"
+                )
+            dp.emit(s0, e0, mem, actions)
+            actions += [(Op.FREE, s0), (Op.FREE_HOST, s0)]
+            if j > 0:
+                actions.append((Op.RESTORE, starts[j - 1]))
+    return checked_plan("offload", n, actions)
+
