@@ -1,4 +1,10 @@
-"""Fixtures: a real ``wstream-server`` subprocess on an ipc endpoint, and worker subprocesses."""
+"""Fixtures: a ``wstream-server`` (in this process, or a real subprocess) and worker subprocesses.
+
+The ``server`` fixture is an in-process server (``wstream.server.inprocess``): the very same
+server code on a thread of the test process, on an ipc endpoint, without the second or two a
+server process takes to start and stop. A test of transport, signals, crashes or shared memory
+across processes is marked ``@pytest.mark.server_process`` and gets a real ``wstream-server``
+process from the same fixture (tests that restart or kill servers call ``start_server``)."""
 
 from __future__ import annotations
 
@@ -17,6 +23,7 @@ import pytest
 
 from wstream.client import Client, ServerUnavailable, wait_for_server
 from wstream.protocol.shm import segment_paths
+from wstream.server.inprocess import InProcessServer
 
 HERE = Path(__file__).parent
 
@@ -78,17 +85,34 @@ def free_tcp_address() -> str:
         return f"tcp://127.0.0.1:{s.getsockname()[1]}"
 
 
-@pytest.fixture
-def server(tmp_path: Path) -> Iterator[ServerProcess]:
-    srv = start_server(tmp_path, "--memory-limit", "4GiB")
-    yield srv
-    rc = srv.stop()
-    assert rc == 0, f"server exited with {rc}\n{srv.log()}"
-    assert not segment_paths(srv.proc.pid), f"server left shared-memory segments\n{srv.log()}"
+@dataclass
+class ServerThread:
+    """The in-process server as the tests see it: where it listens and how to reach it."""
+
+    address: str
+    inprocess: InProcessServer
+    client_options: dict[str, Any] = field(default_factory=dict)
 
 
 @pytest.fixture
-def client(server: ServerProcess) -> Iterator[Client]:
+def server(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[ServerProcess | ServerThread]:
+    """A server with a 4 GiB memory limit: in this process, or a real process for a test marked
+    ``server_process``. Either must stop cleanly and leave no shared-memory segment behind."""
+    if request.node.get_closest_marker("server_process") is not None:
+        srv = start_server(tmp_path, "--memory-limit", "4GiB")
+        yield srv
+        rc = srv.stop()
+        assert rc == 0, f"server exited with {rc}\n{srv.log()}"
+        assert not segment_paths(srv.proc.pid), f"server left shared-memory segments\n{srv.log()}"
+        return
+    inprocess = InProcessServer(bind=[f"ipc://{tmp_path / 'server.sock'}"], memory_limit=4 * 2**30)
+    yield ServerThread(inprocess.address, inprocess)
+    inprocess.stop()
+    assert not segment_paths(os.getpid()), "the in-process server left shared-memory segments"
+
+
+@pytest.fixture
+def client(server: ServerProcess | ServerThread) -> Iterator[Client]:
     with Client(server.address, timeout=30) as c:
         yield c
 

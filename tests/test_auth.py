@@ -54,6 +54,7 @@ def _finish_worker(proc: subprocess.Popen[bytes], out: Path, steps: int) -> None
     assert len(json.loads(out.read_text())["losses"]) == steps
 
 
+@pytest.mark.server_process  # raw ZeroMQ peers on the wire
 def test_the_token_never_travels_after_creation(server: ServerProcess, client: Client) -> None:
     client.create_job("quiet", models.mixed(seed=1), optimizer=AdamW(), token=TOKEN)
     peer = RawPeer(server.address)
@@ -141,6 +142,7 @@ def _refusals_beside_a_training_job(srv: ServerProcess, client: Client, ttl: flo
     assert {j.name: j.step for j in client.status().jobs}["busy"] == steps
 
 
+@pytest.mark.server_process  # raw ZeroMQ peers on the wire
 def test_without_an_admin_secret_a_job_session_manages_only_its_own_job(server: ServerProcess, client: Client) -> None:
     a = client.create_job("a", [nn.Linear(4, 4)], token="ta")
     client.create_job("b", [nn.Linear(4, 4)], token="tb")

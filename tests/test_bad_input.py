@@ -30,6 +30,7 @@ def _attach_worker(peer: RawPeer, job: str, token: str, *, shm: bool) -> RawSess
     return session
 
 
+@pytest.mark.server_process  # a worker subprocess and raw peers on the wire
 def test_every_bad_message_is_answered_while_another_job_trains(server: ServerProcess, tmp_path: Path) -> None:
     steps = 8
     stages = models.mixed(seed=11)

@@ -61,6 +61,7 @@ def test_delayed_update_is_the_delayed_update_exactly(client: Client, mode: str,
     assert max((sync[k] - want[k]).abs().max().item() for k in want) > 1e-4
 
 
+@pytest.mark.server_process  # workers in other processes
 def test_delayed_update_with_two_workers(server: ServerProcess, tmp_path: Path) -> None:
     stages = models.mixed()
     start = copy.deepcopy(stages)

@@ -90,6 +90,7 @@ def test_dropout_recomputation_replays_the_same_masks(client: Client) -> None:
     assert_weights_equal(job.state_dict(), want, atol=1e-6)
 
 
+@pytest.mark.server_process  # workers in other processes (shared memory across processes)
 @pytest.mark.parametrize("mode", ["zero-copy", "shm-copy", "frames"])
 def test_two_workers_equal_training_on_the_mean_gradient(server: ServerProcess, tmp_path: Path, mode: str) -> None:
     stages = models.mixed(seed=5)

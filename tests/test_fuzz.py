@@ -80,6 +80,7 @@ from typing import Any
 import msgpack
 import msgspec
 import psutil
+import pytest
 import torch
 import zmq
 from hypothesis import HealthCheck, Phase, given, settings
@@ -1356,6 +1357,7 @@ def server_rss(server: ServerProcess) -> int:
     return psutil.Process(server.proc.pid).memory_info().rss
 
 
+@pytest.mark.server_process  # measures the server process's memory and raw wire input
 def test_fuzz_every_op_while_a_job_trains(server: ServerProcess) -> None:
     stages = models.mixed(seed=21)
     start = copy.deepcopy(stages)

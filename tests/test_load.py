@@ -112,6 +112,7 @@ def open_barrier(barrier: Path, procs: list[tuple[subprocess.Popen[bytes], Path,
     (barrier / "go").touch()
 
 
+@pytest.mark.server_process  # workers in other processes, the server's log
 def test_jobs_times_workers_at_once_match_their_serial_references(server: ServerProcess, tmp_path: Path) -> None:
     starts = {case.name: models.mixed(seed=case.seed) for case in CASES}
     wants = {case.name: reference(case, copy.deepcopy(starts[case.name])) for case in CASES}

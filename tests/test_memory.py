@@ -43,6 +43,7 @@ def _worker_growth(server: ServerProcess, tmp_path: Path, n: int, prefetch: int,
     return report
 
 
+@pytest.mark.server_process  # a worker subprocess measures its own memory
 @pytest.mark.parametrize("mode", ["copy", "zero-copy"])
 def test_64_stage_model_keeps_only_prefetch_plus_one_stages(server: ServerProcess, tmp_path: Path, mode: str) -> None:
     width, prefetch = 1024, 2

@@ -35,6 +35,7 @@ def torchrun(address: str, job: str, ranks: int, reduce: str, tmp_path: Path, *e
     return [json.loads((tmp_path / f"{reduce}-{r}.json").read_text()) for r in range(ranks)]
 
 
+@pytest.mark.server_process  # torchrun ranks in other processes
 @pytest.mark.parametrize("reduce", ["server", "allreduce"])
 def test_torchrun_ranks_train_like_one_process_on_the_mean_gradient(
     server: ServerProcess, tmp_path: Path, reduce: str
