@@ -53,7 +53,7 @@ from wstream.protocol.layout import numel_of, validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
-from .metrics import JobCounters
+from .counters import JobCounters
 from .optimizer import StageOptimizer, state_bytes_per_element
 from .snapshot import JobRecord, Snapshot
 
@@ -237,7 +237,7 @@ class Job:
         self.stages: list[StageState] = []
         self.workers: dict[int, Worker] = {}
         self._next_worker = 0
-        self.counters = JobCounters()  # bytes served, gradients, durations (server/metrics.py)
+        self.counters = JobCounters()  # bytes served, gradients, durations (server/counters.py)
         self.num_params = 0
         self.sealed = False
         self.timeline: deque[m.TraceEvent] = deque(maxlen=m.MAX_TRACE_EVENTS)  # for ``timeline``

@@ -51,7 +51,8 @@ from .auth import NonceStore, ReplayWindow, start_authenticator
 from .config import ServerConfig, read_admin_secret
 from .job import Job, Outgoing, UpdateTask
 from .memory import MemoryAccount
-from .metrics import MetricsEndpoint, ServerCounters
+from .counters import ServerCounters
+from .metrics import MetricsEndpoint
 from .snapshot import Snapshot, SnapshotError, SnapshotStore, Waiter
 
 log = logging.getLogger(__name__)
