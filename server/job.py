@@ -53,6 +53,7 @@ from wstream.protocol.layout import numel_of, validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
+from .outgoing import Outgoing
 from .counters import JobCounters
 from .optimizer import StageOptimizer, state_bytes_per_element
 from .snapshot import JobRecord, Snapshot
@@ -71,15 +72,6 @@ def token_digest(token: str) -> bytes:
     """What the server keeps of a job's token (in memory and in snapshots): the HMAC key of
     NOTE [Signed requests] in ``protocol/auth.py``."""
     return secret_key(token)
-
-
-@dataclass(slots=True)
-class Outgoing:
-    """A reply to send: ``identity`` is the ROUTER routing id of the requesting socket."""
-
-    identity: bytes
-    message: m.Message
-    frames: list[object] = field(default_factory=list)
 
 
 @dataclass(slots=True)
