@@ -1,4 +1,5 @@
-"""What the server counts that no state holds: bytes served, gradients, durations, requests, errors.
+"""What the server counts that no state holds: bytes served, gradients, durations, requests, errors;
+and the trace events a job keeps for ``timeline``.
 
 Written by the loop thread only and read by :mod:`wstream.server.metrics` at scrape time (NOTE
 [Metrics are read from the server's state at scrape time] in metrics.py, rules 2 and 3). Kept apart
@@ -14,6 +15,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from prometheus_client.utils import floatToGoString
+
+from wstream.protocol import messages as m
 
 OPTIMIZER_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
 """Seconds of one stage update: from a small layer (tens of microseconds) to a huge one."""
@@ -107,3 +110,25 @@ class ServerCounters:
 
     requests: Counter[str] = field(default_factory=Counter)
     errors: Counter[str] = field(default_factory=Counter)
+
+
+class Timeline:
+    """A job's last :data:`~wstream.protocol.messages.MAX_TRACE_EVENTS` trace events (gradients
+    gathered, updates queued and run, fetches deferred), returned by ``timeline``; loop thread only."""
+
+    __slots__ = ("dropped", "events")
+
+    def __init__(self) -> None:
+        self.events: deque[m.TraceEvent] = deque(maxlen=m.MAX_TRACE_EVENTS)
+        self.dropped = 0  # events pushed out by newer ones
+
+    def add(self, name: str, cat: str, lane: str, start_ns: int, end_ns: int, stage: int, step: int) -> None:
+        if len(self.events) == self.events.maxlen:
+            self.dropped += 1
+        self.events.append(
+            m.TraceEvent(name=name, cat=cat, lane=lane, start_ns=start_ns, dur_ns=end_ns - start_ns, stage=stage, step=step)
+        )
+
+    def since(self, since_ns: int) -> list[m.TraceEvent]:
+        """The events that ended at or after ``since_ns``."""
+        return [e for e in self.events if e.start_ns + e.dur_ns >= since_ns]

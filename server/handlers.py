@@ -44,6 +44,7 @@ from wstream.protocol.shm import SegmentSpaceError
 from .config import ServerConfig
 from .counters import ServerCounters
 from .job import Job, UpdateTask
+from .job_views import attached_reply, job_info
 from .memory import MemoryAccount
 from .outgoing import Outbox, Outgoing
 from .sessions import Session, SessionTable
@@ -251,7 +252,7 @@ class Handlers:
         self.jobs[msg.name] = job
         log.info("job %r created; waiting for its stages", msg.name)
         sid = self.sessions.open(job, job.session_key(msg.nonce, msg.client_nonce))
-        return Outgoing(identity, job.attached_reply(sid, self.config.lease_s, msg.id))
+        return Outgoing(identity, attached_reply(job, sid, self.config.lease_s, msg.id))
 
     def _on_attach(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
         assert isinstance(msg, m.Attach)
@@ -261,7 +262,7 @@ class Handlers:
             raise UnknownJobError(f"no job named {msg.name!r} on this server")
         job.check_proof(msg.nonce, msg.client_nonce, msg.proof)
         sid = self.sessions.open(job, job.session_key(msg.nonce, msg.client_nonce))
-        return Outgoing(identity, job.attached_reply(sid, self.config.lease_s, msg.id))
+        return Outgoing(identity, attached_reply(job, sid, self.config.lease_s, msg.id))
 
     def _on_admin_attach(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
         assert isinstance(msg, m.AdminAttach)
@@ -316,7 +317,7 @@ class Handlers:
             job.reserved,
             self.memory.free,
         )
-        reply = job.attached_reply(msg.session, self.config.lease_s, msg.id)
+        reply = attached_reply(job, msg.session, self.config.lease_s, msg.id)
         if self.snapshots.enabled:  # answered once the job is durable: a crash cannot lose it after
             self.snapshots.request(job, Waiter(identity, msg.id, lambda *_: reply), "creation")
             return None
@@ -364,8 +365,8 @@ class Handlers:
     def _on_timeline(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
         assert isinstance(msg, m.Timeline)
         _, job = self.sessions.job_session(msg.session)
-        events = job.timeline_since(msg.since_ns)
-        reply = m.TimelineReply(id=msg.id, now_ns=time.monotonic_ns(), events=events, dropped=job.timeline_dropped)
+        events = job.timeline.since(msg.since_ns)
+        reply = m.TimelineReply(id=msg.id, now_ns=time.monotonic_ns(), events=events, dropped=job.timeline.dropped)
         return Outgoing(identity, reply)
 
     # ---- administration ------------------------------------------------------------------------
@@ -386,7 +387,7 @@ class Handlers:
             uptime_s=time.monotonic() - self.started,
             memory_limit=self.memory.limit,
             memory_used=self.memory.used,
-            jobs=[j.info() for j in self.jobs.values()],
+            jobs=[job_info(j) for j in self.jobs.values()],
         )
         return Outgoing(identity, reply)
 
