@@ -21,22 +21,9 @@ from typing import Any
 
 import zmq
 
-from wstream.protocol import (
-    PROTOCOL_VERSION,
-    AuthError,
-    InternalError,
-    JobExistsError,
-    LayoutError,
-    MemoryLimitError,
-    NotReadyError,
-    ProtocolError,
-    StateError,
-    UnknownJobError,
-    WstreamError,
-    check_frames,
-    decode_request,
-    peek_id,
-)
+from wstream.protocol import PROTOCOL_VERSION, AuthError, InternalError, JobExistsError, LayoutError
+from wstream.protocol import MemoryLimitError, NotReadyError, ProtocolError, StateError, UnknownJobError
+from wstream.protocol import WstreamError, check_frames, decode_request, peek_id
 from wstream.protocol import messages as m
 from wstream.protocol.auth import admin_proof, session_key
 from wstream.protocol.shm import SegmentSpaceError
@@ -226,7 +213,7 @@ class Handlers:
             raise UnknownJobError(f"no job named {msg.base!r} on this server (the base of {msg.name!r})")
         if not base.frozen or not base.ready:
             raise StateError(f"job {msg.base!r} is not a frozen, ready base (create it with frozen=True)")
-        base.check_base_proof(msg.nonce, msg.client_nonce, msg.base_proof)
+        base.key.check_base_proof(msg.nonce, msg.client_nonce, msg.base_proof)
         if msg.dtype != base.dtype:
             raise LayoutError(
                 f"job {msg.name!r} computes in {msg.dtype}; its base {msg.base!r} in {base.dtype}: "
@@ -251,7 +238,7 @@ class Handlers:
         job.base = base
         self.jobs[msg.name] = job
         log.info("job %r created; waiting for its stages", msg.name)
-        sid = self.sessions.open(job, job.session_key(msg.nonce, msg.client_nonce))
+        sid = self.sessions.open(job, job.key.session_key(msg.nonce, msg.client_nonce))
         return Outgoing(identity, attached_reply(job, sid, self.config.lease_s, msg.id))
 
     def _on_attach(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
@@ -260,8 +247,8 @@ class Handlers:
         job = self.jobs.get(msg.name)
         if job is None:
             raise UnknownJobError(f"no job named {msg.name!r} on this server")
-        job.check_proof(msg.nonce, msg.client_nonce, msg.proof)
-        sid = self.sessions.open(job, job.session_key(msg.nonce, msg.client_nonce))
+        job.key.check_proof(msg.nonce, msg.client_nonce, msg.proof)
+        sid = self.sessions.open(job, job.key.session_key(msg.nonce, msg.client_nonce))
         return Outgoing(identity, attached_reply(job, sid, self.config.lease_s, msg.id))
 
     def _on_admin_attach(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:

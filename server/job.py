@@ -29,7 +29,6 @@ its workers in :mod:`~wstream.server.workers`; this module keeps the rules that 
 
 from __future__ import annotations
 
-import hmac
 import logging
 import threading
 import time
@@ -40,17 +39,15 @@ from typing import Any
 import torch
 
 from wstream.protocol import (
-    AuthError,
     LayoutError,
     NotReadyError,
     StaleStepError,
     StateError,
 )
 from wstream.protocol import messages as m
-from wstream.protocol.auth import attach_proof, base_proof, secret_key, session_key
-from wstream.protocol.frames import tensor_frames
 
 from .counters import JobCounters, Timeline
+from .job_key import JobKey, token_digest
 from .memory import MemoryAccount
 from .outgoing import Outgoing
 from .published import PublishedStages
@@ -63,18 +60,12 @@ __all__ = ["MAX_WAITING_FETCHES", "Job", "Outgoing", "UpdateTask", "token_digest
 log = logging.getLogger(__name__)
 
 
-def token_digest(token: str) -> bytes:
-    """What the server keeps of a job's token (in memory and in snapshots): the HMAC key of
-    NOTE [Signed requests] in ``protocol/auth.py``."""
-    return secret_key(token)
-
-
 class Job:
     """A job: its stages in shared memory, its optimizer, its workers and sessions."""
 
     def __init__(self, record: JobRecord, memory: MemoryAccount, total_numel: int | None = None) -> None:
         self.name = record.name
-        self._token = record.token_digest
+        self.key = JobKey(record.name, record.token_digest)  # attach and base proofs, session keys
         self.optimizer_spec = record.optimizer
         self.dtype = record.dtype
         self.delayed_update = record.delayed_update
@@ -147,7 +138,7 @@ class Job:
     def record(self) -> JobRecord:
         return JobRecord(
             self.name,
-            self._token,
+            self.key.digest,
             self.optimizer_spec,
             self.dtype,
             self.double_buffer,
@@ -193,19 +184,6 @@ class Job:
             st.waiting_pull.clear()
 
     # ---- queries -----------------------------------------------------------------------------------
-    def check_proof(self, nonce: bytes, client_nonce: bytes, proof: bytes) -> None:
-        """Check an attach proof (the expected value is never revealed)."""
-        if not hmac.compare_digest(proof, attach_proof(self._token, self.name, nonce, client_nonce)):
-            raise AuthError(f"wrong token for job {self.name!r}: the attach proof does not match")
-
-    def check_base_proof(self, nonce: bytes, client_nonce: bytes, proof: bytes | None) -> None:
-        """Check the proof a new job gives of this (frozen) job's token, to train on top of it."""
-        if proof is None or not hmac.compare_digest(proof, base_proof(self._token, self.name, nonce, client_nonce)):
-            raise AuthError(f"wrong token for the base {self.name!r}: the base proof does not match")
-
-    def session_key(self, nonce: bytes, client_nonce: bytes) -> bytes:
-        return session_key(self._token, nonce, client_nonce)
-
     @property
     def ready(self) -> bool:
         return self.sealed
@@ -330,20 +308,8 @@ class Job:
         return max(step - 1, self.base_step)
 
     def _weights_reply(self, st: StageState, version: int, identity: bytes, request_id: int, shm: bool) -> Outgoing:
-        k = st.slot_for(version)
         base = self.base.stages[st.index] if self.base is not None else None
-        reply = m.Weights(
-            id=request_id,
-            stage=st.index,
-            step=version,
-            offset=st.slot_offsets[k],
-            base_offset=base.slot_offsets[0] if base is not None else None,
-        )
-        self.counters.served["fetch", "shm" if shm else "frames"] += st.slots[k].nbytes
-        frames: list[object] = [] if shm else list(tensor_frames(st.slots[k]))
-        if base is not None and not shm:  # the base's stage follows the stage's own bytes
-            frames += tensor_frames(base.slots[0])
-        return Outgoing(identity, reply, frames)
+        return st.weights_reply(version, identity, request_id, shm, base, self.counters.served)
 
     def push(
         self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker, submit: Callable[[UpdateTask], None]
@@ -461,7 +427,4 @@ class Job:
         return self.pull_reply(st, identity, msg.id)
 
     def pull_reply(self, st: StageState, identity: bytes, request_id: int) -> Outgoing:
-        snapshot = st.master.clone()  # the master changes in place with the next update
-        self.counters.served["pull", "frames"] += snapshot.nbytes
-        return Outgoing(identity, m.Master(id=request_id, stage=st.index, version=st.version), list(tensor_frames(snapshot)))
-
+        return st.master_reply(identity, request_id, self.counters.served)

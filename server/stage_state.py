@@ -18,7 +18,7 @@ import torch
 
 from wstream.protocol import GradientError, StaleStepError
 from wstream.protocol import messages as m
-from wstream.protocol.frames import copy_frames_into, frames_nbytes
+from wstream.protocol.frames import copy_frames_into, frames_nbytes, tensor_frames
 
 from .optimizer import StageOptimizer, state_bytes_per_element
 from .outgoing import Outgoing
@@ -100,6 +100,31 @@ class StageState:
 
     def slot_for(self, version: int) -> int:
         return version % 2
+
+    def weights_reply(
+        self, version: int, identity: bytes, request_id: int, shm: bool, base: StageState | None, served: dict[tuple[str, str], int]
+    ) -> Outgoing:
+        """The ``weights`` of ``version`` (its slot; in data frames unless ``shm``), followed by the
+        base's stage when the job has a base; the bytes are counted in ``served``."""
+        k = self.slot_for(version)
+        reply = m.Weights(
+            id=request_id,
+            stage=self.index,
+            step=version,
+            offset=self.slot_offsets[k],
+            base_offset=base.slot_offsets[0] if base is not None else None,
+        )
+        served["fetch", "shm" if shm else "frames"] += self.slots[k].nbytes
+        frames: list[object] = [] if shm else list(tensor_frames(self.slots[k]))
+        if base is not None and not shm:  # the base's stage follows the stage's own bytes
+            frames += tensor_frames(base.slots[0])
+        return Outgoing(identity, reply, frames)
+
+    def master_reply(self, identity: bytes, request_id: int, served: dict[tuple[str, str], int]) -> Outgoing:
+        """The ``master`` reply of ``pull``: a copy of the fp32 master, in data frames."""
+        snapshot = self.master.clone()  # the master changes in place with the next update
+        served["pull", "frames"] += snapshot.nbytes
+        return Outgoing(identity, m.Master(id=request_id, stage=self.index, version=self.version), list(tensor_frames(snapshot)))
 
     def accept_push(self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker) -> None:
         """Check a worker's gradient for this stage (NOTE [Versions ...] rules 1 and 4), copy it into
