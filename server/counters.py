@@ -78,7 +78,8 @@ class StepRate:
             self._bins.popleft()
 
     def rate(self, now: float) -> float:
-        """Steps per second; read-only, so safe from the scrape thread (NOTE [Metrics are read ...] rule 3)."""
+        """Steps per second; read-only, so safe from the scrape thread (NOTE [Metrics are read from
+        the server's state at scrape time] in metrics.py, rule 3)."""
         if self.since is None:
             return 0.0
         cutoff = int(now) - RATE_WINDOW_S
@@ -88,7 +89,8 @@ class StepRate:
 
 @dataclass(slots=True)
 class JobCounters:
-    """What one job counts for its metrics and status (NOTE [Metrics are read ...] rule 2: loop thread only)."""
+    """What one job counts for its metrics and status (loop thread only: NOTE [Metrics are read
+    from the server's state at scrape time] in metrics.py, rule 2)."""
 
     served: dict[tuple[str, str], int] = field(
         default_factory=lambda: {("fetch", "shm"): 0, ("fetch", "frames"): 0, ("pull", "frames"): 0}

@@ -127,8 +127,9 @@ class StageState:
         return Outgoing(identity, m.Master(id=request_id, stage=self.index, version=self.version), list(tensor_frames(snapshot)))
 
     def accept_push(self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker) -> None:
-        """Check a worker's gradient for this stage (NOTE [Versions ...] rules 1 and 4), copy it into
-        its slot when it came in data frames, and record it as pending."""
+        """Check a worker's gradient for this stage (NOTE [Versions and who may read what] in
+        job.py, rules 1 and 4), copy it into its slot when it came in data frames, and record it
+        as pending."""
         where = f"gradient of stage {msg.stage} step {msg.step}"
         if worker.reader:
             raise GradientError(f"{where}: this worker joined as a reader, which never pushes")
