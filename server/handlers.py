@@ -136,10 +136,11 @@ class Handlers:
         for task, error in completions:
             if error is not None:
                 log.error("update of job %r stage %d failed: %r", task.job.name, task.stage.index, error)
-            if self.jobs.get(task.job.name) is not task.job:
+            job = self.jobs.get(task.job.name)
+            if job is not task.job:
                 continue  # the job was dropped meanwhile
-            self.outbox.send_all(task.job.finish_update(task, error))
-            self.snapshots.maybe_snapshot(task.job)
+            self.outbox.send_all(job.finish_update(task, error))
+            self.snapshots.maybe_snapshot(job)
 
     def expire(self, now: float) -> None:
         """End the worker sessions whose lease ran out; drop jobs left unsealed too long."""
