@@ -18,14 +18,11 @@
 
 from __future__ import annotations
 
-import bisect
 import logging
-import math
 import time
-from collections import Counter, deque
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Protocol
 
 from prometheus_client import CollectorRegistry, ProcessCollector, start_http_server
 from prometheus_client.core import (
@@ -36,107 +33,77 @@ from prometheus_client.core import (
     SummaryMetricFamily,
 )
 from prometheus_client.registry import Collector
-from prometheus_client.utils import floatToGoString
 
-if TYPE_CHECKING:
-    from .job import Job
-    from .service import Server
+from .counters import RATE_WINDOW_S, Histogram, JobCounters, ServerCounters, StepRate
+
+__all__ = ["HELP", "Histogram", "MetricsEndpoint", "ServerCollector", "StepRate"]
 
 log = logging.getLogger(__name__)
 
-OPTIMIZER_BUCKETS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
-"""Seconds of one stage update: from a small layer (tens of microseconds) to a huge one."""
-SNAPSHOT_BUCKETS = (0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0, 300.0, 1000.0, 3000.0)
-"""Seconds of one snapshot, from start to durable."""
-RATE_WINDOW_S = 30
-"""``steps_per_s`` counts the steps completed over this many seconds."""
+
+# ---- what the collector reads (the server and its jobs match these structurally) -----------------
+class StageView(Protocol):
+    index: int
+    waiting_fetch: Sequence[object]
+    waiting_pull: Sequence[object]
+    pending: Mapping[int, object]
+    updates: int
+    optimizer_s: float
+    last_optimizer_s: float
 
 
-class Histogram:
-    """Observations in fixed buckets (Prometheus ``le`` semantics); one writer, read at scrape."""
-
-    __slots__ = ("bounds", "counts", "sum")
-
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one: above every bound
-        self.sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, value)] += 1
-        self.sum += value
+class JobView(Protocol):
+    name: str
+    dtype: str
+    num_params: int
+    counters: JobCounters
+    last_snapshot_step: int | None
 
     @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, float]]:
-        """``[(le, observations <= le), ..., ("+Inf", count)]`` from one copy of the buckets."""
-        total = 0
-        out = []
-        for bound, n in zip((*self.bounds, math.inf), list(self.counts)):
-            total += n
-            out.append((floatToGoString(bound), total))
-        return out
-
-
-class StepRate:
-    """Steps completed per second over the last :data:`RATE_WINDOW_S` seconds, counted in
-    one-second bins (memory bounded by the window, whatever the step rate)."""
-
-    __slots__ = ("_bins", "since")
-
-    def __init__(self) -> None:
-        self.since: float | None = None  # when training started: the rate is 0 before
-        self._bins: deque[list[int]] = deque()  # [second, steps completed in it], oldest first
-
-    def start(self, now: float) -> None:
-        if self.since is None:
-            self.since = now
-
-    def add(self, steps: int, now: float) -> None:
-        sec = int(now)
-        if self._bins and self._bins[-1][0] == sec:
-            self._bins[-1][1] += steps
-        else:
-            self._bins.append([sec, steps])
-        while self._bins[0][0] <= sec - RATE_WINDOW_S:
-            self._bins.popleft()
-
-    def rate(self, now: float) -> float:
-        """Steps per second; read-only, so safe from the scrape thread (NOTE rule 3)."""
-        if self.since is None:
-            return 0.0
-        cutoff = int(now) - RATE_WINDOW_S
-        steps = sum(n for sec, n in list(self._bins) if sec > cutoff)
-        return steps / min(float(RATE_WINDOW_S), max(now - self.since, 1.0))
+    def optimizer_spec(self) -> object: ...
+    @property
+    def stages(self) -> Sequence[StageView]: ...
+    @property
+    def workers(self) -> Mapping[int, object]: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def step(self) -> int: ...
+    @property
+    def updates_in_flight(self) -> int: ...
+    def memory_by_kind(self, workers: list[object] | None = None) -> dict[str, int]: ...
 
 
-@dataclass(slots=True)
-class JobCounters:
-    """What one job counts for its metrics and status (NOTE rule 2: loop thread only)."""
-
-    served: dict[tuple[str, str], int] = field(
-        default_factory=lambda: {("fetch", "shm"): 0, ("fetch", "frames"): 0, ("pull", "frames"): 0}
-    )
-    """Bytes of weights served, by (op, via): a shared-memory reply counts the bytes it points at."""
-    gradients: int = 0
-    gradient_bytes: int = 0
-    optimizer: Histogram = field(default_factory=lambda: Histogram(OPTIMIZER_BUCKETS))
-    """Seconds of every stage update (its count is the job's updates, its sum its optimizer time)."""
-    snapshots: Histogram = field(default_factory=lambda: Histogram(SNAPSHOT_BUCKETS))
-    snapshot_bytes: int = 0
-    snapshot_failures: int = 0
-    steps: StepRate = field(default_factory=StepRate)
+class SessionView(Protocol):
+    @property
+    def admin(self) -> bool: ...
+    @property
+    def worker(self) -> int | None: ...
 
 
-@dataclass(slots=True)
-class ServerCounters:
-    """Requests decoded, by op, and error replies sent, by code (loop thread only)."""
+class MemoryView(Protocol):
+    limit: int
+    used: int
 
-    requests: Counter[str] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)
 
+class MetricsConfig(Protocol):
+    @property
+    def metrics_stage_limit(self) -> int: ...
+
+
+class ServerView(Protocol):
+    """What :class:`ServerCollector` reads of a server (``wstream.server.service.Server``)."""
+
+    counters: ServerCounters
+
+    @property
+    def config(self) -> MetricsConfig: ...
+    @property
+    def memory(self) -> MemoryView: ...
+    @property
+    def jobs(self) -> Mapping[str, JobView]: ...
+    @property
+    def sessions(self) -> Mapping[bytes, SessionView]: ...
 
 HELP: dict[str, str] = {
     "wstream_memory_limit_bytes": "Bytes all jobs together may hold (--memory-limit).",
@@ -209,7 +176,7 @@ class _Families:
 class ServerCollector(Collector):
     """Builds every ``wstream_*`` family from the server's state when scraped (see the NOTE)."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: ServerView) -> None:
         self._server = server
 
     def describe(self) -> list[Metric]:
@@ -235,7 +202,7 @@ class ServerCollector(Collector):
         return iter(out)
 
 
-def _collect_job(out: _Families, job: Job, now: float, stage_limit: int) -> None:
+def _collect_job(out: _Families, job: JobView, now: float, stage_limit: int) -> None:
     name = job.name
     stages = list(job.stages)
     workers = list(job.workers.values())
@@ -272,7 +239,7 @@ def _collect_job(out: _Families, job: Job, now: float, stage_limit: int) -> None
 class MetricsEndpoint:
     """``http://ADDR:PORT/metrics`` for one server, on a daemon thread, from a registry of its own."""
 
-    def __init__(self, server: Server, addr: str, port: int) -> None:
+    def __init__(self, server: ServerView, addr: str, port: int) -> None:
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(ServerCollector(server))
         ProcessCollector(registry=self.registry)  # process_* : CPU, resident memory, open fds

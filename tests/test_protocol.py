@@ -232,7 +232,7 @@ def test_sizes() -> None:
 
 
 def test_published_segment_growth_doubles_then_adds_a_quarter() -> None:
-    from wstream.server.job import SEGMENT_DOUBLING_LIMIT, SEGMENT_START, grown_capacity
+    from wstream.server.published import SEGMENT_DOUBLING_LIMIT, SEGMENT_START, grown_capacity
 
     cap, sizes = SEGMENT_START, []
     while cap < 1 << 34:

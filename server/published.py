@@ -1,0 +1,173 @@
+"""A job's stages and the shared-memory segment they are published in, with the bytes they hold in
+the server's memory account (admission control).
+
+Workers map the segment read-only and read a stage's weights at its slot offsets; it grows as
+stages are added while the job is created (the room ahead is reserved too) and is truncated to its
+final size when the job is sealed. The training rules (which version a slot holds, when it may be
+read) are in :mod:`wstream.server.job`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from wstream.protocol import LayoutError
+from wstream.protocol import messages as m
+from wstream.protocol.frames import copy_frames_into, frames_nbytes
+from wstream.protocol.layout import numel_of, validate_stage
+from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
+
+from .memory import MemoryAccount
+from .optimizer import StageOptimizer, state_bytes_per_element
+from .stage_state import DTYPES, StageState, stage_bytes
+
+SEGMENT_START = 2**20
+SEGMENT_DOUBLING_LIMIT = 64 * 2**20
+
+
+def grown_capacity(capacity: int, needed: int) -> int:
+    """The next size of a job's published segment: doubling up to 64 MiB, then +25%, and at
+    least ``needed``. Few remaps (each keeps older views alive), at most 25% slack on big jobs."""
+    step = capacity if capacity < SEGMENT_DOUBLING_LIMIT else capacity // 4
+    return max(needed, capacity + step)
+
+
+class PublishedStages:
+    """The stages of job ``name`` in one shared-memory segment at ``path``. ``total_numel``, when
+    the job says it up front, is checked against free memory at once and sizes the segment."""
+
+    def __init__(
+        self,
+        name: str,
+        optimizer: m.OptimizerSpec,
+        dtype: str,
+        double_buffer: bool,
+        frozen: bool,
+        memory: MemoryAccount,
+        total_numel: int | None = None,
+    ) -> None:
+        self.name = name
+        self.optimizer_spec = optimizer
+        self.double_buffer = double_buffer
+        self.frozen = frozen  # never updated: no optimizer state
+        self.compute_dtype = dtype
+        self.dtype = dtype if double_buffer else "float32"  # of the published copies
+        self.memory = memory
+        expected: int | None = None  # the published segment's final size, if known (huge pages)
+        if total_numel is not None:
+            pub, priv = stage_bytes(total_numel, optimizer, dtype, double_buffer)
+            memory.check(pub + priv, f"job {name!r}")
+            expected = pub
+        self.stages: list[StageState] = []
+        self.reserved = 0
+        self.num_params = 0
+        self.max_stage_numel = 0
+        # the segment's room beyond the stages in it is reserved too, until seal truncates it
+        memory.reserve(SEGMENT_START, f"job {name!r} (its first shared-memory block)")
+        self.slack = SEGMENT_START
+        try:
+            self.path = create_segment(SEGMENT_START, expected=expected)
+        except BaseException:
+            memory.release(SEGMENT_START)
+            raise
+        self.nbytes = 0  # bytes in use
+        self._capacity = SEGMENT_START
+        self._mapping = map_segment(self.path, self._capacity)
+
+    def stage(self, index: int) -> StageState:
+        if index >= len(self.stages):
+            raise LayoutError(f"job {self.name!r} has {len(self.stages)} stages; there is no stage {index}")
+        return self.stages[index]
+
+    def add(self, msg: m.AddStage, frames: list[Any]) -> None:
+        """Add the next stage, its fp32 weights in ``frames`` (``add_stage``)."""
+        if msg.index != len(self.stages):
+            raise LayoutError(f"job {self.name!r} expects stage {len(self.stages)} next, got stage {msg.index}")
+        validate_stage(msg.index, msg.spec)
+        numel = msg.spec.numel
+        expected = numel * 4
+        got = frames_nbytes(frames)
+        if got != expected:
+            raise LayoutError(
+                f"stage {msg.index}: got {got} bytes of weights, the layout needs "
+                f"{expected} ({numel} float32 elements)"
+            )
+        self.append(msg.index, msg.spec, lambda flat: copy_frames_into(flat, frames))
+
+    def load(self, specs: list[m.StageSpec], stages: Iterable[tuple[int, dict[str, torch.Tensor]]], step: int) -> None:
+        """Add every stage as a snapshot of ``step`` holds it (master and optimizer state), at
+        version ``step``."""
+        for i, tensors in stages:
+            spec = specs[i]
+            master = tensors["master"]
+            if master.numel() != spec.numel or master.dtype != torch.float32:
+                raise LayoutError(f"snapshot of job {self.name!r}: stage {i} master does not fit its layout")
+            st = self.append(i, spec, lambda flat, src=master: flat.copy_(src))
+            st.optimizer.load_state_tensors({k[4:]: v for k, v in tensors.items() if k.startswith("opt.")})
+            st.version = step
+            published = st.slots[st.slot_for(step)]
+            if published is not st.master:
+                published.copy_(st.master)
+
+    def append(self, index: int, spec: m.StageSpec, fill: Callable[[torch.Tensor], object]) -> StageState:
+        """Reserve memory for stage ``index``, place it in the published segment, ``fill`` its
+        fp32 master (a flat tensor of ``spec.numel``) and set up its optimizer."""
+        numel = spec.numel
+        pub, priv = stage_bytes(numel, self.optimizer_spec, self.compute_dtype, self.double_buffer)
+        if self.frozen:  # never updated: no optimizer state
+            priv -= numel * state_bytes_per_element(self.optimizer_spec)
+        offset = self.nbytes
+        capacity = self._capacity if offset + pub <= self._capacity else grown_capacity(self._capacity, offset + pub)
+        slack = capacity - offset - pub
+        what = f"job {self.name!r} stage {index}"
+        self.memory.check(pub + priv + max(0, slack - self.slack), what)
+        if capacity != self._capacity:
+            grow_segment(self.path, capacity)
+            self._capacity = capacity
+            self._mapping = map_segment(self.path, capacity)  # older views keep older maps
+        self.memory.reserve(pub + priv, what)
+        self._set_slack(slack)
+        self.reserved += pub + priv
+        self.nbytes = offset + pub
+        pub_dtype = DTYPES[self.dtype]
+        slot_nbytes = pub // 2 if self.double_buffer else pub
+        views = [
+            self._mapping[o : o + numel * pub_dtype.itemsize].view(pub_dtype)
+            for o in ((offset, offset + slot_nbytes) if self.double_buffer else (offset,))
+        ]
+        if self.double_buffer:
+            master = torch.empty(numel, dtype=torch.float32)
+            fill(master)
+            slots, offsets = (views[0], views[1]), (offset, offset + slot_nbytes)
+            views[0].copy_(master)
+        else:
+            master = views[0]
+            fill(master)
+            slots, offsets = (master, master), (offset, offset)
+        st = StageState(index, spec, master, slots, offsets, StageOptimizer(self.optimizer_spec, master))
+        self.stages.append(st)
+        self.max_stage_numel = max(self.max_stage_numel, numel)
+        self.num_params += sum(numel_of(p.shape) for p in spec.params)
+        return st
+
+    def seal(self) -> None:
+        """Truncate the segment to the stages in it and release the room reserved ahead."""
+        truncate_segment(self.path, self.nbytes)
+        self._set_slack(0)
+
+    def _set_slack(self, slack: int) -> None:
+        if slack > self.slack:
+            self.memory.reserve(slack - self.slack, f"job {self.name!r} (shared-memory room)")
+        else:
+            self.memory.release(self.slack - slack)
+        self.slack = slack
+
+    def close(self) -> None:
+        """Unlink the segment and release the memory reserved."""
+        unlink_segment(self.path)
+        self.memory.release(self.reserved + self.slack)
+        self.reserved = 0
+        self.slack = 0

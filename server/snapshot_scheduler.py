@@ -1,0 +1,191 @@
+"""When snapshots are taken, and what follows: the writer thread hand-off, the requests that wait
+for a durable snapshot (``seal``, ``save``), the final snapshots at shutdown and the jobs restored
+at start.
+
+:mod:`wstream.server.snapshot` is the on-disk format and the store; this module decides when to use
+it (NOTE [Consistent snapshots while training goes on] in snapshot.py). Every method runs on the
+loop thread except :meth:`SnapshotScheduler._write`, which runs on the writer thread and reports back
+through a :class:`~wstream.server.mailbox.Mailbox`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from wstream.protocol import InternalError, UnknownJobError, WstreamError
+
+from .config import ServerConfig
+from .job import Job
+from .mailbox import Mailbox
+from .memory import MemoryAccount
+from .outgoing import Outbox, Outgoing
+from .snapshot import Snapshot, SnapshotError, SnapshotStore, Waiter
+
+log = logging.getLogger(__name__)
+
+Written = tuple[Job, Snapshot, str | None, BaseException | None]
+"""A snapshot the writer finished: its job, the snapshot, its path (None: cancelled) and error."""
+
+
+class SnapshotScheduler:
+    """Snapshots of the jobs in ``jobs`` (the server's job table, shared) into ``store``; with no
+    store (``enabled`` False) nothing is ever written."""
+
+    def __init__(self, store: SnapshotStore | None, config: ServerConfig, jobs: dict[str, Job], outbox: Outbox) -> None:
+        self.store = store
+        self.every = config.snapshot_every
+        self.buffer_bytes = config.snapshot_buffer
+        self.jobs = jobs
+        self.outbox = outbox
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wstream-snapshot")
+        self.written: Mailbox[Written] = Mailbox()
+        self._waiters: dict[str, list[Waiter]] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.store is not None
+
+    def fileno(self) -> int:
+        return self.written.fileno()
+
+    # ---- start ---------------------------------------------------------------------------------
+    def restore_jobs(self, memory: MemoryAccount) -> None:
+        """Resume every job of the store from its newest intact snapshot."""
+        if self.store is None:
+            return
+        self.store.remove_partial()
+        on_a_base: list[str] = []
+        for name in self.store.jobs():  # bases and plain jobs first, jobs on a base after them
+            self._restore_job(name, memory, on_a_base)
+        for name in on_a_base:
+            self._restore_job(name, memory, None)
+
+    def _restore_job(self, name: str, memory: MemoryAccount, defer: list[str] | None) -> None:
+        """Resume job ``name`` from its newest intact snapshot; a job on top of a base is only
+        noted in ``defer`` when that is given (its base may not be resumed yet)."""
+        assert self.store is not None
+        t0 = time.perf_counter()
+        try:
+            step, record, stages, path = self.store.load_latest(name)
+            if record.base is not None and defer is not None:
+                defer.append(name)
+                return
+            base = self.jobs.get(record.base) if record.base is not None else None
+            if record.base is not None and base is None:
+                raise UnknownJobError(f"its base {record.base!r} was not resumed")
+            job = Job.restore(record, step, stages, memory, base=base)
+        except (SnapshotError, WstreamError) as exc:
+            log.error("job %r not resumed: %s (its files are left in place)", name, exc)
+            return
+        self.jobs[name] = job
+        log.info(
+            "job %r resumed at step %d from %s (%d stages, %.2f s)",
+            name, step, path, len(job.stages), time.perf_counter() - t0,
+        )
+
+    # ---- while serving -------------------------------------------------------------------------
+    def request(self, job: Job, waiter: Waiter, reason: str) -> None:
+        """Answer ``waiter`` once a snapshot of ``job`` at a consistent step is durable."""
+        self._waiters.setdefault(job.name, []).append(waiter)
+        self.maybe_snapshot(job, reason)
+
+    def maybe_snapshot(self, job: Job, reason: str | None = None) -> None:
+        """Start a snapshot of ``job`` if one is due and the job is at a consistent step."""
+        if self.store is None or job.snapshot is not None or self.jobs.get(job.name) is not job:
+            return
+        step = job.consistent_step()
+        if step is None:
+            return
+        waiters = self._waiters.pop(job.name, [])
+        if step == job.last_snapshot_step:
+            path = str(self.store.snapshots(job.name)[0])
+            for w in waiters:  # nothing changed since: that snapshot is it
+                self.outbox.send(Outgoing(w.identity, w.reply(step, path)))
+            return
+        every = self.every
+        if reason is None and waiters:
+            reason = "save request"
+        last = job.last_snapshot_step if job.last_snapshot_step is not None else -every
+        if reason is None and every and step >= last + every:
+            reason = f"every {every} steps"  # also when the step it was due at came during a write
+        if reason is None:
+            return
+        snap = Snapshot(job.record(), step, self.buffer_bytes, reason, waiters=waiters)
+        job.snapshot = snap
+        self._writer.submit(self._write, job, snap)
+
+    def _write(self, job: Job, snap: Snapshot) -> None:
+        """On the writer thread; the result goes back to the loop."""
+        assert self.store is not None
+        path: str | None = None
+        error: BaseException | None = None
+        try:
+            written = self.store.write(snap, job.snapshot_sources())
+            path = str(written) if written is not None else None
+        except BaseException as exc:  # reported on the loop thread
+            error = exc
+        self.written.post((job, snap, path, error))
+
+    def drain(self) -> None:
+        """Finish the snapshots the writer has written since the last call."""
+        for job, snap, path, error in self.written.drain():
+            self._finished(job, snap, path, error)
+
+    def _finished(self, job: Job, snap: Snapshot, path: str | None, error: BaseException | None) -> None:
+        if job.snapshot is snap:
+            job.snapshot = None
+        seconds = time.monotonic() - snap.started
+        if error is not None:
+            job.counters.snapshot_failures += 1
+            log.error("snapshot of job %r at step %d failed: %r", job.name, snap.step, error)
+            for w in snap.waiters:
+                self.outbox.error(w.identity, w.request_id, InternalError(f"snapshot failed: {error}"))
+        elif path is not None:
+            job.last_snapshot_step = snap.step
+            job.counters.snapshots.observe(seconds)
+            job.counters.snapshot_bytes += snap.bytes_written
+            log.info(
+                "job %r: snapshot of step %d (%s) written to %s: %d bytes in %.2f s",
+                job.name, snap.step, snap.reason, path, snap.bytes_written, seconds,
+            )
+            for w in snap.waiters:
+                self.outbox.send(Outgoing(w.identity, w.reply(snap.step, path)))
+        if self.jobs.get(job.name) is job:
+            self.maybe_snapshot(job)
+
+    def forget(self, job: Job, gone: WstreamError) -> None:
+        """``job`` is dropped: stop its snapshot, answer its waiters with ``gone``, delete its files."""
+        if job.snapshot is not None:
+            job.snapshot.cancel()
+        for w in self._waiters.pop(job.name, []):
+            self.outbox.error(w.identity, w.request_id, gone)
+        if self.store is not None:  # after any write in progress: the writer runs one task at a time
+            self._writer.submit(self.store.delete_job, job.name)
+
+    # ---- shutdown ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Wait for the writer, then snapshot every job whose consistent state is newer than its
+        last snapshot (a job stopped in the middle of a step resumes from its last snapshot)."""
+        self._writer.shutdown(wait=True)
+        for job, snap, path, error in self.written.drain():  # writes that finished during shutdown
+            if path is not None and error is None:
+                job.last_snapshot_step = snap.step
+        self.written.close()
+        if self.store is None:
+            return
+        for job in self.jobs.values():
+            job.snapshot = None
+            step = job.consistent_step()
+            if step is None or step == job.last_snapshot_step:
+                if step is None:
+                    log.warning("job %r is in the middle of a step: it will resume from its last snapshot", job.name)
+                continue
+            snap = Snapshot(job.record(), step, self.buffer_bytes, "shutdown")
+            try:
+                path = self.store.write(snap, job.snapshot_sources())
+                job.last_snapshot_step = step
+                log.info("job %r: snapshot of step %d written at shutdown to %s", job.name, step, path)
+            except OSError as exc:
+                log.error("job %r: the shutdown snapshot failed: %s", job.name, exc)

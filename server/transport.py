@@ -1,0 +1,159 @@
+"""The server's transport: one ROUTER socket bound to every endpoint (CURVE where configured), the
+poll loop over it and the mailboxes' wake-up pipes, ``send`` and close.
+
+It knows frames, not requests: each message received goes to the ``receive`` callback as the
+sender's routing id and the frames after it; what to answer is the handlers' business
+(:mod:`wstream.server.handlers`).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from wstream.protocol import encode
+from wstream.protocol.curve import load_secret_certificate, uses_curve
+
+from .auth import start_authenticator
+from .config import ServerConfig
+from .outgoing import Outgoing
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGES_PER_TURN = 256
+"""Messages taken from the socket before the loop looks at its mailboxes again."""
+
+
+class Transport:
+    """The bound ROUTER socket of a server. Binding happens in the constructor; a failure closes
+    everything opened so far and raises :class:`OSError`."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.linger = 0
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # A reply that cannot be queued must be reported, not dropped silently (ZeroMQ's default
+        # for a ROUTER at its high-water mark): raise instead, and queue up to 64 Ki replies per
+        # peer (a worker's deferred fetches alone can be answered 1,024 at once).
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._sock.sndhwm = 65_536
+        self._authenticator: ThreadAuthenticator | None = None
+        self.endpoints: list[str] = []
+        self.curve_public_key: bytes | None = None
+        try:
+            self._listen(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _listen(self, config: ServerConfig) -> None:
+        """Bind every endpoint: CURVE on the non-ipc ones when the server has a key (NOTE [Which
+        endpoints are encrypted] in ``wstream.protocol.curve``), behind the authorized-keys check
+        when there is a directory of them."""
+        if config.curve_secret_key_file is not None:
+            public, secret = load_secret_certificate(config.curve_secret_key_file, "server secret key")
+            self._sock.curve_publickey = public
+            self._sock.curve_secretkey = secret
+            self.curve_public_key = public
+            if config.curve_authorized_keys_dir is not None:  # the ZAP handler must be up before a bind
+                self._authenticator = start_authenticator(self._ctx, config.curve_authorized_keys_dir)
+        for addr in config.bind:
+            if self.curve_public_key is not None:  # security options apply to the binds after them
+                self._sock.curve_server = uses_curve(addr)
+            try:
+                self._sock.bind(addr)
+            except zmq.ZMQError as exc:
+                raise OSError(f"cannot listen on {addr}: {exc}") from None
+            self.endpoints.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    # ---- the start-up log ----------------------------------------------------------------------
+    def security(self, endpoint: str) -> str:
+        """How ``endpoint`` is protected, for the start-up log."""
+        if not uses_curve(endpoint):
+            return "plaintext: local socket, file permissions"
+        if self.curve_public_key is None:
+            return "plaintext"
+        if self._authenticator is not None:
+            return f"CURVE, only clients of {self.config.curve_authorized_keys_dir}"
+        return "CURVE, any client with the server's public key"
+
+    def describe(self) -> str:
+        """Every endpoint with its protection: ``ep (how), ...``."""
+        return ", ".join(f"{ep} ({self.security(ep)})" for ep in self.endpoints)
+
+    def log_security(self) -> None:
+        if self.curve_public_key is not None:
+            log.info("CURVE public key of this server: %s", self.curve_public_key.decode())
+            if not any(uses_curve(ep) for ep in self.endpoints):
+                log.warning("a CURVE key was given but every endpoint is ipc://: nothing is encrypted")
+            return
+        exposed = [ep for ep in self.endpoints if uses_curve(ep) and not _loopback(ep)]
+        if exposed:
+            log.warning(
+                "%s not encrypted: job tokens (sent once, by create_job) and tensor data cross the network "
+                "in clear; start with --curve-secret-key to encrypt them",
+                ", ".join(exposed),
+            )
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def serve(
+        self,
+        stop: threading.Event,
+        receive: Callable[[bytes, list[zmq.Frame]], None],
+        wake_fds: Sequence[int],
+        each_turn: Callable[[], None],
+        tick: Callable[[float], None],
+        tick_every_s: float,
+    ) -> None:
+        """Until ``stop`` is set: poll the socket and ``wake_fds``; each turn call ``each_turn``
+        (drain the mailboxes), then ``receive`` each waiting message (up to
+        :data:`MAX_MESSAGES_PER_TURN`), and ``tick(now)`` every ``tick_every_s`` (the first after 1 s)."""
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        for fd in wake_fds:
+            poller.register(fd, zmq.POLLIN)
+        next_tick = time.monotonic() + 1.0
+        while not stop.is_set():
+            events = dict(poller.poll(timeout=500))
+            each_turn()
+            if self._sock in events:
+                for _ in range(MAX_MESSAGES_PER_TURN):
+                    try:
+                        frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    receive(frames[0].bytes, frames[1:])
+            now = time.monotonic()
+            if now >= next_tick:
+                tick(now)
+                next_tick = now + tick_every_s
+
+    def send(self, out: Outgoing) -> None:
+        parts: list[Any] = [out.identity, encode(out.message), *out.frames]
+        try:
+            self._sock.send_multipart(parts, copy=False, flags=zmq.NOBLOCK)
+        except zmq.ZMQError as exc:  # peer gone or queue full: never fatal for the loop
+            log.warning("could not send %s: %s", type(out.message).__name__, exc)
+
+    def close(self, linger: bool = False) -> None:
+        """Close the socket (``linger``: give replies queued a second to leave, e.g. the ``ok`` of a
+        ``shutdown`` request), stop the authenticator, terminate the context."""
+        self._sock.close(linger=1000 if linger else 0)
+        if self._authenticator is not None:  # its sockets are on the context: before term()
+            self._authenticator.stop()
+            self._authenticator = None
+        self._ctx.term()
+
+
+def _loopback(endpoint: str) -> bool:
+    """Whether a tcp endpoint listens on the loopback interface only."""
+    host = endpoint.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host == "localhost" or host == "::1" or host.startswith("127.")

@@ -1,0 +1,38 @@
+"""The optimizer pool: stage updates run on its threads and come back to the loop thread through a
+:class:`~wstream.server.mailbox.Mailbox`, which is the only way they touch the loop's state."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from .job import UpdateTask
+from .mailbox import Mailbox
+
+Completion = tuple[UpdateTask, BaseException | None]
+"""A finished update and its error (None when it succeeded)."""
+
+
+class UpdatePool:
+    """``submit`` on the loop thread; :meth:`UpdateTask.run` on a pool thread; the finished task is
+    :meth:`drain`-ed back on the loop thread."""
+
+    def __init__(self, workers: int) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wstream-opt")
+        self.done: Mailbox[Completion] = Mailbox()
+
+    def submit(self, task: UpdateTask) -> None:
+        fut = self._pool.submit(task.run)
+        fut.add_done_callback(lambda f, t=task: self._finished(t, f))
+
+    def _finished(self, task: UpdateTask, fut: Future[UpdateTask]) -> None:
+        self.done.post((task, None if fut.cancelled() else fut.exception()))
+
+    def fileno(self) -> int:
+        return self.done.fileno()
+
+    def drain(self) -> list[Completion]:
+        return self.done.drain()
+
+    def shutdown(self) -> None:
+        """Cancel the queued updates and wait for the running ones (their completions are dropped)."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
