@@ -120,7 +120,7 @@ def test_worker_lease_expiry_lets_the_other_worker_go_on(tmp_path: Path) -> None
             st = c.status().jobs[0]
             assert st.step == 1 and st.workers == []
             assert "silent for more than its 1 s lease" in srv.log()
-            silent._closed = True  # its session is gone already
+            silent.connection.closed = True  # its session is gone already
             silent.connection.prefetcher.close()
             silent.connection.pusher.close()
             silent.connection.chan.close()
