@@ -129,11 +129,7 @@ class WorkerConnection:
         if base_published is not None:
             self._register(base_published, f"job {ep.job!r} frozen base {attached.base!r}")
         self.sc = StreamContext(
-            ctx=ep.ctx,
-            address=ep.address,
-            curve=ep.curve,
-            timeout_s=ep.timeout_s,
-            wait_timeout_s=ep.wait_timeout_s,
+            endpoint=ep,
             session=self.session,
             signer=signer,
             numels=[s.numel for s in attached.stages],

@@ -142,6 +142,11 @@ class Parallelism:
     def __post_init__(self) -> None:
         if self.reduce not in ("server", "allreduce"):
             raise ValueError(f"reduce must be 'server' or 'allreduce', got {self.reduce!r}")
+        if self.reduce == "allreduce" and self.world_size != 1:
+            raise ValueError(
+                "with reduce='allreduce' the ranks reduce among themselves and rank 0 alone pushes: leave "
+                f"world_size at 1 (the server sees one worker), got {self.world_size}"
+            )
 
 
 @dataclass(slots=True, frozen=True)

@@ -207,7 +207,7 @@ class Prefetcher:
                 nxt += 1
             rid, stage = sent[0]
             while rid not in replies:
-                reply, data = chan.recv(timeout_s=sc.wait_timeout_s, stop=stop)
+                reply, data = chan.recv(timeout_s=sc.endpoint.wait_timeout_s, stop=stop)
                 replies[reply.id] = (reply, data)
                 self._record_latency(reply, sent_at.pop(reply.id, None))
                 start = sent_ns.pop(reply.id, None)

@@ -118,7 +118,7 @@ class GradientPusher:
             if self._error is None and done():
                 return
         t0, t0_ns = time.perf_counter(), time.monotonic_ns()
-        limit = self._sc.wait_timeout_s
+        limit = self._sc.endpoint.wait_timeout_s
         with self._cond:
             seen, deadline = self._replies, time.monotonic() + limit
             while True:
@@ -131,7 +131,7 @@ class GradientPusher:
                 if self._replies != seen:
                     seen, deadline = self._replies, time.monotonic() + limit
                 elif time.monotonic() > deadline:
-                    self._error = ServerUnavailable(no_answer(self._sc.address, limit, self._sc.curve))
+                    self._error = ServerUnavailable(no_answer(self._sc.endpoint.address, limit, self._sc.endpoint.curve))
                     raise self._error
                 self._cond.wait(0.1)
         self.stats.push_wait_s += time.perf_counter() - t0
@@ -193,7 +193,7 @@ class GradientPusher:
 
     def _take_replies(self, chan: Channel) -> None:
         while chan.socket.poll(0, zmq.POLLIN):
-            reply, _ = chan.recv(timeout_s=self._sc.wait_timeout_s)
+            reply, _ = chan.recv(timeout_s=self._sc.endpoint.wait_timeout_s)
             with self._cond:
                 entry = self._outstanding.pop(reply.id, None)
                 if entry is None:

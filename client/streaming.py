@@ -13,17 +13,15 @@ import math
 import threading
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
-import zmq
 
 from wstream.protocol import ServerUnavailable, WstreamError
 from wstream.protocol import messages as m
 from wstream.protocol.auth import SessionSigner
-from wstream.protocol.curve import ClientKeys
 
 from .channel import Channel
+from .endpoint import WorkerEndpoint
 from .timeline import Tracer
 
 TRACE_MIN_WAIT_NS = 20_000
@@ -81,11 +79,7 @@ class StreamStats:
 class StreamContext:
     """What the streaming threads need to know about the connection and the job."""
 
-    ctx: zmq.Context[Any]
-    address: str
-    curve: ClientKeys | None  # the client's CURVE keys, for every channel the threads open
-    timeout_s: float
-    wait_timeout_s: float
+    endpoint: WorkerEndpoint  # the server, the client's CURVE keys and timeouts
     session: bytes
     signer: SessionSigner  # shared by every channel of the session (one seq counter)
     numels: list[int]
@@ -100,8 +94,7 @@ class StreamContext:
 
     def channel(self, timeout_s: float | None = None) -> Channel:
         """A channel of this session for one streaming thread (its own socket)."""
-        limit = self.timeout_s if timeout_s is None else timeout_s
-        return Channel(self.ctx, self.address, timeout_s=limit, signer=self.signer, curve=self.curve)
+        return self.endpoint.channel(timeout_s, signer=self.signer)
 
     def raise_aborted(self) -> None:
         if self.abort_reason:
@@ -115,7 +108,7 @@ class HeartbeatThread:
     def __init__(self, sc: StreamContext, interval_s: float, timeout_s: float | None = None) -> None:
         self._sc = sc
         self._interval = interval_s
-        self._timeout_s = sc.timeout_s if timeout_s is None else timeout_s
+        self._timeout_s = sc.endpoint.timeout_s if timeout_s is None else timeout_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="wstream-heartbeat", daemon=True)
         self._thread.start()

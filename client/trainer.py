@@ -35,7 +35,7 @@ from .executor import LossFn, PlanExecutor
 from .loss_scale import scaler_for
 from .options import TrainerOptions
 from .plan_run import PlanRun
-from .plans import OnlineBisection
+from .plans import OnlineBisection, Plan, StageCosts
 from .profile import Planning, measure_profile
 from .rng import StageRng
 from .stages import StageRunner, as_boundary, join_lanes, split_micro_batches
@@ -72,16 +72,10 @@ class Trainer:
             raise ValueError(f"the plan is for {plan.n} positions, the job's chain has {len(runners)}")
         parallel = options.parallelism
         allreduce = AllReduceGradients(max(r.spec.numel for r in runners)) if parallel.reduce == "allreduce" else None
-        if allreduce is not None and parallel.world_size != 1:
-            raise ValueError(
-                "with reduce='allreduce' the ranks reduce among themselves and rank 0 alone pushes: leave "
-                f"world_size at 1 (the server sees one worker), got {parallel.world_size}"
-            )
         reader = allreduce is not None and allreduce.rank != 0
-        self.connection = WorkerConnection(
+        self.connection = conn = WorkerConnection(
             endpoint, device, options.transport, world_size=parallel.world_size, reader=reader
         )
-        conn = self.connection
         self.executor = PlanExecutor(
             runners,
             conn,
@@ -112,26 +106,29 @@ class Trainer:
 
     # ---- what the parts know, read through ---------------------------------------------------------
     @property
-    def plan(self) -> Any:
+    def plan(self) -> Plan | None:
         """The checkpoint plan (None until the first step of a schedule planned from a profile)."""
         return self.planning.plan
 
     @property
-    def profile(self) -> Any:
+    def profile(self) -> StageCosts | None:
         """The costs a profiled plan was made for (see :class:`~wstream.client.profile.Planning`)."""
         return self.planning.profile
 
     @property
-    def worker_id(self) -> int:
-        return self.connection.worker_id
+    def step_index(self) -> int:
+        """The step the next ``step()`` call trains (the job's step when this worker is in sync)."""
+        return self._step
 
+    # The connection's facts: its session, whether weights come through shared memory (``shm``)
+    # and are computed on in place (``zero_copy``), the dtype stages compute in, the ring's depth
+    # and how often this worker reconnected.
     @property
     def session(self) -> bytes:
         return self.connection.session
 
     @property
     def shm(self) -> bool:
-        """Whether weights arrive through the server's shared memory (else as data frames)."""
         return self.connection.shm
 
     @property
@@ -140,22 +137,15 @@ class Trainer:
 
     @property
     def compute_dtype(self) -> torch.dtype:
-        """The job's published dtype, which the stages compute in."""
         return self.connection.compute_dtype
 
     @property
     def prefetch(self) -> int:
-        """Stages fetched ahead of compute (from ``prefetch``, or what ``weight_budget`` allows)."""
         return self.connection.prefetch
 
     @property
     def reconnects(self) -> int:
         return self.connection.reconnects
-
-    @property
-    def step_index(self) -> int:
-        """The step the next ``step()`` call trains (the job's step when this worker is in sync)."""
-        return self._step
 
     # ---- public ------------------------------------------------------------------------------------
     def step(self, inputs: Any, targets: Any, loss_fn: LossFn, *, micro_batches: int = 1) -> float:
