@@ -38,7 +38,7 @@ from .plan_run import PlanRun
 from .plans import OnlineBisection, Plan, StageCosts
 from .profile import Planning, measure_profile
 from .rng import StageRng
-from .stages import StageRunner, as_boundary, join_lanes, split_micro_batches
+from .stages import StageRunner, as_boundary, join_lanes, place, split_micro_batches
 from .stats import TrainerStats, trainer_stats
 from .timeline import Tracer, write_worker_trace
 
@@ -245,7 +245,7 @@ class Trainer:
             raise StateError(f"step_loop trains a job of one stage (the loop body); this job has {len(runners)}")
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
-        inputs, targets = _place(inputs, self.device, self.compute_dtype), _place(targets, self.device)
+        inputs, targets = place(inputs, self.device, self.compute_dtype), place(targets, self.device)
         body = runners[0]
         run = self._new_run(as_boundary(inputs), lambda position: body, targets=[targets])
         ex, prefetcher = self.executor, self.connection.prefetcher
@@ -351,7 +351,7 @@ class Trainer:
         )
 
     def _step_once(self, inputs: Any, targets: Any, loss_fn: LossFn, k: int) -> float:
-        inputs, targets = _place(inputs, self.device, self.compute_dtype), _place(targets, self.device)
+        inputs, targets = place(inputs, self.device, self.compute_dtype), place(targets, self.device)
         lanes = split_micro_batches(inputs, k, what="inputs")
         lane_targets = split_micro_batches(targets, k, what="targets")
         conn, ex, planning = self.connection, self.executor, self.planning
@@ -414,14 +414,3 @@ class Trainer:
         self.connection.shut_down()
         self._endpoint.unregister(self)
 
-
-def _place(value: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
-    """``value`` (a tensor, or a tuple or list of items) on ``device``, floating-point tensors cast
-    to ``dtype`` when given: a job computes in its published dtype from its first stage's input on
-    (a no-op for fp32 tensors already there)."""
-    if isinstance(value, torch.Tensor):
-        cast = dtype if dtype is not None and value.is_floating_point() else None
-        return value.to(device=device, dtype=cast)
-    if type(value) in (tuple, list):
-        return type(value)(_place(v, device, dtype) for v in value)
-    return value
