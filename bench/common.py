@@ -67,7 +67,7 @@ class FlatStage(torch.nn.Module):
 def time_fetches(trainer: Any, stages: int, *, rounds: int, repeat: int) -> float:
     """Median seconds for ``trainer``'s prefetcher to fetch every stage ``rounds`` times: the
     worker's real fetch path (request, reply, copy into the ring), driven without compute."""
-    pf = trainer._prefetcher
+    pf = trainer.connection.prefetcher
     order = list(range(stages)) * rounds
 
     def fetch_all() -> None:

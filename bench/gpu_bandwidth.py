@@ -89,7 +89,7 @@ def wstream_fetch(device: torch.device, numel: int, stages: int, rounds: int, re
         order = list(range(stages)) * rounds
         for mode in ("shm", "frames"):
             with job.trainer(device, prefetch=prefetch, shm=mode == "shm") as trainer:
-                pf = trainer._prefetcher  # the worker's fetch path, driven without compute
+                pf = trainer.connection.prefetcher  # the worker's fetch path, driven without compute
 
                 def fetch_all() -> None:
                     pf.start(0, order)

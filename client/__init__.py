@@ -27,11 +27,12 @@ from wstream.protocol import (
     WstreamError,
 )
 
-from .client import Client, Job, wait_for_server
+from .client import Client, Job
 from .local import local_server
 from .loss_scale import LossScale
 from .stages import Tied
 from .trainer import Resynced, Trainer, TrainerStats
+from .wait import wait_for_server
 
 __all__ = [
     "SGD",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
@@ -15,12 +14,10 @@ from torch import nn
 
 from wstream.protocol import (
     LayoutError,
-    ServerUnavailable,
     SessionExpiredError,
     StageSpec,
     StateError,
     WstreamError,
-    parse_size,
 )
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, tensor_frames
@@ -37,22 +34,17 @@ from .channel import (
     attach_session,
     challenge,
     client_nonce,
-    curve_hint,
     curve_keys,
 )
-from .loss_scale import LossScale
-from .plans import resolve as resolve_schedule
-from .stages import StageRunner, Tied, check_tied, flatten, frozen_params, skeleton_of, spec_of
+from .chain import Chain, layout_on, progress_bar, walk_chain
+from .endpoint import Closeable, WorkerEndpoint
+from .options import Checkpointing, Parallelism, Precision, Transport, trainer_options
+from .stages import StageRunner, Tied, flatten, frozen_params
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=m.Message)
-
-Chain = list[tuple[int, nn.Module]]
-"""A job's chain: per position, its weight stage and meta skeleton (NOTE [Positions and weight
-stages] in ``stages.py``)."""
-
 
 class Client:
     """A connection to a ``wstream-server``.
@@ -93,7 +85,7 @@ class Client:
         self._chan = self.channel(signer=self._keys)
         self._admin_secret = admin_secret
         self._admin: SessionSigner | None = None
-        self._trainers: weakref.WeakSet[Trainer] = weakref.WeakSet()
+        self._trainers: weakref.WeakSet[Closeable] = weakref.WeakSet()
         self._closed = False
 
     def channel(self, timeout_s: float | None = None, signer: Signer | None = None) -> Channel:
@@ -170,17 +162,17 @@ class Client:
         session = created.session
         signer = SessionSigner(session, session_key(secret_key(token), nonce, mine))
         self._keys.add(signer)
-        bar = _progress(progress, total, f"uploading {name}")
+        bar = progress_bar(progress, total, f"uploading {name}")
 
         def upload(i: int, module: nn.Module) -> StageSpec:
-            spec = _layout_on(created.base_stages if base is not None else None, i, module)
+            spec = layout_on(created.base_stages if base is not None else None, i, module)
             flat = flatten(module, spec)
             self._chan.request(m.AddStage(session=session, index=i, spec=spec), m.Ok, tensor_frames(flat))
             bar.update(sum(numel_of(p.shape) for p in spec.params))
             return spec
 
         try:
-            _, chain = _walk_chain(stages, upload)
+            _, chain = walk_chain(stages, upload)
             sealed, _ = self._chan.request(m.Seal(session=session), m.Attached, timeout_s=self.wait_timeout_s)
         except BaseException:
             try:  # leave nothing half-made on the server
@@ -201,7 +193,7 @@ class Client:
         chain = None
         if stages is not None:
             on_base = attached.base is not None
-            specs, chain = _walk_chain(stages, lambda i, mod: _layout_on(attached.base_stages if on_base else None, i, mod))
+            specs, chain = walk_chain(stages, lambda i, mod: layout_on(attached.base_stages if on_base else None, i, mod))
             mismatch = describe_mismatch(attached.stages, specs)
             if mismatch is not None:
                 raise LayoutError(f"the given stages do not match job {name!r}: {mismatch}")
@@ -256,7 +248,7 @@ class Client:
         layout = self._admin_request(lambda sid: m.Describe(session=sid, job=name), m.Layout)
         out: dict[str, torch.Tensor] = {}
         total = sum(numel_of(p.shape) for s in layout.stages for p in s.params)
-        with _progress(progress, total, f"pulling {name}") as bar:
+        with progress_bar(progress, total, f"pulling {name}") as bar:
             for i, spec in enumerate(layout.stages):
                 assert self._admin is not None
                 _, data = self._chan.request(m.Pull(session=self._admin.session, stage=i, job=name), m.Master)
@@ -331,59 +323,29 @@ class Job:
         self,
         device: str | torch.device = "cpu",
         *,
-        prefetch: int | None = None,
-        shm: bool | None = None,
-        grad_slots: int = 2,
-        world_size: int = 1,
-        preserve_rng: bool = True,
-        zero_copy: bool | None = None,
-        schedule: str = "store_all",
-        slots: int | None = None,
-        memory_budget: int | str | None = None,
-        reconnect_s: float = 300.0,
-        reduce: str = "server",
-        weight_budget: int | str | None = None,
-        loss_scale: LossScale | bool | None = None,
+        checkpointing: Checkpointing | None = None,
+        transport: Transport | None = None,
+        precision: Precision | None = None,
+        parallelism: Parallelism | None = None,
+        **options: Any,
     ) -> Trainer:
-        """Join the job as a data-parallel worker.
+        """Join the job as a data-parallel worker computing on ``device``.
 
-        ``prefetch``: stages fetched ahead of compute (at most ``prefetch + 1`` stages' weights are
-        held at once; default 2). ``weight_budget`` (bytes or "8GiB"), instead of ``prefetch``:
-        device memory for the weight ring, which holds floor(budget / largest stage) stages (at
-        least 2, at most one per stage) and never more; it is separate from ``memory_budget``
-        (activations, below); DESIGN.md "GPU data path" says why. ``shm``: map the server's shared memory (None: when it can be mapped, else
-        receive weights as data frames). ``grad_slots``: gradients in flight to the server.
-        ``world_size``: data-parallel workers to wait for before the first update (every worker of
-        the job passes the same number); later, each step is the mean over the live workers.
-        ``zero_copy``: a CPU worker on shared memory computes directly on read-only views of the
-        server's published weights instead of copying each stage into its ring (None: whenever
-        possible). Safe because a stage is updated only after every worker has pushed its gradient,
-        i.e. after its last use of those weights (DESIGN.md).
-        ``schedule``: the checkpoint plan: ``"store_all"`` (keep every stage input), ``"sqrt"``,
-        ``"sqrt_recursive"``, ``"dnc"`` (bisection) or ``"revolve"`` (binomial, with ``slots`` kept
-        stage inputs; default ceil(log2 n)), or ``"optimal"`` with ``memory_budget`` (bytes or
-        "64MiB"): the least recomputation time within that much activation memory, planned from a
-        profile of the first batch; ``"auto"`` with ``memory_budget``: the fastest of all planners'
-        plans that fits, by the same profile (``plan_summary()["schedule"]`` says which); or
-        ``"min_peak"``: the kept subset of least peak memory; or ``"offload"`` with ``memory_budget``:
-        every k-th stage input goes to host memory as fast as the copy keeps up (k from the
-        profile), Revolve within segments. Gradients are the same for every plan.
-        ``reconnect_s``: when the server restarts (from its snapshots) or detaches this worker, the
-        trainer attaches and joins again, retrying with backoff for this long (0: raise at once).
-        ``reduce``: how data-parallel ranks combine gradients: ``"server"`` (each worker pushes, the
-        server averages over ``world_size`` workers) or ``"allreduce"`` (ranks of an initialized
-        ``torch.distributed`` group average each stage's gradient among themselves and rank 0
-        alone pushes; leave ``world_size=1``). See ``wstream.client.distributed``.
-        ``loss_scale``: dynamic loss scaling of the gradients (NOTE [Per-stage loss scaling] in
-        ``wstream.client.loss_scale``): None (default) scales a float16 job with ``LossScale()``
-        and no other; ``True``/a ``LossScale(...)`` scales any job; ``False`` never. Unlike
-        GradScaler no step is skipped: a stage whose gradient overflows runs again at a lower scale.
+        The options come in four groups, each a dataclass of ``wstream.client.options`` whose
+        fields say what they do: :class:`Checkpointing` (``schedule``, ``slots``,
+        ``memory_budget``, ``preserve_rng``), :class:`Transport` (``prefetch``, ``weight_budget``,
+        ``shm``, ``zero_copy``, ``grad_slots``, ``reconnect_s``), :class:`Precision`
+        (``loss_scale``) and :class:`Parallelism` (``world_size``, ``reduce``). Each field may
+        also be given as a flat keyword (``job.trainer(schedule="dnc", prefetch=1)``), but not
+        together with its group's dataclass.
         """
         if self._chain is None:
             raise StateError(
                 f"job {self.name!r} was attached without its stages: pass stages= to attach_job "
                 "(modules built under torch.device('meta') are enough)"
             )
+        groups = {"checkpointing": checkpointing, "transport": transport, "precision": precision, "parallelism": parallelism}
+        chosen = trainer_options(groups, options)
         runners = [
             StageRunner(
                 stage,
@@ -394,35 +356,26 @@ class Job:
             )
             for stage, skeleton in self._chain
         ]
-        if prefetch is not None and weight_budget is not None:
-            raise ValueError("give prefetch= or weight_budget= (the ring's depth follows from the budget), not both")
-        weights = parse_size(weight_budget) if weight_budget is not None else None
-        budget = parse_size(memory_budget) if memory_budget is not None else None
-        plan, from_profile = resolve_schedule(schedule, len(runners), slots=slots, budget_bytes=budget)
-        return Trainer(
-            self,
-            runners,
-            device=torch.device(device),
-            prefetch=2 if prefetch is None else prefetch,
-            shm=shm,
-            grad_slots=grad_slots,
-            world_size=world_size,
-            preserve_rng=preserve_rng,
-            zero_copy=zero_copy,
-            plan=plan,
-            plan_from_profile=from_profile,
-            reconnect_s=reconnect_s,
-            reduce=reduce,
-            weight_budget=weights,
-            loss_scale=loss_scale,
+        client = self.client
+        endpoint = WorkerEndpoint(
+            ctx=client.ctx,
+            address=client.address,
+            curve=client.curve,
+            timeout_s=client.timeout_s,
+            wait_timeout_s=client.wait_timeout_s,
+            job=self.name,
+            token=self._token,
+            register=client._trainers.add,
+            unregister=client._trainers.discard,
         )
+        return Trainer(endpoint, runners, device=torch.device(device), options=chosen)
 
     def state_dict(self, *, progress: bool | None = None) -> dict[str, torch.Tensor]:
         """The job's current fp32 weights as ``{"<stage>.<param>": tensor}`` (pulled from the server).
 
         ``progress``: a progress bar on stderr (None: only when stderr is a terminal)."""
         out: dict[str, torch.Tensor] = {}
-        with _progress(progress, self.num_params, f"pulling {self.name}") as bar:
+        with progress_bar(progress, self.num_params, f"pulling {self.name}") as bar:
             for i, spec in enumerate(self.specs):
                 out.update({f"{i}.{name}": t for name, t in self.pull_stage(i).items()})
                 bar.update(sum(numel_of(p.shape) for p in spec.params))
@@ -465,72 +418,3 @@ def stage_tensors(spec: StageSpec, data: list[Any]) -> dict[str, torch.Tensor]:
     flat = torch.empty(spec.numel, dtype=torch.float32)
     copy_frames_into(flat, data)
     return {p.name: flat[p.offset : p.offset + numel_of(p.shape)].view(p.shape).clone() for p in spec.params}
-
-
-def _layout_on(base_stages: list[StageSpec] | None, i: int, module: nn.Module) -> StageSpec:
-    """Stage i's layout: every parameter, or on a frozen base only the trainable ones (the others
-    must be the base's stage i's, by name and shape)."""
-    if base_stages is None:
-        return spec_of(i, module)
-    if i >= len(base_stages):
-        raise LayoutError(f"stage {i}: the base has {len(base_stages)} stages")
-    frozen_params(i, module, base_stages[i])  # they match the base, or raise
-    return spec_of(i, module, trainable_only=True)
-
-
-def _walk_chain(
-    items: Iterable[nn.Module | Tied], add_stage: Callable[[int, nn.Module], StageSpec]
-) -> tuple[list[StageSpec], Chain]:
-    """Walk a job's ``stages`` in order: ``add_stage(i, module)`` lays out (and uploads) weight
-    stage i and returns its spec; a :class:`Tied` item is checked against the stages before it.
-    Every module is moved to the meta device once handled, so one at a time is materialized."""
-    specs: list[StageSpec] = []
-    chain: Chain = []
-    for item in items:
-        if isinstance(item, Tied):
-            check_tied(len(chain), item, specs)
-            chain.append((item.stage, skeleton_of(item.module)))
-            continue
-        specs.append(add_stage(len(specs), item))
-        chain.append((len(specs) - 1, skeleton_of(item)))
-    return specs, chain
-
-
-def wait_for_server(
-    address: str,
-    *,
-    timeout: float = 60.0,
-    alive: Callable[[], bool] | None = None,
-    server_public_key: KeySource | None = None,
-    client_secret_key: str | os.PathLike[str] | None = None,
-) -> m.StatusReply:
-    """Wait until a server answers ``status`` at ``address``; return its status.
-
-    ``alive`` (e.g. ``lambda: proc.poll() is None``) stops the wait early when it turns False.
-    The keys are :class:`Client`'s. Raises :class:`ServerUnavailable` when no server answered in
-    time (saying, for a tcp address, which CURVE keys to check)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        client = Client(
-            address,
-            timeout=min(1.0, max(timeout, 0.05)),
-            server_public_key=server_public_key,
-            client_secret_key=client_secret_key,
-        )
-        try:
-            return client.status()
-        except ServerUnavailable:
-            if time.monotonic() >= deadline or (alive is not None and not alive()):
-                why = f"no wstream-server answered at {address} within {timeout:g} s"
-                hint = curve_hint(address, client.curve)
-                raise ServerUnavailable(f"{why}. {hint}" if hint else why) from None
-        finally:
-            client.close()
-
-
-def _progress(enabled: bool | None, total: int | None, desc: str) -> Any:
-    """A tqdm bar counting parameters on stderr; ``enabled`` None: only when stderr is a terminal
-    (never in a pipe, a log file or a test)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc=desc, unit="param", unit_scale=True, disable=None if enabled is None else not enabled)

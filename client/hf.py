@@ -67,7 +67,8 @@ from safetensors.torch import save_file
 from wstream.protocol import LayoutError, parse_size
 from wstream.protocol.layout import numel_of
 
-from .client import Client, Job, _progress
+from .chain import progress_bar
+from .client import Client, Job
 from .stages import Tied
 
 log = logging.getLogger(__name__)
@@ -472,7 +473,7 @@ def export_pretrained(
     out.mkdir(parents=True, exist_ok=True)
     shards = _plan_shards(job, parse_size(max_shard_size), dtype.itemsize)
     files = _shard_files(len(shards))
-    with _progress(progress, job.num_params, f"exporting {job.name}") as bar:
+    with progress_bar(progress, job.num_params, f"exporting {job.name}") as bar:
         pending: dict[str, torch.Tensor] = {}
         shard = 0
         for stage in range(job.num_stages):

@@ -22,7 +22,7 @@ from typing import Any
 
 from wstream.protocol import ServerUnavailable
 
-from .client import wait_for_server
+from .wait import wait_for_server
 
 log = logging.getLogger(__name__)
 

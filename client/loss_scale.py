@@ -27,11 +27,14 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,22 @@ class LossScaler:
         if self.clean_steps >= self.config.growth_interval:
             self.scale *= self.config.growth_factor
             self.clean_steps = 0
+
+
+def scaler_for(dtype: torch.dtype, wanted: LossScale | bool | None, job: str) -> LossScaler | None:
+    """The loss scaler of a trainer of job ``job`` computing in ``dtype`` (``Precision.loss_scale``
+    is ``wanted``): None (the default) scales float16 and nothing else. Warns when a float16 job
+    runs unscaled."""
+    if wanted is None:
+        wanted = dtype == torch.float16
+    scaler = None if wanted is False else LossScaler(LossScale() if wanted is True else wanted)
+    if dtype == torch.float16 and scaler is None:
+        log.warning(
+            "job %r computes in float16 with loss scaling switched off: gradients below 6e-8 "
+            "become 0 and above 65504 become inf",
+            job,
+        )
+    return scaler
 
 
 def all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:

@@ -281,3 +281,15 @@ def lanes_of(packed: Boundary, k: int) -> list[Boundary]:
     arity, rest = divmod(len(packed), k)
     assert not rest, "micro-batch lanes of unequal arity: a bug in wstream"
     return [packed[j * arity : (j + 1) * arity] for j in range(k)]
+
+
+def place(value: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """``value`` (a tensor, or a tuple or list of items) on ``device``, floating-point tensors cast
+    to ``dtype`` when given: a job computes in its published dtype from its first stage's input on
+    (a no-op for fp32 tensors already there)."""
+    if isinstance(value, torch.Tensor):
+        cast = dtype if dtype is not None and value.is_floating_point() else None
+        return value.to(device=device, dtype=cast)
+    if type(value) in (tuple, list):
+        return type(value)(place(v, device, dtype) for v in value)
+    return value

@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from wstream.protocol import messages as m
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(slots=True, frozen=True)
@@ -133,3 +137,38 @@ def write_trace(path: str | Path, trace: dict[str, Any]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(trace, separators=(",", ":")))
     return path
+
+
+def write_worker_trace(
+    path: str | os.PathLike[str],
+    tracer: Tracer,
+    request: Callable[[], m.TimelineReply],
+    *,
+    job: str,
+    worker: int,
+) -> None:
+    """Ask the server for its timeline (``request()``) and write it with ``tracer``'s spans as one
+    Chrome trace at ``path``. The server's clock is mapped onto the worker's by that round trip:
+    offset = server time at the reply minus the midpoint of send and receive."""
+    sent = time.monotonic_ns()
+    reply = request()
+    received = time.monotonic_ns()
+    offset = reply.now_ns - (sent + received) // 2
+    server = server_spans(reply.events, offset, tracer.started_ns)
+    if reply.dropped:
+        log.warning("the server's timeline of job %r lost %d older events", job, reply.dropped)
+    processes = [
+        (f"worker {worker} (job {job})", tracer.spans, WORKER_LANES),
+        (f"wstream-server (job {job})", server, SERVER_LANES),
+    ]
+    start = min((s.start_ns for _, spans, _ in processes for s in spans), default=tracer.started_ns)
+    trace = chrome_trace(processes, t0_ns=start)
+    trace["otherData"] = {
+        "job": job,
+        "worker": worker,
+        "clock_offset_ns": offset,  # server clock - worker clock
+        "clock_uncertainty_ns": (received - sent) // 2,  # the offset is right to within this
+        "server_events_dropped": reply.dropped,
+    }
+    write_trace(path, trace)
+    log.info("timeline of %d worker and %d server events written to %s", len(tracer.spans), len(server), path)

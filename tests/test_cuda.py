@@ -123,10 +123,10 @@ def test_cuda_worker_trains_to_the_cpu_reference_within_its_weight_budget(client
         assert st.ring_capacity == 2 and st.ring_bytes == 2 * largest <= budget
         assert torch.cuda.memory_allocated() - base <= st.ring_bytes + st.grad_staging_bytes  # allocated once
         assert st.registered_bytes > 0 and st.registration_s > 0
-        ptrs = [b.data_ptr() for b in trainer._ring.buffers]
+        ptrs = [b.data_ptr() for b in trainer.connection.ring.buffers]
         for s in range(STEPS):
             trainer.step(*models.batch("mixed", s), models.loss_fn)  # CPU tensors: placed on the GPU
-            assert [b.data_ptr() for b in trainer._ring.buffers] == ptrs
+            assert [b.data_ptr() for b in trainer.connection.ring.buffers] == ptrs
         peak = torch.cuda.max_memory_allocated() - base
         print(f"{mode}: ring {st.ring_bytes} B (budget {budget}), staging {st.grad_staging_bytes} B, peak {peak} B")
         assert peak < st.ring_bytes + st.grad_staging_bytes + 8 * 2**20  # + this tiny model's activations

@@ -15,7 +15,7 @@ import torch
 import models
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import SGD, AdamW, Client
-from wstream.client import trainer as trainer_module
+from wstream.client import connection as connection_module
 from wstream.client.device import (
     DONE,
     CopyEngine,
@@ -61,10 +61,10 @@ def test_trainer_ring_from_weight_budget_and_its_buffers_are_never_reallocated(c
         st = trainer.stats()
         assert st.ring_capacity == 3 and trainer.prefetch == 2
         assert st.ring_bytes == 3 * largest <= budget and st.weight_budget == budget
-        ptrs = [b.data_ptr() for b in trainer._ring.buffers]
+        ptrs = [b.data_ptr() for b in trainer.connection.ring.buffers]
         for s in range(STEPS):
             trainer.step(*models.batch("mixed", s), models.loss_fn)
-            assert [b.data_ptr() for b in trainer._ring.buffers] == ptrs  # no per-step allocation
+            assert [b.data_ptr() for b in trainer.connection.ring.buffers] == ptrs  # no per-step allocation
         assert trainer.stats().peak_resident_stages <= 3
     want = reference_train(start, lambda p: torch.optim.AdamW(p, lr=3e-3), "mixed", STEPS)
     assert_weights_equal(job.state_dict(), want, atol=1e-6)
@@ -145,12 +145,12 @@ def test_staged_path_on_a_cpu_trains_to_plain_pytorch(
 ) -> None:
     """The GPU path's logic (frames through the receive ring, gradients through the staging
     buffers and the copy engine, pushes sent after their copy) with copy_ standing in for DMA."""
-    monkeypatch.setattr(trainer_module, "host_staging", lambda device: True)
+    monkeypatch.setattr(connection_module, "host_staging", lambda device: True)
     stages = models.mixed(seed=4)
     start = copy.deepcopy(stages)
     job = client.create_job("staged", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t")
     with job.trainer(shm=mode != "frames", zero_copy=False, prefetch=1) as trainer:
-        assert (trainer._receive is not None) == (mode == "frames")
+        assert (trainer.connection.receive is not None) == (mode == "frames")
         assert trainer.stats().grad_staging_bytes == 2 * _stage_bytes()
         for s in range(STEPS):
             trainer.step(*models.batch("mixed", s), models.loss_fn)
@@ -190,10 +190,10 @@ class _HeldStager:
 def test_a_push_is_sent_only_once_its_copy_is_complete(client: Client) -> None:
     job = client.create_job("held", models.mixed(), optimizer=SGD(lr=0.1), token="t")
     with job.trainer(zero_copy=False) as trainer:
-        pusher = trainer._pusher
+        pusher = trainer.connection.pusher
         held = _HeldStager(pusher._stager)
         pusher._stager = held  # type: ignore[assignment]
-        spec = trainer._runners[4].spec
+        spec = trainer.executor.runners[4].spec
         pusher.push(4, 0, spec, [torch.ones(5, 48)])
         assert pusher._unsent and not pusher._outstanding  # waiting for its copy, compute went on
         held.ticket.released.set()
@@ -209,12 +209,12 @@ def test_an_error_reply_to_a_push_is_raised_in_the_compute_thread(client: Client
     job = client.create_job("bad-push", models.mixed(), optimizer=SGD(lr=0.1), token="t")
     trainer = job.trainer()
     try:
-        pusher = trainer._pusher
-        pusher.push(4, 7, trainer._runners[4].spec, [torch.ones(5, 48)])  # the job is at step 0
+        pusher = trainer.connection.pusher
+        pusher.push(4, 7, trainer.executor.runners[4].spec, [torch.ones(5, 48)])  # the job is at step 0
         with pytest.raises(StaleStepError, match="only gradients for step 0"):
             pusher.drain()
         with pytest.raises(StaleStepError):  # and again: the sender thread stopped on it
             pusher.drain()
     finally:
-        trainer._pusher.forget_outstanding()
+        trainer.connection.pusher.forget_outstanding()
         trainer.close()

@@ -595,7 +595,7 @@ class Fuzzer:
                 quiet.setLevel(level)
         t.trainer = t.job.trainer(shm=t.shm, prefetch=0)
         t.worker = t.trainer.session
-        self.signers[t.worker] = t.trainer._sc.signer  # shared with its heartbeat thread
+        self.signers[t.worker] = t.trainer.connection.sc.signer  # shared with its heartbeat thread
 
     def _kill(self, *sessions: bytes) -> None:
         """These sessions ended (left, dropped, expired): later requests naming them get session_expired."""

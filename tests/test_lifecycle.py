@@ -30,7 +30,7 @@ def test_signal_exits_cleanly_and_removes_every_segment(tmp_path: Path, sig: int
         for path in made:
             assert os.stat(path).st_mode & 0o777 == 0o600
         assert srv.stop(sig) == 0, srv.log()
-        trainer._heartbeat.close()  # the server is gone: don't wait for a lease to notice
+        trainer.connection.heartbeat.close()  # the server is gone: don't wait for a lease to notice
     assert not segment_paths(srv.proc.pid)
     assert "all shared-memory segments removed" in srv.log()
 
@@ -113,16 +113,16 @@ def test_worker_lease_expiry_lets_the_other_worker_go_on(tmp_path: Path) -> None
         with Client(srv.address, timeout=30) as c:
             job = c.create_job("lease", models.mixed(), optimizer=AdamW(), token="t")
             silent = job.trainer(world_size=2)
-            silent._heartbeat.close()  # stops heart-beating, as a hung process would
+            silent.connection.heartbeat.close()  # stops heart-beating, as a hung process would
             with job.trainer(world_size=2) as alive:
                 loss = alive.step(*models.batch("mixed", 0), models.loss_fn)  # waits for the lease
             assert torch.isfinite(torch.tensor(loss))
             st = c.status().jobs[0]
             assert st.step == 1 and st.workers == []
             assert "silent for more than its 1 s lease" in srv.log()
-            silent._closed = True  # its session is gone already
-            silent._prefetcher.close()
-            silent._pusher.close()
-            silent._chan.close()
+            silent.connection.closed = True  # its session is gone already
+            silent.connection.prefetcher.close()
+            silent.connection.pusher.close()
+            silent.connection.chan.close()
     finally:
         assert srv.stop() == 0

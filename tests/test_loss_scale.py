@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import models
-import wstream.client.trainer as trainer_module
+import wstream.client.connection as connection_module
 from test_equivalence import assert_weights_equal
 from wstream.client import AdamW, Client, LossScale, StateError
 from wstream.client.loss_scale import LossScaler, all_finite, unscaled
@@ -88,7 +88,7 @@ def test_float16_job_equals_pytorch_mixed_precision_when_nothing_overflows(
     client: Client, mode: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if mode == "frames-staged":  # the GPU's path: gradients staged in fp32 buffers, then copied
-        monkeypatch.setattr(trainer_module, "host_staging", lambda device: True)
+        monkeypatch.setattr(connection_module, "host_staging", lambda device: True)
     kw = {"zero_copy": True} if mode == "zero-copy" else {"shm": False}
     got, _, stats = _train(client, "fp16", LossScale(init_scale=2.0**8, growth_interval=10**6), **kw)
     want = fp16_reference(models.mixed(seed=3), STEPS, 2.0**8)

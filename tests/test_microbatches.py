@@ -58,8 +58,8 @@ def test_gradients_equal_ordinary_accumulation(client: Client, k: int, size: int
         ]
         summary = trainer.plan_summary()
         if schedule in ("optimal", "offload", "auto", "min_peak"):
-            assert trainer.profile is not None and trainer._profile_one is not None
-            one = trainer._profile_one
+            assert trainer.profile is not None and trainer.planning.profile_one is not None
+            one = trainer.planning.profile_one
             assert trainer.profile.state_bytes == tuple(b * k for b in one.state_bytes)
     want, ref_losses = accumulated_reference(start, k, STEPS, size)
     assert_weights_equal(job.state_dict(), want, atol=2e-6)
@@ -98,8 +98,8 @@ def test_the_plan_is_remade_when_the_number_of_micro_batches_changes(client: Cli
         plan_one = trainer.plan
         assert plan_one is not None and plan_one.advances == one.n - 1  # no recomputation
         trainer.step(*models.batch("mixed", 2, size=64), models.loss_fn, micro_batches=4)
-        assert trainer.profile is not None and trainer._profile_one is not None
-        assert trainer.profile.state_bytes == tuple(4 * b for b in trainer._profile_one.state_bytes)
+        assert trainer.profile is not None and trainer.planning.profile_one is not None
+        assert trainer.profile.state_bytes == tuple(4 * b for b in trainer.planning.profile_one.state_bytes)
         plan_four = trainer.plan
         assert plan_four is not None and plan_four is not plan_one
         fits = simulate(one.n, plan_four.actions, state_bytes=four.state_bytes, tape_bytes=four.tape_bytes)

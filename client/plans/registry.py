@@ -76,14 +76,10 @@ PLANNERS: dict[str, Callable[[int, int | None], Plan]] = {
 """Planners by schedule name for the schedules built from n alone: ``PLANNERS[name](n, slots)``."""
 
 
-def resolve(
-    schedule: str, n: int, *, slots: int | None = None, budget_bytes: int | None = None
-) -> tuple[Plan | None, Callable[[StageCosts], Plan] | None]:
-    """Check ``job.trainer``'s schedule arguments and return ``(plan, from_profile)``: the plan of a
-    chain of ``n`` stages when the schedule needs no profile, else the function that plans from
-    the first batch's profile (exactly one is not None). Raises ``ValueError`` for an unknown name,
-    ``slots`` on a schedule that takes none, or a budget given to a schedule without one (or
-    missing on one that needs it); :class:`~.plan.PlanError` when no plan can be built."""
+def check(schedule: str, *, slots: int | None = None, budget_bytes: int | None = None) -> Schedule:
+    """The registry entry of ``schedule``, once its arguments fit it. Raises ``ValueError`` for an
+    unknown name, ``slots`` on a schedule that takes none, or a budget given to a schedule without
+    one (or missing on one that needs it)."""
     entry = SCHEDULES.get(schedule)
     if entry is None:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {sorted(SCHEDULES)}")
@@ -93,6 +89,17 @@ def resolve(
     if (budget_bytes is not None) != entry.needs_budget:
         budgeted = tuple(s.name for s in SCHEDULES.values() if s.needs_budget)
         raise ValueError(f"memory_budget= goes with schedule in {budgeted} (and they need it)")
+    return entry
+
+
+def resolve(
+    schedule: str, n: int, *, slots: int | None = None, budget_bytes: int | None = None
+) -> tuple[Plan | None, Callable[[StageCosts], Plan] | None]:
+    """Check ``job.trainer``'s schedule arguments (:func:`check`) and return ``(plan,
+    from_profile)``: the plan of a chain of ``n`` stages when the schedule needs no profile, else
+    the function that plans from the first batch's profile (exactly one is not None). Raises
+    :class:`~.plan.PlanError` when no plan can be built."""
+    entry = check(schedule, slots=slots, budget_bytes=budget_bytes)
     if entry.from_n is not None:
         return entry.from_n(n, slots), None
     if entry.from_budget is not None:

@@ -1,0 +1,57 @@
+"""Walking a job's chain of stages (layouts, ties, uploads) and the progress bar of a transfer.
+
+Helpers of ``client.py`` (``create_job`` and ``attach_job`` walk the chain the same way), kept
+apart so that ``client.py`` holds only the ``Client`` and ``Job`` handles.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from torch import nn
+
+from wstream.protocol import LayoutError, StageSpec
+
+from .stages import Tied, check_tied, frozen_params, skeleton_of, spec_of
+
+Chain = list[tuple[int, nn.Module]]
+"""A job's chain: per position, its weight stage and meta skeleton (NOTE [Positions and weight
+stages] in ``stages.py``)."""
+
+
+def layout_on(base_stages: list[StageSpec] | None, i: int, module: nn.Module) -> StageSpec:
+    """Stage i's layout: every parameter, or on a frozen base only the trainable ones (the others
+    must be the base's stage i's, by name and shape)."""
+    if base_stages is None:
+        return spec_of(i, module)
+    if i >= len(base_stages):
+        raise LayoutError(f"stage {i}: the base has {len(base_stages)} stages")
+    frozen_params(i, module, base_stages[i])  # they match the base, or raise
+    return spec_of(i, module, trainable_only=True)
+
+
+def walk_chain(
+    items: Iterable[nn.Module | Tied], add_stage: Callable[[int, nn.Module], StageSpec]
+) -> tuple[list[StageSpec], Chain]:
+    """Walk a job's ``stages`` in order: ``add_stage(i, module)`` lays out (and uploads) weight
+    stage i and returns its spec; a :class:`Tied` item is checked against the stages before it.
+    Every module is moved to the meta device once handled, so one at a time is materialized."""
+    specs: list[StageSpec] = []
+    chain: Chain = []
+    for item in items:
+        if isinstance(item, Tied):
+            check_tied(len(chain), item, specs)
+            chain.append((item.stage, skeleton_of(item.module)))
+            continue
+        specs.append(add_stage(len(specs), item))
+        chain.append((len(specs) - 1, skeleton_of(item)))
+    return specs, chain
+
+
+def progress_bar(enabled: bool | None, total: int | None, desc: str) -> Any:
+    """A tqdm bar counting parameters on stderr; ``enabled`` None: only when stderr is a terminal
+    (never in a pipe, a log file or a test)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, unit="param", unit_scale=True, disable=None if enabled is None else not enabled)

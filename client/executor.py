@@ -1,0 +1,266 @@
+"""The plan executor: runs a checkpoint plan's actions on the stages of one step.
+
+The step is driven by a checkpoint plan (:mod:`wstream.client.plans`): untaped ADVANCEs move the
+current stage input forward, SNAPSHOT/RESTORE/FREE keep and reuse inputs, OFFLOAD/PREFETCH/FREE_HOST
+move them through host memory, and each BACKWARD re-runs one stage with autograd from its input,
+pushes its gradient and passes dx_i down. The weights of every compute action are fetched in the
+plan's order by the prefetch thread; :meth:`PlanExecutor.stage_weights` is the one place a
+stage's weights are taken from it and given back (forward, recomputation, backward, and the
+trainer's ``forward`` and profile).
+
+The plan's chain is one of *positions*; each runs on a weight stage, usually its own, sometimes
+an earlier one (a tied head: NOTE [Positions and weight stages] in ``stages.py``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+import torch
+
+from .distributed import AllReduceGradients, flat_spec
+from .loss_scale import LossScaler, all_finite, unscaled
+from .offload import HostMover
+from .plan_run import PlanRun, add_into
+from .plans import Op
+from .prefetch import Prefetcher
+from .push import GradientPusher
+from .rng import StageRng
+from .stages import Boundary, StageRunner, as_boundary, join_lanes, lanes_of
+from .timeline import Tracer
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class Streams(Protocol):
+    """Where the executor takes weights from and sends gradients to (a ``WorkerConnection``; its
+    prefetcher and pusher are new ones after a reconnect, so they are read at each use)."""
+
+    @property
+    def prefetcher(self) -> Prefetcher: ...
+
+    @property
+    def pusher(self) -> GradientPusher: ...
+
+
+class PlanExecutor:
+    """Runs plan actions for one worker: forward, recomputation, backward and activation moves."""
+
+    def __init__(
+        self,
+        runners: list[StageRunner],
+        streams: Streams,
+        *,
+        device: torch.device,
+        rng: StageRng,
+        scaler: LossScaler | None = None,
+        allreduce: AllReduceGradients | None = None,
+    ) -> None:
+        self.runners = runners  # one per chain position
+        self.first_use: dict[int, int] = {}  # weight stage -> its lowest position (its push follows that backward)
+        for position, runner in enumerate(runners):
+            self.first_use.setdefault(runner.stage, position)
+        self._streams = streams
+        self.device = device
+        self.rng = rng
+        self.scaler = scaler
+        self._allreduce = allreduce
+        self.reader = allreduce is not None and allreduce.rank != 0  # a rank that pushes nothing
+        self.tracer: Tracer | None = None  # set while ``Trainer.trace`` records a timeline
+        self._mover: HostMover | None = None
+
+    def stages_of(self, positions: list[int]) -> list[int]:
+        """The weight stages to fetch for a plan's compute positions (its ``fetch_order``)."""
+        return [self.runners[p].stage for p in positions]
+
+    @contextlib.contextmanager
+    def stage_weights(
+        self, stage: int, held: dict[int, torch.Tensor] | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Stage ``stage``'s weights and its frozen base's (if any), for the block's compute: held
+        for the whole step (a loop body, in ``held``), or the prefetcher's next fetch, released to
+        the ring once the block is done. A block that raises leaves the buffer to the step's
+        abort (the prefetcher's ``reset`` frees every buffer)."""
+        if held is not None and stage in held:
+            yield held[stage], None
+            return
+        prefetcher = self._streams.prefetcher
+        fetched = prefetcher.get(stage)
+        yield fetched.weights, fetched.base
+        prefetcher.release(fetched)
+
+    def close(self) -> None:
+        if self._mover is not None:
+            self._mover.close()
+
+    def execute(self, run: PlanRun, op: Op, i: int, loss_fn: LossFn) -> None:
+        if op == Op.ADVANCE:
+            assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
+            runner = run.runner_at(i)
+            outs: list[Boundary] = []
+            first = i not in run.advanced
+            run.advanced.add(i)
+            span = self._span(run, ("forward " if first else "recompute ") + str(i), "forward" if first else "recompute", i)
+            with self.stage_weights(runner.stage, run.held) as (weights, base), span:
+                for j, lane in enumerate(lanes_of(run.current[1], run.k)):  # stage-major: every micro-batch
+                    with torch.no_grad(), self.rng.around(run.rng, i, j):
+                        outs.append(as_boundary(runner(weights, lane, base)))
+            run.set_current(i + 1, join_lanes(outs))
+        elif op == Op.SNAPSHOT:
+            assert run.current is not None and run.current[0] == i
+            run.keep(i)
+        elif op == Op.RESTORE:
+            run.restore(i)
+        elif op == Op.FREE:
+            run.free(i)
+        elif op == Op.OFFLOAD:
+            assert run.current is not None and run.current[0] == i
+            run.host[i] = self._host_mover().to_host(run.current[1])
+        elif op == Op.PREFETCH:
+            run.arrive(i, self._host_mover().to_device(run.host[i]))
+        elif op == Op.FREE_HOST:
+            run.host.pop(i).result()  # never drop memory a copy may still be writing
+        else:
+            assert run.current is not None and run.current[0] == i
+            self._backward_stage(run, i, loss_fn)
+
+    def _span(self, run: PlanRun, name: str, cat: str, stage: int) -> contextlib.AbstractContextManager[None]:
+        """A compute span on the timeline (nothing when not tracing)."""
+        if self.tracer is None:
+            return contextlib.nullcontext()
+        return self.tracer.span(name, cat, "compute", stage=stage, step=run.step)
+
+    def _host_mover(self) -> HostMover:
+        if self._mover is None:
+            self._mover = HostMover(self.device)
+        return self._mover
+
+    def _backward_stage(self, run: PlanRun, i: int, loss_fn: LossFn) -> None:
+        """Re-run position i with autograd from the current state and backpropagate; push its
+        stage's gradient when i is the stage's lowest position, else add it to the stage's sum.
+
+        With k micro-batches this runs once per micro-batch on the same weights (one tape live at
+        a time) and sums their parameter gradients in micro-batch order, as accumulation into
+        ``.grad`` would."""
+        assert run.current is not None
+        runner = run.runner_at(i)
+        stage = runner.stage
+        with self.stage_weights(stage, run.held) as (weights, base):
+            params = runner.leaves(weights, base)
+            lanes = lanes_of(run.current[1], run.k)
+            grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
+            run.drop_current()
+            with self._span(run, f"backward {i}", "backward", i):
+                param_grads, grad_out = self._backward_lanes(run, i, runner, params, lanes, grad_lanes, loss_fn)
+            run.grad_out = grad_out
+            del params
+            grads = run.add_grads(stage, runner.stage_grads(param_grads))
+            if i == self.first_use[stage]:  # backward has no use of this stage left
+                del run.grads[stage]
+                self._push(run, runner, grads)
+
+    def _push(self, run: PlanRun, runner: StageRunner, grads: list[torch.Tensor | None]) -> None:
+        """Send a stage's gradient, summed over its positions (with ``allreduce``: its mean over
+        the ranks, sent by rank 0 alone; client/distributed.py)."""
+        stage = runner.stage
+        pusher = self._streams.pusher
+        if run.delayed and not self.reader:  # (s, t) applies to version t: (s, t - 1) must be done
+            pusher.wait_stage(stage)
+        if self._allreduce is None:
+            pusher.push(stage, run.step, runner.spec, grads)
+        else:
+            device = next((g.device for g in grads if g is not None), self.device)
+            mean = self._allreduce.mean(runner.spec, grads, device)
+            if not self.reader:
+                pusher.push(stage, run.step, flat_spec(runner.spec), [mean])
+        run.pushed = True
+
+    def _backward_lanes(
+        self,
+        run: PlanRun,
+        i: int,
+        runner: StageRunner,
+        params: dict[str, torch.Tensor],
+        lanes: list[Boundary],
+        grad_lanes: list[Boundary | None],
+        loss_fn: LossFn,
+    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Backpropagate stage i for every micro-batch: (summed parameter gradients, the input
+        gradients of every micro-batch, packed). With loss scaling a micro-batch whose gradients
+        are not finite is run again at a lower scale (NOTE [Per-stage loss scaling]) and its
+        parameter gradients are summed unscaled, in fp32."""
+        leaves = [v for v in params.values() if v.requires_grad]  # not a frozen base's views
+        param_grads: list[torch.Tensor | None] = [None] * len(leaves)
+        grad_out: list[torch.Tensor | None] = []
+        scaler = self.scaler
+        for j, (lane, lane_grad_out) in enumerate(zip(lanes, grad_lanes)):
+            first = True
+            while True:
+                inputs = grad_inputs_of(lane, i)
+                with self.rng.around(run.rng, i, j), torch.enable_grad():
+                    out = runner.call_with(params, inputs)
+                grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+                roots, root_grads = _roots(run, out, lane_grad_out, loss_fn, j, first=first)
+                grads = torch.autograd.grad(roots, [*leaves, *grad_inputs], root_grads, allow_unused=True)
+                del out, roots, root_grads
+                if scaler is None or all_finite(grads):
+                    break
+                assert run.scales is not None
+                where = f"step {run.step}, position {i}, micro-batch {j}"
+                lower = scaler.back_off(run.scales[j], where)
+                factor = lower / run.scales[j]
+                run.scales[j] = lower
+                if lane_grad_out is not None:  # exact for a power-of-two factor
+                    lane_grad_out = tuple(g * factor if isinstance(g, torch.Tensor) else g for g in lane_grad_out)
+                first = False
+            own = grads[: len(leaves)]
+            add_into(param_grads, own if scaler is None or run.scales is None else unscaled(own, run.scales[j]))
+            it = iter(grads[len(leaves) :])
+            grad_out.extend(next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs)
+            del grads, inputs, grad_inputs, own
+        return param_grads, grad_out
+
+
+def _roots(
+    run: PlanRun, out: Any, grad_out: Boundary | None, loss_fn: LossFn, lane: int, *, first: bool = True
+) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """What micro-batch ``lane`` of a stage backpropagates from: the loss (divided by the
+    number of micro-batches; seeded with the lane's loss scale, if any) at the chain's end,
+    else the outputs that have a gradient. ``first``: not a loss-scaling retry (the loss is
+    counted once)."""
+    if grad_out is None:
+        loss = loss_fn(out, run.targets[lane])
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            raise FloatingPointError(
+                f"the loss of micro-batch {lane} is {value}: nothing of this step was sent (the job's "
+                "weights are unchanged); check the data and the learning rate"
+            )
+        if first:
+            run.loss += value / run.k
+        root = loss if run.k == 1 else loss / run.k
+        if run.scales is None:
+            return [root], [None]
+        return [root.float()], [torch.tensor(run.scales[lane], dtype=torch.float32, device=root.device)]
+    roots: list[torch.Tensor] = []
+    root_grads: list[torch.Tensor | None] = []
+    for o, g in zip(as_boundary(out), grad_out):
+        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None:
+            roots.append(o)
+            root_grads.append(g)
+    return roots, root_grads
+
+
+def grad_inputs_of(inputs: Boundary, i: int) -> Boundary:
+    """Position i's inputs for a run with autograd: floating-point tensors become leaves that
+    want a gradient (not at position 0, whose input is the data)."""
+    return tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in inputs)
+
+
+def _wants_grad(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and x.is_floating_point()

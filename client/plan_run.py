@@ -1,0 +1,129 @@
+"""The state of one step while the executor runs its plan: current input, kept inputs, gradients.
+
+Separate from the executor (``executor.py``) because it is plain bookkeeping: which stage input is
+current, which are kept on the device or on the host, the gradients summed so far per stage, the
+recorded RNG states, and the live activation bytes (counted as the plan goes, for the peak).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .offload import PendingMove
+from .stages import Boundary, StageRunner, boundary_bytes
+
+
+class PlanRun:
+    """The executor's state during one step. Live bytes are counted incrementally (O(1) per
+    action: a 10,000-stage chain makes tens of thousands of actions per step)."""
+
+    __slots__ = (
+        "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last",
+        "runner_at", "held", "grads", "_kept_bytes", "_arriving_bytes", "_current_bytes", "_current_kept",
+        "k", "targets", "advanced", "scales", "step", "delayed",
+    )
+
+    def __init__(
+        self,
+        inputs: Boundary,
+        runner_at: Callable[[int], StageRunner],
+        *,
+        targets: list[Any],
+        k: int = 1,
+        last: int = -1,
+        scale: float | None = None,
+        step: int = 0,
+        delayed: bool = False,
+    ) -> None:
+        self.step = step  # the job's step this run trains
+        self.delayed = delayed  # it may end before its updates (a delayed-update job past warm-up)
+        self.k = k  # micro-batches: every state is k lanes packed (see ``join_lanes``)
+        self.scales = None if scale is None else [scale] * k  # each micro-batch's loss scale, if scaling
+        self.advanced: set[int] = set()  # positions run forward this step (a rerun is a recomputation)
+        self.targets = targets  # one per micro-batch
+        self.last = last  # the position whose BACKWARD computes the loss
+        self.runner_at = runner_at  # position -> its runner (a loop: the body, for any position)
+        self.held: dict[int, torch.Tensor] = {}  # weights fetched once for the whole step (a loop body's)
+        self.grads: dict[int, list[torch.Tensor | None]] = {}  # stage -> gradient summed over its positions so far
+        self.current: tuple[int, Boundary] | None = None
+        self.kept: dict[int, Boundary] = {}
+        self.host: dict[int, PendingMove] = {}  # offloaded inputs (a copy, also on a CPU worker)
+        self.arriving: dict[int, PendingMove] = {}  # inputs being prefetched back from the host
+        self.rng: dict[tuple[int, int], Any] = {}  # (stage, micro-batch) -> RNG state of its first run
+        self.grad_out: list[torch.Tensor | None] | None = None
+        self.loss = 0.0
+        self.pushed = False
+        self.peak_bytes = 0
+        self._kept_bytes = 0
+        self._arriving_bytes = 0
+        self._current_bytes = 0
+        self._current_kept: int | None = None  # the kept index ``current`` is, if it is one
+        self.set_current(0, inputs)
+
+    def set_current(self, index: int, b: Boundary) -> None:
+        self.current = (index, b)
+        self._current_bytes = boundary_bytes(b)
+        self._current_kept = None
+        self._account()
+
+    def drop_current(self) -> None:
+        self.current = None
+        self._current_bytes = 0
+        self._current_kept = None
+
+    def keep(self, i: int) -> None:
+        assert self.current is not None
+        self.kept[i] = self.current[1]
+        self._kept_bytes += self._current_bytes
+        self._current_kept = i
+        self._account()
+
+    def restore(self, i: int) -> None:
+        if i in self.arriving:  # a PREFETCH still in flight: the compute waits for it here
+            pending = self.arriving.pop(i)
+            self._arriving_bytes -= pending.nbytes
+            self.kept[i] = pending.result()
+            self._kept_bytes += boundary_bytes(self.kept[i])
+        self.current = (i, self.kept[i])
+        self._current_bytes = boundary_bytes(self.kept[i])
+        self._current_kept = i
+
+    def free(self, i: int) -> None:
+        if i in self.kept:
+            self._kept_bytes -= boundary_bytes(self.kept.pop(i))
+            if self._current_kept == i:
+                self._current_kept = None  # still the current input: counted as that now
+        else:
+            self._arriving_bytes -= self.arriving.pop(i).nbytes
+        self._account()
+
+    def arrive(self, i: int, pending: PendingMove) -> None:
+        self.arriving[i] = pending
+        self._arriving_bytes += pending.nbytes
+        self._account()
+
+    def add_grads(self, stage: int, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        """Add one position's gradients (``spec.params`` order) to its stage's sum; return the sum."""
+        acc = self.grads.get(stage)
+        if acc is None:
+            self.grads[stage] = acc = list(grads)
+            return acc
+        add_into(acc, grads)
+        return acc
+
+    def _account(self) -> None:
+        live = self._kept_bytes + self._arriving_bytes
+        if self.current is not None and self._current_kept is None:
+            live += self._current_bytes
+        self.peak_bytes = max(self.peak_bytes, live)
+
+
+def add_into(acc: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
+    """``acc[k] += grads[k]`` in place where both exist (the first gradient of a slot is taken as it
+    is), as accumulation into ``.grad`` would."""
+    for k, g in enumerate(grads):
+        if g is not None:
+            acc[k] = g if acc[k] is None else acc[k].add_(g)

@@ -1,0 +1,172 @@
+"""Profiling a step, and the plan made from it (schedules "optimal", "auto", "offload", "min_peak").
+
+A profiled schedule cannot plan before it knows the chain's costs: :func:`measure_profile` runs
+each stage once on the first batch (one micro-batch: forward time, input size, tape size, and
+the time to copy the input to the host), and :class:`Planning` keeps the plan that was made from
+it, measuring again whenever the number of micro-batches changes. Separate from the executor
+because it runs no plan: it only times stages, inside a forked RNG, and pushes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from wstream.protocol import StateError
+
+from .device import synchronize
+from .executor import PlanExecutor, grad_inputs_of
+from .plans import Plan, StageCosts
+from .prefetch import Prefetcher
+from .stages import Boundary, StageRunner, as_boundary, boundary_bytes
+
+log = logging.getLogger(__name__)
+
+
+class Planning:
+    """The trainer's checkpoint plan: given up front, or made by ``from_profile`` from a profile of
+    the first step (and again when the number of micro-batches changes)."""
+
+    def __init__(
+        self,
+        plan: Plan | None,
+        from_profile: Callable[[StageCosts], Plan] | None,
+        stages_of: Callable[[list[int]], list[int]],
+    ) -> None:
+        if (plan is None) == (from_profile is None):
+            raise ValueError("give either a plan or a planner to apply to the first step's profile")
+        self.plan = plan
+        self._from_profile = from_profile
+        self._stages_of = stages_of
+        self.profile: StageCosts | None = None
+        """The costs the plan was made for: ``profile_one`` (a profile of one micro-batch, measured
+        again whenever the number of micro-batches changes) scaled to ``k`` micro-batches."""
+        self.profile_one: StageCosts | None = None
+        self.k = 1
+        self.fetch_order = stages_of(plan.fetch_order()) if plan is not None else []
+        """The weight stages a step fetches, in order."""
+
+    def needs_profile(self, k: int) -> bool:
+        """Whether a step of ``k`` micro-batches must be profiled first."""
+        return self.plan is None or (self._from_profile is not None and k != self.k)
+
+    def plan_for(self, one: StageCosts, k: int) -> Plan:
+        """Make the plan for ``k`` micro-batches from ``one``, the profile of one; a budget no
+        plan fits is refused here, before any update."""
+        assert self._from_profile is not None
+        self.profile_one = one
+        self.profile = one.for_micro_batches(k)
+        self.plan = plan = self._from_profile(self.profile)
+        self.k = k
+        self.fetch_order = self._stages_of(plan.fetch_order())
+        log.info(
+            "schedule %r from the profile (%d micro-batch%s): %d recomputed forwards, %d live inputs at most",
+            plan.name,
+            k,
+            "" if k == 1 else "es",
+            plan.advances,
+            plan.peak_states,
+        )
+        return plan
+
+    def summary(self, stage_bytes: list[int], *, peak_boundary: int) -> dict[str, Any]:
+        """What the plan costs per step: recomputation, memory (``peak_boundary``: the most a step
+        held, measured) and weight traffic (``stage_bytes``: each weight stage's size)."""
+        plan = self.plan
+        if plan is None:
+            raise StateError("the plan is made from a profile of the first step: call step() first")
+        return {
+            "schedule": plan.name,
+            "stages": plan.n,
+            "forward_evaluations": plan.forward_evaluations,
+            "recomputed_forwards": plan.advances,
+            "peak_kept_states": plan.peak_slots,
+            "peak_live_states": plan.peak_states,
+            "peak_activation_bytes_measured": peak_boundary,
+            "weight_bytes_fetched": sum(stage_bytes[i] for i in self.fetch_order),
+        }
+
+
+def measure_profile(
+    executor: PlanExecutor,
+    prefetcher: Prefetcher,
+    inputs: Any,
+    *,
+    step: int,
+    stage_bytes: list[int],
+    zero_copy: bool,
+) -> StageCosts:
+    """Measure each position once on ``inputs`` (one micro-batch): forward time, input size, tape
+    size, and the copy of its input to the host. Runs inside a forked RNG and pushes nothing, so
+    training afterwards is exactly what it would have been. ``stage_bytes``: each weight stage's
+    size (for the fetch bandwidth, which a zero-copy worker does not spend)."""
+    runners = executor.runners
+    device = executor.device
+    prefetcher.start(step, [r.stage for r in runners])
+    forward_s: list[float] = []
+    state_bytes: list[int] = []
+    tape_bytes: list[int] = []
+    current = as_boundary(inputs)
+    host_s = 0.0
+    t_fetch = time.perf_counter()
+    try:
+        with executor.rng.forked():
+            for runner in runners:
+                with executor.stage_weights(runner.stage) as (weights, base):
+                    state_bytes.append(boundary_bytes(current))
+                    synchronize(device)  # a GPU runs asynchronously: time the work, not its launch
+                    t0 = time.perf_counter()
+                    with torch.no_grad():
+                        out = runner(weights, current, base)
+                    synchronize(device)
+                    forward_s.append(time.perf_counter() - t0)
+                    tape_bytes.append(_tape_bytes(runner, len(tape_bytes), weights, base, current))
+                t0 = time.perf_counter()
+                _to_device(current, torch.device("cpu"))
+                host_s += time.perf_counter() - t0
+                current = as_boundary(out)
+    except BaseException:
+        prefetcher.reset()
+        raise
+    elapsed = time.perf_counter() - t_fetch
+    weight_bytes = tuple(stage_bytes[r.stage] for r in runners)
+    fetch_s = max(elapsed - sum(forward_s) - host_s, 1e-9)
+    bandwidth = 0.0 if zero_copy else sum(weight_bytes) / fetch_s
+    return StageCosts(
+        forward_s=tuple(forward_s),
+        state_bytes=tuple(state_bytes),
+        tape_bytes=tuple(tape_bytes),
+        weight_bytes=weight_bytes,
+        bandwidth=bandwidth,
+        host_bandwidth=sum(state_bytes) / max(host_s, 1e-9),
+    )
+
+
+def _tape_bytes(
+    runner: StageRunner, i: int, weights: torch.Tensor, base: torch.Tensor | None, inputs: Boundary
+) -> int:
+    """Bytes autograd saves for backward when position i runs with grad (plus its output); the
+    stage's weights (and its base's) are not new memory."""
+    saved = 0
+    own = [w.untyped_storage().data_ptr() for w in (weights, base) if w is not None]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        if t.untyped_storage().data_ptr() not in own:
+            saved += t.numel() * t.element_size()
+        return t
+
+    params = runner.leaves(weights, base)
+    xs = grad_inputs_of(inputs, i)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = runner.call_with(params, xs)
+    return saved + boundary_bytes(as_boundary(out))
+
+
+def _to_device(b: Boundary, device: torch.device) -> Boundary:
+    """A synchronous copy of a boundary's tensors on ``device`` (the profile times it)."""
+    return tuple(t.to(device, copy=True) if isinstance(t, torch.Tensor) else t for t in b)

@@ -1,0 +1,211 @@
+"""The gradient side of streaming: the pusher that sends stage gradients from a sender thread."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import zmq
+
+from wstream.protocol import ServerUnavailable, StageSpec
+from wstream.protocol import messages as m
+from wstream.protocol.frames import tensor_frames
+
+from .channel import Channel, no_answer, raise_or_narrow
+from .device import CopyTicket, GradientStager
+from .streaming import StreamContext, StreamStats
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Unsent:
+    """A push handed to the sender thread: sent once ``ticket`` (the gradient's copy) is done."""
+
+    message: m.Push
+    frames: list[object]
+    ticket: CopyTicket
+
+
+@dataclass(slots=True)
+class _Sent:
+    slot: int
+    stage: int
+    step: int
+    sent_ns: int
+    returned_ns: int
+
+
+class GradientPusher:
+    """Sends stage gradients without making compute wait; a ``pushed`` reply frees its slot (a credit).
+
+    The compute thread writes a gradient into a free slot (on a GPU: issues its device -> host
+    copy, NOTE [Copy ordering on a GPU] rule 3) and hands the ``push`` to a sender thread, which
+    owns this pusher's socket: it sends each push, in order, once its copy is complete, and reads
+    the replies. The compute thread only waits for a free slot or, at the end of a step, for the
+    acknowledgements; a reply that does not come within the client's ``wait_timeout`` while it
+    waits is :class:`ServerUnavailable`, and an error reply is raised there too.
+
+    ``slots`` are host fp32 views: the worker's shared-memory gradient ring, or (``shm=False``) its
+    own buffers whose bytes go out as data frames (a slot is busy until its reply, so a buffer is
+    never refilled while ZeroMQ may still read it)."""
+
+    def __init__(self, sc: StreamContext, slots: list[torch.Tensor], *, shm: bool, stager: GradientStager) -> None:
+        self._sc = sc
+        self._slots = slots
+        self._shm = shm
+        self._stager = stager
+        self._cond = threading.Condition()
+        self._free = list(range(len(slots)))[::-1]
+        self._unsent: deque[_Unsent] = deque()
+        self._outstanding: dict[int, _Sent] = {}  # request id -> what was sent
+        self._replies = 0  # replies seen: progress, for the wait deadline
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        self.stats = StreamStats()
+        self._thread = threading.Thread(target=self._run, name="wstream-push", daemon=True)
+        self._thread.start()
+
+    # ---- the compute thread ----------------------------------------------------------------------
+    def push(self, stage: int, step: int, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
+        """Write the stage's per-parameter gradients into a free slot and have ``push`` sent."""
+        slot = self._acquire(stage)
+        t0 = time.monotonic_ns()
+        numel = spec.numel
+        ticket = self._stager.write(self._slots[slot], spec, grads)
+        frames: list[object] = [] if self._shm else list(tensor_frames(self._slots[slot][:numel]))
+        msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
+        with self._cond:
+            self._unsent.append(_Unsent(msg, frames, ticket))
+        os.write(self._wake_w, b"x")
+        if self._sc.tracer is not None:
+            self._sc.tracer.add(f"grad copy {stage}", "push", "compute", t0, stage=stage, step=step)
+        self.stats.pushes += 1
+        self.stats.bytes_pushed += numel * 4
+
+    def drain(self) -> None:
+        """Wait until every push is acknowledged, i.e. the server applied those updates."""
+        self._wait_until(lambda: not self._outstanding and not self._unsent, "wait updates")
+
+    def wait_stage(self, stage: int) -> None:
+        """Wait until no push of ``stage`` is unacknowledged (its update was applied)."""
+
+        def done() -> bool:
+            return all(e.stage != stage for e in self._outstanding.values()) and all(
+                u.message.stage != stage for u in self._unsent
+            )
+
+        self._wait_until(done, f"wait update {stage}")
+
+    def _acquire(self, stage: int) -> int:
+        self._wait_until(lambda: bool(self._free), f"wait grad slot {stage}")
+        with self._cond:
+            return self._free.pop()
+
+    def _wait_until(self, done: Callable[[], bool], what: str) -> None:
+        """Wait (with the lock's condition) until ``done()``; raise what the sender thread met, an
+        abort, or :class:`ServerUnavailable` after ``wait_timeout`` without any reply."""
+        with self._cond:
+            if self._error is None and done():
+                return
+        t0, t0_ns = time.perf_counter(), time.monotonic_ns()
+        limit = self._sc.endpoint.wait_timeout_s
+        with self._cond:
+            seen, deadline = self._replies, time.monotonic() + limit
+            while True:
+                if self._error is not None:
+                    raise self._error
+                if done():
+                    break
+                if self._sc.abort.is_set():
+                    self._sc.raise_aborted()
+                if self._replies != seen:
+                    seen, deadline = self._replies, time.monotonic() + limit
+                elif time.monotonic() > deadline:
+                    self._error = ServerUnavailable(no_answer(self._sc.endpoint.address, limit, self._sc.endpoint.curve))
+                    raise self._error
+                self._cond.wait(0.1)
+        self.stats.push_wait_s += time.perf_counter() - t0
+        if self._sc.tracer is not None:
+            self._sc.tracer.add(what, "wait", "compute", t0_ns)
+
+    def forget_outstanding(self) -> None:
+        with self._cond:
+            self._outstanding.clear()
+            self._unsent.clear()
+
+    def close(self) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        os.write(self._wake_w, b"x")
+        self._thread.join()
+        os.close(self._wake_r)
+        os.close(self._wake_w)
+
+    # ---- the sender thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        chan = self._sc.channel()
+        poller = zmq.Poller()
+        poller.register(chan.socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                sent = self._send_ready(chan)
+                events = dict(poller.poll(0 if sent else 100))
+                if self._wake_r in events:
+                    with contextlib.suppress(BlockingIOError):
+                        os.read(self._wake_r, 4096)
+                if chan.socket in events:
+                    self._take_replies(chan)
+        except BaseException as exc:  # raised in the compute thread by its next wait
+            with self._cond:
+                if self._error is None:
+                    self._error = exc
+                self._cond.notify_all()
+        finally:
+            chan.close()
+
+    def _send_ready(self, chan: Channel) -> bool:
+        """Send the oldest unsent push once its copy is done (waits for that copy only)."""
+        with self._cond:
+            if not self._unsent:
+                return False
+            item = self._unsent[0]
+        item.ticket.synchronize()
+        sent = time.monotonic_ns()
+        rid = chan.send(item.message, item.frames, copy=False)
+        msg = item.message
+        with self._cond:
+            if self._unsent and self._unsent[0] is item:  # not forgotten meanwhile
+                self._unsent.popleft()
+                self._outstanding[rid] = _Sent(msg.slot, msg.stage, msg.step, sent, time.monotonic_ns())
+        return True
+
+    def _take_replies(self, chan: Channel) -> None:
+        while chan.socket.poll(0, zmq.POLLIN):
+            reply, _ = chan.recv(timeout_s=self._sc.endpoint.wait_timeout_s)
+            with self._cond:
+                entry = self._outstanding.pop(reply.id, None)
+                if entry is None:
+                    log.debug("dropping an unexpected reply %s", type(reply).__name__)
+                    continue
+                self._free.append(entry.slot)
+                self._replies += 1
+                self._cond.notify_all()
+            if self._sc.tracer is not None:  # the send; when the worker saw the reply goes in args
+                seen_us = (time.monotonic_ns() - entry.sent_ns) / 1000
+                self._sc.tracer.add(
+                    f"push {entry.stage}", "push", "gradient pushes", entry.sent_ns, entry.returned_ns,
+                    stage=entry.stage, step=entry.step, ack_seen_us=seen_us,
+                )
+            raise_or_narrow(reply, m.Pushed)
