@@ -24,7 +24,7 @@ from .errors import (
     WstreamError,
     error_from_code,
 )
-from .messages import PROTOCOL_VERSION, SGD, AdamW, OptimizerSpec, ParamSpec, StageSpec
+from .messages import PROTOCOL_VERSION, SGD, AdamW, JobOptions, OptimizerSpec, ParamSpec, StageSpec
 from .units import format_bytes, parse_size
 
 __all__ = [
@@ -40,6 +40,7 @@ __all__ = [
     "LayoutError",
     "MemoryLimitError",
     "NotReadyError",
+    "JobOptions",
     "OptimizerSpec",
     "ParamSpec",
     "ProtocolError",

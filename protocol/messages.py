@@ -13,8 +13,9 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 2
-"""Carried in every header; a server answers any other value with ``version_mismatch``."""
+PROTOCOL_VERSION = 3
+"""Carried in every header; a server answers any other value with ``version_mismatch``.
+docs/protocol.md lists what changed in each version."""
 
 # ---- bounds on everything read from the wire ------------------------------------------------
 MAX_HEADER_BYTES = 64 * 2**20
@@ -30,7 +31,9 @@ CHUNK_BYTES = 4 * 2**20
 """Tensor bytes travel in data frames of at most this size: one 64 MiB ZeroMQ frame moves several
 times slower than the same bytes in 4 MiB frames (see BENCHMARKS.md)."""
 
-JobName = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
+JobName = Annotated[str, Meta(min_length=1, max_length=128, pattern=r"\A[A-Za-z0-9_.\-]+\Z")]
+"""msgspec searches for a pattern (``re.search``): ``\\A...\\Z`` anchors the whole string, where
+``^...$`` would let a trailing newline through."""
 ParamName = Annotated[str, Meta(min_length=1, max_length=512)]
 Token = Annotated[str, Meta(min_length=1, max_length=4096)]
 SessionId = Annotated[bytes, Meta(min_length=16, max_length=16)]
@@ -115,6 +118,31 @@ class SGD(Struct, frozen=True, kw_only=True, tag="sgd", tag_field="kind"):
 OptimizerSpec = Union[AdamW, SGD]
 
 
+class JobOptions(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How a job trains, fixed when it is created. Declared here once: ``create_job`` sends it,
+    ``attached`` returns it, a snapshot's manifest stores it, and the ``Job`` objects of the
+    server and of the client hold it (protocol 3; before, each listed these fields again)."""
+
+    optimizer: OptimizerSpec = AdamW()
+    """The update the server runs on each stage's fp32 master weights."""
+    dtype: Dtype = "float32"
+    """The compute dtype: workers receive the weights in it and run forward and backward in it."""
+    double_buffer: bool = False
+    """Two published slots per stage even where one would do (fp32, synchronous): a fetch of the
+    next step never waits for the update of the last."""
+    delayed_update: bool = False
+    """One-step delayed parameter update: step t reads the weights of step t - 1, so the update of
+    step t - 1 runs while step t computes (implies two published slots)."""
+    delay_after: Step = 0
+    """With ``delayed_update``: steps before this one are synchronous (a warm-up)."""
+    frozen: bool = False
+    """A frozen base: weights only (no optimizer state, no workers), read by the jobs created on
+    top of it with ``base``; counted once in the memory account however many use it."""
+    base: JobName | None = None
+    """Train on top of this frozen job: stage i of the new job holds only its trainable
+    parameters, and its workers read stage i of the base for the rest."""
+
+
 # ---- messages ----------------------------------------------------------------------------------
 class Message(Struct, frozen=True, kw_only=True, tag_field="op", forbid_unknown_fields=True):
     """Header fields common to every message. ``frames`` = (min, max) data frames after it."""
@@ -150,23 +178,11 @@ class CreateJob(Message, tag="create_job"):
     token: Token
     nonce: Nonce
     client_nonce: ClientNonce
-    optimizer: OptimizerSpec
-    dtype: Dtype = "float32"
-    double_buffer: bool = False
+    options: JobOptions
     total_numel: Numel | None = None
-    delayed_update: bool = False
-    """One-step delayed parameter update: step t reads the weights of step t - 1, so the update of
-    step t - 1 runs while step t computes (implies two published slots)."""
-    delay_after: Step = 0
-    """With ``delayed_update``: steps before this one are synchronous (a warm-up)."""
-    frozen: bool = False
-    """A frozen base: weights only (no optimizer state, no workers), read by the jobs created on
-    top of it with ``base``; counted once in the memory account however many use it."""
-    base: JobName | None = None
-    """Train on top of this frozen job: stage i of the new job holds only its trainable
-    parameters, and its workers read stage i of the base for the rest. Needs ``base_proof``."""
     base_proof: Proof | None = None
-    """``HMAC-SHA256(SHA-256(base token), "wstream/base/2\0" + base + "\0" + nonce + client_nonce)``."""
+    """With ``options.base``: ``HMAC-SHA256(SHA-256(base token), "wstream/base/2\0" + base + "\0" +
+    nonce + client_nonce)``."""
 
 
 class AddStage(SessionMessage, tag="add_stage"):
@@ -303,8 +319,7 @@ class Attached(Message, tag="attached"):
     session: SessionId
     job: JobName
     stages: list[StageSpec]
-    optimizer: OptimizerSpec
-    dtype: Dtype
+    options: JobOptions
     step: Step
     ready: bool
     published_path: str
@@ -313,10 +328,6 @@ class Attached(Message, tag="attached"):
     """Byte offsets in the published segment of each stage's two slots (equal when single)."""
     published_dtype: Dtype
     lease_s: float
-    delayed_update: bool = False
-    delay_after: Step = 0
-    frozen: bool = False
-    base: JobName | None = None
     base_stages: list[StageSpec] = []
     """The base's stage layouts (the parameters a stage may read from the base)."""
     base_path: str = ""

@@ -205,19 +205,20 @@ class Handlers:
 
     def _base_for(self, msg: m.CreateJob) -> Job | None:
         """The frozen job a new job trains on top of, once its ``base_proof`` is checked."""
-        if msg.base is None:
+        options = msg.options
+        if options.base is None:
             return None
-        if msg.frozen:
+        if options.frozen:
             raise StateError("a frozen job cannot have a base itself (bases do not stack)")
-        base = self.jobs.get(msg.base)
+        base = self.jobs.get(options.base)
         if base is None:
-            raise UnknownJobError(f"no job named {msg.base!r} on this server (the base of {msg.name!r})")
-        if not base.frozen or not base.ready:
-            raise StateError(f"job {msg.base!r} is not a frozen, ready base (create it with frozen=True)")
+            raise UnknownJobError(f"no job named {options.base!r} on this server (the base of {msg.name!r})")
+        if not base.options.frozen or not base.ready:
+            raise StateError(f"job {options.base!r} is not a frozen, ready base (create it with frozen=True)")
         base.key.check_base_proof(msg.nonce, msg.client_nonce, msg.base_proof)
-        if msg.dtype != base.dtype:
+        if options.dtype != base.options.dtype:
             raise LayoutError(
-                f"job {msg.name!r} computes in {msg.dtype}; its base {msg.base!r} in {base.dtype}: "
+                f"job {msg.name!r} computes in {options.dtype}; its base {options.base!r} in {base.options.dtype}: "
                 "create both with the same dtype"
             )
         return base

@@ -66,19 +66,14 @@ class Job:
     def __init__(self, record: JobRecord, memory: MemoryAccount, total_numel: int | None = None) -> None:
         self.name = record.name
         self.key = JobKey(record.name, record.token_digest)  # attach and base proofs, session keys
-        self.optimizer_spec = record.optimizer
-        self.dtype = record.dtype
-        self.delayed_update = record.delayed_update
-        self.delay_after = record.delay_after
-        self.frozen = record.frozen  # a base: weights only, read by jobs created on top of it
-        self.base_name = record.base
+        self.options = options = record.options
         self.base: Job | None = None  # set by the server when it creates or restores this job
-        self.double_buffer = record.double_buffer or record.dtype != "float32" or record.delayed_update
+        self.double_buffer = options.double_buffer or options.dtype != "float32" or options.delayed_update
         self.base_step = 0  # delayed updates read max(t - 1, base_step): see NOTE rule 5
-        self.published_dtype = record.dtype if self.double_buffer else "float32"
+        self.published_dtype = options.dtype if self.double_buffer else "float32"
         self.memory = memory
         self.published = PublishedStages(
-            record.name, record.optimizer, record.dtype, self.double_buffer, record.frozen, memory, total_numel
+            record.name, options.optimizer, options.dtype, self.double_buffer, options.frozen, memory, total_numel
         )
         self.stages: list[StageState] = self.published.stages
         self.worker_table = WorkerTable(record.name, memory)
@@ -93,19 +88,7 @@ class Job:
 
     @classmethod
     def create(cls, msg: m.CreateJob, memory: MemoryAccount) -> Job:
-        record = JobRecord(
-            msg.name,
-            token_digest(msg.token),
-            msg.optimizer,
-            msg.dtype,
-            msg.double_buffer,
-            [],
-            msg.delayed_update,
-            msg.delay_after,
-            msg.frozen,
-            msg.base,
-        )
-        return cls(record, memory, msg.total_numel)
+        return cls(JobRecord(msg.name, token_digest(msg.token), msg.options, []), memory, msg.total_numel)
 
     @classmethod
     def restore(
@@ -136,18 +119,7 @@ class Job:
         return [(st.lock, st.capture) for st in self.stages]
 
     def record(self) -> JobRecord:
-        return JobRecord(
-            self.name,
-            self.key.digest,
-            self.optimizer_spec,
-            self.dtype,
-            self.double_buffer,
-            [s.spec for s in self.stages],
-            self.delayed_update,
-            self.delay_after,
-            self.frozen,
-            self.base_name,
-        )
+        return JobRecord(self.name, self.key.digest, self.options, [s.spec for s in self.stages])
 
     # ---- creation --------------------------------------------------------------------------------
     def add_stage(self, msg: m.AddStage, frames: list[Any]) -> None:
@@ -240,7 +212,7 @@ class Job:
     def join(self, session: bytes, msg: m.Join) -> Worker:
         if not self.ready:
             raise NotReadyError(f"job {self.name!r} is still uploading its weights")
-        if self.frozen:
+        if self.options.frozen:
             raise StateError(
                 f"job {self.name!r} is a frozen base: nothing trains it; create a job on top of it "
                 "(create_job(..., base=...)) and train that"
@@ -281,7 +253,7 @@ class Job:
         t = self.read_version(msg.step)
         if t == st.version and (not st.updating or not st.single_slot):  # an update writes the other slot
             return self._weights_reply(st, t, identity, msg.id, worker.shm)
-        if self.delayed_update and t == st.version - 1 and not st.updating:  # NOTE rule 5
+        if self.options.delayed_update and t == st.version - 1 and not st.updating:  # NOTE rule 5
             return self._weights_reply(st, t, identity, msg.id, worker.shm)
         if t == st.version + 1:
             if worker.waiting >= MAX_WAITING_FETCHES:
@@ -303,7 +275,7 @@ class Job:
 
     def read_version(self, step: int) -> int:
         """The weights version step ``step`` computes on (NOTE rule 5)."""
-        if not self.delayed_update or step < self.delay_after:
+        if not self.options.delayed_update or step < self.options.delay_after:
             return step
         return max(step - 1, self.base_step)
 

@@ -22,8 +22,7 @@ def attached_reply(job: Job, session: bytes, lease_s: float, request_id: int) ->
         session=session,
         job=job.name,
         stages=[s.spec for s in job.stages],
-        optimizer=job.optimizer_spec,
-        dtype=job.dtype,
+        options=job.options,
         step=max((s.version for s in job.stages), default=0),
         ready=job.ready,
         published_path=job.published.path,
@@ -31,9 +30,6 @@ def attached_reply(job: Job, session: bytes, lease_s: float, request_id: int) ->
         slot_offsets=[s.slot_offsets for s in job.stages],
         published_dtype=job.published_dtype,
         lease_s=lease_s,
-        delayed_update=job.delayed_update,
-        delay_after=job.delay_after,
-        frozen=job.frozen,
         **_base_fields(job),
     )
 
@@ -44,7 +40,6 @@ def _base_fields(job: Job) -> dict[str, Any]:
     if base is None:
         return {}
     return {
-        "base": base.name,
         "base_stages": [s.spec for s in base.stages],
         "base_path": base.published.path,
         "base_bytes": base.published.nbytes,
@@ -61,8 +56,8 @@ def job_info(job: Job) -> m.JobInfo:
         params=job.num_params,
         step=job.step,
         ready=job.ready,
-        optimizer=type(job.optimizer_spec).__name__,
-        dtype=job.dtype,
+        optimizer=type(job.options.optimizer).__name__,
+        dtype=job.options.dtype,
         bytes=sum(job.memory_by_kind().values()),
         workers=[
             m.WorkerInfo(id=w.id, shm=w.shm, first_step=w.first_step, idle_s=now - w.last_seen)
@@ -72,6 +67,6 @@ def job_info(job: Job) -> m.JobInfo:
         optimizer_s=job.counters.optimizer.sum,
         last_snapshot=job.last_snapshot_step,
         steps_per_s=job.counters.steps.rate(now),
-        frozen=job.frozen,
-        base=job.base_name,
+        frozen=job.options.frozen,
+        base=job.options.base,
     )

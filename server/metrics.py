@@ -34,6 +34,8 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
+from wstream.protocol import JobOptions
+
 from .counters import RATE_WINDOW_S, Histogram, JobCounters, ServerCounters, StepRate
 
 __all__ = ["HELP", "Histogram", "MetricsEndpoint", "ServerCollector", "StepRate"]
@@ -54,13 +56,11 @@ class StageView(Protocol):
 
 class JobView(Protocol):
     name: str
-    dtype: str
+    options: JobOptions
     num_params: int
     counters: JobCounters
     last_snapshot_step: int | None
 
-    @property
-    def optimizer_spec(self) -> object: ...
     @property
     def stages(self) -> Sequence[StageView]: ...
     @property
@@ -207,7 +207,7 @@ def _collect_job(out: _Families, job: JobView, now: float, stage_limit: int) -> 
     stages = list(job.stages)
     workers = list(job.workers.values())
     c = job.counters
-    out.gauge("wstream_job_info", 1, job=name, optimizer=type(job.optimizer_spec).__name__, dtype=job.dtype)
+    out.gauge("wstream_job_info", 1, job=name, optimizer=type(job.options.optimizer).__name__, dtype=job.options.dtype)
     out.gauge("wstream_job_ready", int(job.ready), job=name)
     out.gauge("wstream_job_step", job.step, job=name)
     out.gauge("wstream_job_steps_per_second", c.steps.rate(now), job=name)

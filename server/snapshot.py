@@ -79,48 +79,36 @@ def _write_file(path: Path, data: bytes | memoryview) -> None:
         os.close(fd)
 
 
+_FLAT_OPTIONS = ("optimizer", "dtype", "double_buffer", "delayed_update", "delay_after", "frozen", "base")
+"""The keys a manifest written before protocol 3 holds the job's options under, at its top level."""
+
+
 @dataclass(slots=True)
 class JobRecord:
     """What a snapshot stores besides tensors: enough to re-create the job after a restart."""
 
     name: str
     token_digest: bytes
-    optimizer: m.OptimizerSpec
-    dtype: str
-    double_buffer: bool
+    options: m.JobOptions
     specs: list[m.StageSpec]
-    delayed_update: bool = False
-    delay_after: int = 0
-    frozen: bool = False
-    base: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "token_sha256": self.token_digest.hex(),
-            "optimizer": msgspec.to_builtins(self.optimizer),
-            "dtype": self.dtype,
-            "double_buffer": self.double_buffer,
-            "delayed_update": self.delayed_update,
-            "delay_after": self.delay_after,
-            "frozen": self.frozen,
-            "base": self.base,
+            "options": msgspec.to_builtins(self.options),
             "stages": [msgspec.to_builtins(s) for s in self.specs],
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> JobRecord:
+        """Also reads a manifest written before protocol 3, whose options are top-level keys."""
+        options = d["options"] if "options" in d else {k: d[k] for k in _FLAT_OPTIONS if k in d}
         return cls(
             name=d["name"],
             token_digest=bytes.fromhex(d["token_sha256"]),
-            optimizer=msgspec.convert(d["optimizer"], m.OptimizerSpec),  # type: ignore[arg-type]
-            dtype=d["dtype"],
-            double_buffer=bool(d["double_buffer"]),
+            options=msgspec.convert(options, m.JobOptions),
             specs=[msgspec.convert(s, m.StageSpec) for s in d["stages"]],
-            delayed_update=bool(d.get("delayed_update", False)),
-            delay_after=int(d.get("delay_after", 0)),
-            frozen=bool(d.get("frozen", False)),
-            base=d.get("base"),
         )
 
 

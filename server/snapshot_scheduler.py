@@ -69,12 +69,12 @@ class SnapshotScheduler:
         t0 = time.perf_counter()
         try:
             step, record, stages, path = self.store.load_latest(name)
-            if record.base is not None and defer is not None:
+            if record.options.base is not None and defer is not None:
                 defer.append(name)
                 return
-            base = self.jobs.get(record.base) if record.base is not None else None
-            if record.base is not None and base is None:
-                raise UnknownJobError(f"its base {record.base!r} was not resumed")
+            base = self.jobs.get(record.options.base) if record.options.base is not None else None
+            if record.options.base is not None and base is None:
+                raise UnknownJobError(f"its base {record.options.base!r} was not resumed")
             job = Job.restore(record, step, stages, memory, base=base)
         except (SnapshotError, WstreamError) as exc:
             log.error("job %r not resumed: %s (its files are left in place)", name, exc)

@@ -212,7 +212,7 @@ def test_found_by_fuzzing_deep_nesting_waiting_fetches_and_abandoned_creation(tm
         with Client(srv.address, timeout=30) as c:
             assert c.status().memory_used < before
             nonce, mine = peer.nonce(), os.urandom(32)
-            reply, _ = peer.request("create_job", name="abandoned", token="t", optimizer={"kind": "sgd"},
+            reply, _ = peer.request("create_job", name="abandoned", token="t", options={"optimizer": {"kind": "sgd"}},
                                     nonce=nonce, client_nonce=mine)
             assert reply["op"] == "attached", reply
             assert c.status().memory_used == 2**20

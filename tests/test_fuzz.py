@@ -908,7 +908,7 @@ class Fuzzer:
             "v": PROTOCOL_VERSION,
             "name": new_name if op == "create_job" else ("ghost" if d["ghost"] else job.name),
             "spec": d["spec"],
-            "optimizer": d["optimizer"],
+            "options": {"optimizer": d["optimizer"]},
             "nonce": NonceRef("fresh"),
             "proof": ProofRef("not-" + job.token if d["wrong_token"] else job.token, admin=op == "admin_attach"),
             "job": {"none": None, "own": job.name, "train": "train", "other": others[0]}[d["job"]],

@@ -35,10 +35,10 @@ SPEC = build_stage_spec("0", [("w", (3, 5)), ("b", (5,))])
 REQUESTS: list[m.Message] = [
     m.Hello(),
     m.CreateJob(
-        name="job-1", token="t", nonce=NONCE, client_nonce=CNONCE, optimizer=AdamW(lr=0.1), dtype="bfloat16",
-        total_numel=10,
+        name="job-1", token="t", nonce=NONCE, client_nonce=CNONCE,
+        options=m.JobOptions(optimizer=AdamW(lr=0.1), dtype="bfloat16"), total_numel=10,
     ),
-    m.CreateJob(name="j", token="t", nonce=NONCE, client_nonce=CNONCE, optimizer=SGD(momentum=0.9)),
+    m.CreateJob(name="j", token="t", nonce=NONCE, client_nonce=CNONCE, options=m.JobOptions(optimizer=SGD(momentum=0.9))),
     m.AddStage(session=SID, index=0, spec=SPEC, nframes=1, seq=3, mac=b"m" * 32),
     m.Seal(session=SID),
     m.Attach(name="j", nonce=NONCE, client_nonce=CNONCE, proof=b"p" * 32),
@@ -58,7 +58,8 @@ REQUESTS: list[m.Message] = [
     m.Describe(session=SID, job="j"),
     m.Pull(session=SID, stage=2, job="j"),
     m.CreateJob(
-        name="d", token="t", nonce=NONCE, client_nonce=CNONCE, optimizer=AdamW(), delayed_update=True, delay_after=5
+        name="d", token="t", nonce=NONCE, client_nonce=CNONCE,
+        options=m.JobOptions(delayed_update=True, delay_after=5),
     ),
 ]
 
@@ -119,16 +120,26 @@ def test_replies_round_trip() -> None:
         (msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "j", "nonce": NONCE, "client_nonce": b"c" * 15, "proof": NONCE}), ProtocolError, "$.client_nonce"),
         (msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "j", "nonce": NONCE[:31], "client_nonce": CNONCE, "proof": NONCE}), ProtocolError, "$.nonce"),
         (msgpack.packb({"v": PROTOCOL_VERSION, "op": "heartbeat", "session": SID, "seq": -1}), ProtocolError, "$.seq"),
+        # a job name must match as a whole: "$" alone would let a trailing newline through
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "attach", "name": "j\n", "nonce": NONCE, "client_nonce": CNONCE, "proof": NONCE}), ProtocolError, "$.name"),
+        (msgpack.packb({"v": PROTOCOL_VERSION, "op": "drop_job", "session": SID, "job": "\nj"}), ProtocolError, "$.job"),
+        # version 3: a job's options travel as one record; the old top-level fields are refused by name
+        (
+            msgpack.packb({"v": PROTOCOL_VERSION, "op": "create_job", "name": "j", "token": "t", "nonce": NONCE,
+                           "client_nonce": CNONCE, "optimizer": {"kind": "adamw"}}),
+            ProtocolError,
+            "optimizer",
+        ),
         (msgpack.packb({"v": PROTOCOL_VERSION, "op": "heartbeat", "session": SID, "mac": b"m" * 33}), ProtocolError, "$.mac"),
         (
             msgpack.packb({"v": PROTOCOL_VERSION, "op": "create_job", "name": "j", "token": "t", "nonce": NONCE,
-                           "client_nonce": CNONCE, "optimizer": {"kind": "adamw", "lr": -1.0}}),
+                           "client_nonce": CNONCE, "options": {"optimizer": {"kind": "adamw", "lr": -1.0}}}),
             ProtocolError,
             "lr must be",
         ),
         (
             msgpack.packb({"v": PROTOCOL_VERSION, "op": "create_job", "name": "j", "token": "t", "nonce": NONCE,
-                           "client_nonce": CNONCE, "optimizer": {"kind": "lion"}}),
+                           "client_nonce": CNONCE, "options": {"optimizer": {"kind": "lion"}}}),
             ProtocolError,
             "lion",
         ),
