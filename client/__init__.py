@@ -16,6 +16,7 @@ from wstream.protocol import (
     AuthError,
     GradientError,
     JobExistsError,
+    JobOptions,
     LayoutError,
     MemoryLimitError,
     ProtocolError,
@@ -29,6 +30,7 @@ from wstream.protocol import (
 
 from .client import Client, Job
 from .local import local_server
+from .options import Checkpointing, Parallelism, Precision, Transport
 from .loss_scale import LossScale
 from .stages import Tied
 from .trainer import Resynced, Trainer, TrainerStats
@@ -38,13 +40,17 @@ __all__ = [
     "SGD",
     "AdamW",
     "AuthError",
+    "Checkpointing",
     "Client",
     "GradientError",
     "Job",
     "JobExistsError",
+    "JobOptions",
     "LayoutError",
     "LossScale",
     "MemoryLimitError",
+    "Parallelism",
+    "Precision",
     "ProtocolError",
     "Resynced",
     "ServerUnavailable",
@@ -54,6 +60,7 @@ __all__ = [
     "Tied",
     "Trainer",
     "TrainerStats",
+    "Transport",
     "UnknownJobError",
     "WstreamError",
     "local_server",

@@ -100,39 +100,31 @@ class Client:
         stages: Iterable[nn.Module | Tied],
         *,
         token: str,
-        optimizer: m.OptimizerSpec | None = None,
-        dtype: m.Dtype = "float32",
-        double_buffer: bool = False,
-        delayed_update: bool = False,
-        delay_after: int = 0,
-        frozen: bool = False,
-        base: str | None = None,
+        options: m.JobOptions | None = None,
         base_token: str | None = None,
         progress: bool | None = None,
+        **option_fields: Any,
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
 
         Each module is a stage: its parameters are stored on the server. A :class:`Tied` item is
         a chain position that reuses an earlier stage's parameters (a tied LM head), uploads
         nothing, and adds its gradient to that stage's.
-        ``frozen=True``: a base model, weights only (no optimizer state), that jobs created with
-        ``base=name`` train on top of; the server holds it once however many use it.
-        ``base`` (with ``base_token``, the base's token): stage i trains its parameters that have
-        ``requires_grad`` (adapters, a head, a trainable copy) and reads the others, by name, from
-        stage i of the frozen base; only the trainable ones are uploaded and optimized.
 
-        ``delayed_update``: the one-step delayed parameter update of the ZeRO-Offload paper. Step t
-        computes on the weights of step t - 1 while the server applies step t - 1's gradients, so
-        the CPU optimizer leaves the critical path; step t's gradient is then applied to the
-        weights of step t (one step stale). ``delay_after``: steps before this one run
-        synchronously, as the ZeRO-Offload paper warms up before delaying (early training moves
-        the weights fastest, where staleness costs most). The default is exactly synchronous.
+        How the job trains is a :class:`~wstream.protocol.JobOptions` (optimizer, dtype,
+        double_buffer, delayed_update, delay_after, frozen, base; each field documented there):
+        give ``options=JobOptions(...)``, or its fields as keywords
+        (``optimizer=AdamW(lr=1e-3), dtype="bfloat16"``), not both. With ``base`` give
+        ``base_token`` too (the base's token): stage i trains its parameters that have
+        ``requires_grad`` and reads the others, by name, from stage i of the frozen base.
 
         Each module's parameters are uploaded and the module is then moved to the meta device in
         place (its memory is freed; it stays usable as the job's skeleton), so a model larger than
         this process's memory can be created stage by stage from a generator.
         ``progress``: a progress bar of the upload on stderr (None: only when stderr is a terminal).
         """
+        options = job_options(options, option_fields)
+        base = options.base
         if (base is None) != (base_token is None):
             raise ValueError("base= and base_token= go together")
         own = (lambda p: p.requires_grad) if base is not None else (lambda p: True)
@@ -147,14 +139,8 @@ class Client:
                 token=token,
                 nonce=nonce,
                 client_nonce=mine,
-                optimizer=optimizer if optimizer is not None else m.AdamW(),
-                dtype=dtype,
-                double_buffer=double_buffer,
+                options=options,
                 total_numel=total,
-                delayed_update=delayed_update,
-                delay_after=delay_after,
-                frozen=frozen,
-                base=base,
                 base_proof=proof,
             ),
             m.Attached,
@@ -192,7 +178,7 @@ class Client:
         self._keys.add(signer)
         chain = None
         if stages is not None:
-            on_base = attached.base is not None
+            on_base = attached.options.base is not None
             specs, chain = walk_chain(stages, lambda i, mod: layout_on(attached.base_stages if on_base else None, i, mod))
             mismatch = describe_mismatch(attached.stages, specs)
             if mismatch is not None:
@@ -294,12 +280,8 @@ class Job:
         self.session = attached.session
         self._signer = signer  # keeps the session's key in the client's keyring
         self.specs: list[StageSpec] = list(attached.stages)
-        self.optimizer = attached.optimizer
-        self.dtype = attached.dtype
-        self.delayed_update = attached.delayed_update
-        self.delay_after = attached.delay_after
-        self.frozen = attached.frozen
-        self.base = attached.base
+        self.options: m.JobOptions = attached.options
+        """How the job trains (optimizer, dtype, delayed update, base...), as the server holds it."""
         self.base_stages: list[StageSpec] = list(attached.base_stages)
         self._token = token
         self._chain = chain
@@ -418,3 +400,16 @@ def stage_tensors(spec: StageSpec, data: list[Any]) -> dict[str, torch.Tensor]:
     flat = torch.empty(spec.numel, dtype=torch.float32)
     copy_frames_into(flat, data)
     return {p.name: flat[p.offset : p.offset + numel_of(p.shape)].view(p.shape).clone() for p in spec.params}
+
+
+def job_options(options: m.JobOptions | None, fields: dict[str, Any]) -> m.JobOptions:
+    """``options``, or a :class:`JobOptions` of the keyword ``fields``; an unknown field is named."""
+    if options is not None and fields:
+        raise TypeError(f"give options= or its fields as keywords ({', '.join(sorted(fields))}), not both")
+    if options is not None:
+        return options
+    known = set(m.JobOptions.__struct_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"create_job() got unknown option(s) {unknown}; a job's options are {sorted(known)}")
+    return m.JobOptions(**fields)

@@ -93,8 +93,8 @@ class WorkerConnection:
         self.zero_copy = cpu_shm if zero_copy is None else zero_copy
         if published is not None:  # once, at attach (NOTE [Copy ordering on a GPU] in device.py)
             self._register(published, f"job {ep.job!r} published weights")
-        self.delayed_update = attached.delayed_update
-        self.delay_after = attached.delay_after
+        self.delayed_update = attached.options.delayed_update
+        self.delay_after = attached.options.delay_after
         joined, _ = self.chan.request(
             m.Join(
                 session=self.session,
@@ -124,10 +124,10 @@ class WorkerConnection:
         self.compute_dtype = pub_dtype
         base_numels = [s.numel for s in attached.base_stages]
         base_published = (
-            map_segment(attached.base_path, attached.base_bytes) if published is not None and attached.base else None
+            map_segment(attached.base_path, attached.base_bytes) if published is not None and attached.options.base else None
         )
         if base_published is not None:
-            self._register(base_published, f"job {ep.job!r} frozen base {attached.base!r}")
+            self._register(base_published, f"job {ep.job!r} frozen base {attached.options.base!r}")
         self.sc = StreamContext(
             endpoint=ep,
             session=self.session,
@@ -148,7 +148,7 @@ class WorkerConnection:
         self.ring = WeightRing(capacity, largest, pub_dtype, self.device, allocate=not self.zero_copy)
         staged = host_staging(self.device)
         if not self.shm and staged:
-            if attached.base:
+            if attached.options.base:
                 raise StateError(
                     "a job on a frozen base cannot be trained over data frames on a GPU yet (not built): "
                     "run the worker on the server's host (shared memory)"

@@ -49,7 +49,7 @@ def test_delayed_update_is_the_delayed_update_exactly(client: Client, mode: str,
     start = copy.deepcopy(stages)
     opt = AdamW(lr=3e-3, weight_decay=0.05)
     job = client.create_job("dpu", stages, optimizer=opt, token="t", delayed_update=True, delay_after=warmup)
-    assert job.delayed_update and job.delay_after == warmup
+    assert job.options.delayed_update and job.options.delay_after == warmup
     kwargs = {"shm": False} if mode == "frames" else {"zero_copy": mode == "zero-copy"}
     with job.trainer(schedule="revolve", slots=2, **kwargs) as trainer:
         losses = [trainer.step(*models.batch("mixed", s), models.loss_fn) for s in range(STEPS)]
@@ -151,7 +151,7 @@ def test_a_restored_delayed_job_goes_on_from_its_snapshot(tmp_path: Path) -> Non
         with torch.device("meta"):
             skeleton = models.mixed()
         job = c.attach_job("dpu-r", token="t", stages=skeleton)
-        assert job.delayed_update
+        assert job.options.delayed_update
         with job.trainer() as trainer:
             assert trainer.step_index == 3
             for s in range(3, 6):

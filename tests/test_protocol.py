@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import msgpack
 import msgspec
 import pytest
@@ -278,3 +280,30 @@ def test_server_update_takes_the_mean_of_worker_gradients() -> None:
             ref_param.grad = g1
             ref.step()
         assert (master - ref_param).abs().max().item() < 1e-6
+
+
+def test_job_options_round_trip_through_a_snapshot_record_and_old_manifests_still_read() -> None:
+    from wstream.server.snapshot import JobRecord
+
+    options = m.JobOptions(optimizer=SGD(lr=0.5, momentum=0.9), dtype="bfloat16", delayed_update=True, delay_after=3)
+    record = JobRecord("j", b"\x01" * 32, options, [SPEC])
+    assert JobRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
+    # a manifest written before protocol 3 holds the options at the top level of "job"
+    old = {
+        "name": "j", "token_sha256": "01" * 32, "optimizer": {"kind": "sgd", "lr": 0.5, "momentum": 0.9},
+        "dtype": "bfloat16", "double_buffer": False, "delayed_update": True, "delay_after": 3, "frozen": False,
+        "base": None, "stages": [msgspec.to_builtins(SPEC)],
+    }
+    assert JobRecord.from_json(old) == record
+
+
+def test_create_job_takes_options_or_their_fields_and_names_an_unknown_one() -> None:
+    from wstream.client.client import job_options
+
+    assert job_options(None, {"dtype": "bfloat16"}) == m.JobOptions(dtype="bfloat16")
+    given = m.JobOptions(frozen=True)
+    assert job_options(given, {}) is given
+    with pytest.raises(TypeError, match=r"unknown option\(s\) \['lr'\]"):
+        job_options(None, {"lr": 1e-3})
+    with pytest.raises(TypeError, match="not both"):
+        job_options(given, {"dtype": "float16"})
