@@ -12,7 +12,7 @@ import torch
 
 import models
 from wstream.client import AdamW, Client
-from wstream.protocol import SGD
+from wstream.protocol import SGD, JobOptions
 from wstream.protocol.layout import build_stage_spec
 from wstream.server import snapshot
 from wstream.server.snapshot import JobRecord, Snapshot, SnapshotStore
@@ -38,7 +38,7 @@ def test_a_resuming_server_logs_its_progress(
     monkeypatch.setattr(snapshot, "SHARD_BYTES", 1)  # one file per stage
     monkeypatch.setattr(snapshot, "PROGRESS_EVERY_S", 0.0)
     specs = [build_stage_spec(str(i), [("w", (16,))]) for i in range(4)]
-    record = JobRecord("j", b"k" * 32, SGD(), "float32", False, specs)
+    record = JobRecord("j", b"k" * 32, JobOptions(optimizer=SGD()), specs)
     store = SnapshotStore(tmp_path, keep=1)
     sources = [(threading.Lock(), lambda i=i: {"master": torch.full((16,), float(i))}) for i in range(4)]
     store.write(Snapshot(record, 7, 2**20, "test"), sources)
