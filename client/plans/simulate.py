@@ -24,6 +24,10 @@ class Simulation:
     """Most bytes of offloaded states held in host memory at once."""
 
 
+_GROWS = frozenset((Op.ADVANCE, Op.SNAPSHOT, Op.PREFETCH))
+"""The actions after which a peak (kept states, live states, live bytes) can be higher."""
+
+
 def simulate(
     n: int,
     actions: Sequence[Action],
@@ -48,19 +52,21 @@ def simulate(
         cur = sb[min(current, n - 1)] if current is not None and current not in kept else 0
         return kept_bytes + cur + extra
 
+    def where() -> str:  # named only for an error: building it per action would dominate the replay
+        return f"action {k} ({op.name} {i})"
+
     for k, (op, i) in enumerate(actions):
-        where = f"action {k} ({op.name} {i})"
         if not 0 <= i < n:
-            raise PlanError(f"{where}: stage {i} is outside the chain of {n}")
+            raise PlanError(f"{where()}: stage {i} is outside the chain of {n}")
         if op in (Op.ADVANCE, Op.SNAPSHOT, Op.OFFLOAD, Op.BACKWARD) and current != i:
-            raise PlanError(f"{where}: the current state is {current}, not {i}")
+            raise PlanError(f"{where()}: the current state is {current}, not {i}")
         if op in (Op.RESTORE, Op.FREE) and i not in kept:
-            raise PlanError(f"{where}: x_{i} is not kept")
+            raise PlanError(f"{where()}: x_{i} is not kept")
         if op in (Op.PREFETCH, Op.FREE_HOST) and i not in host:
-            raise PlanError(f"{where}: x_{i} is not in host memory")
+            raise PlanError(f"{where()}: x_{i} is not in host memory")
         if op == Op.ADVANCE:
             if i > next_backward or (i == next_backward and next_backward != n - 1):
-                raise PlanError(f"{where}: stage {i} is at or past the next stage to reverse ({next_backward})")
+                raise PlanError(f"{where()}: stage {i} is at or past the next stage to reverse ({next_backward})")
             # ADVANCE n-1 (to the chain's output) is allowed before any backward: a chain whose
             # length is learned while running computes x_n before it knows it is the last
             peak_bytes = max(peak_bytes, live(sb[i + 1] if i + 1 < n else sb[i]))
@@ -89,13 +95,15 @@ def simulate(
             host_bytes -= sb[i]
         elif op == Op.BACKWARD:
             if i != next_backward:
-                raise PlanError(f"{where}: the next stage to reverse is {next_backward}")
+                raise PlanError(f"{where()}: the next stage to reverse is {next_backward}")
             peak_bytes = max(peak_bytes, live(tb[i]))
             next_backward -= 1
             current = None
-        peak_slots = max(peak_slots, len(kept))
-        peak_states = max(peak_states, len(kept) + (1 if current is not None and current not in kept else 0))
-        peak_bytes = max(peak_bytes, live())
+        if op in _GROWS:  # no other action can raise a peak (a FREE of the current state moves
+            # its bytes from "kept" to "current"): skipping them halves a long replay's time
+            peak_slots = max(peak_slots, len(kept))
+            peak_states = max(peak_states, len(kept) + (1 if current is not None and current not in kept else 0))
+            peak_bytes = max(peak_bytes, live())
     if next_backward != -1:
         raise PlanError(f"the plan ends with stages 0..{next_backward} not reversed")
     return Simulation(advances, peak_slots, peak_states, peak_bytes, peak_host)
