@@ -13,6 +13,7 @@ import zmq
 from torch import nn
 
 from wstream.protocol import (
+    JobExistsError,
     LayoutError,
     SessionExpiredError,
     StageSpec,
@@ -102,6 +103,7 @@ class Client:
         token: str,
         options: m.JobOptions | None = None,
         base_token: str | None = None,
+        exist_ok: bool = False,
         progress: bool | None = None,
         **option_fields: Any,
     ) -> Job:
@@ -118,6 +120,10 @@ class Client:
         ``base_token`` too (the base's token): stage i trains its parameters that have
         ``requires_grad`` and reads the others, by name, from stage i of the frozen base.
 
+        ``exist_ok=True``: when a job of this name exists (a restarted rank, a rerun script),
+        attach to it instead, without uploading anything, if ``token`` opens it and its layout and
+        options are the ones given here; otherwise ``LayoutError`` names the first difference.
+
         Each module's parameters are uploaded and the module is then moved to the meta device in
         place (its memory is freed; it stays usable as the job's skeleton), so a model larger than
         this process's memory can be created stage by stage from a generator.
@@ -133,18 +139,15 @@ class Client:
             total = sum(p.numel() for s in stages if not isinstance(s, Tied) for p in s.parameters() if own(p))
         nonce, mine = challenge(self._chan), client_nonce()
         proof = base_proof(secret_key(base_token), base, nonce, mine) if base and base_token else None
-        created, _ = self._chan.request(
-            m.CreateJob(
-                name=name,
-                token=token,
-                nonce=nonce,
-                client_nonce=mine,
-                options=options,
-                total_numel=total,
-                base_proof=proof,
-            ),
-            m.Attached,
+        request = m.CreateJob(
+            name=name, token=token, nonce=nonce, client_nonce=mine, options=options, total_numel=total, base_proof=proof
         )
+        try:
+            created, _ = self._chan.request(request, m.Attached)
+        except JobExistsError:
+            if not exist_ok:
+                raise
+            return self._attach_same(name, stages, token, options)
         session = created.session
         signer = SessionSigner(session, session_key(secret_key(token), nonce, mine))
         self._keys.add(signer)
@@ -169,6 +172,15 @@ class Client:
         finally:
             bar.close()
         return Job(self, sealed, token, chain, signer)
+
+    def _attach_same(self, name: str, stages: Iterable[nn.Module | Tied], token: str, options: m.JobOptions) -> Job:
+        """``create_job(exist_ok=True)`` found the job: attach if it is the job asked for."""
+        job = self.attach_job(name, token=token, stages=stages)  # checks the layout
+        difference = options_difference(job.options, options)
+        if difference is not None:
+            raise LayoutError(f"job {name!r} exists with other options: {difference}")
+        log.info("job %r exists with this layout and these options: attached to it", name)
+        return job
 
     def attach_job(self, name: str, *, token: str, stages: Iterable[nn.Module | Tied] | None = None) -> Job:
         """Attach to an existing job. ``stages`` (modules, best built on the meta device, and the
@@ -400,6 +412,15 @@ def stage_tensors(spec: StageSpec, data: list[Any]) -> dict[str, torch.Tensor]:
     flat = torch.empty(spec.numel, dtype=torch.float32)
     copy_frames_into(flat, data)
     return {p.name: flat[p.offset : p.offset + numel_of(p.shape)].view(p.shape).clone() for p in spec.params}
+
+
+def options_difference(theirs: m.JobOptions, ours: m.JobOptions) -> str | None:
+    """The first field in which a job's options differ from those asked for, said readably."""
+    for field in m.JobOptions.__struct_fields__:
+        a, b = getattr(theirs, field), getattr(ours, field)
+        if a != b:
+            return f"{field}: the job has {a!r}, asked {b!r}"
+    return None
 
 
 def job_options(options: m.JobOptions | None, fields: dict[str, Any]) -> m.JobOptions:
