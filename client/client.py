@@ -39,6 +39,7 @@ from .channel import (
 )
 from .chain import Chain, layout_on, progress_bar, walk_chain
 from .endpoint import Closeable, WorkerEndpoint
+from .job_options import job_options, options_difference
 from .options import Checkpointing, Parallelism, Precision, Transport, trainer_options
 from .stages import StageRunner, Tied, flatten, frozen_params
 from .trainer import Trainer
@@ -412,25 +413,3 @@ def stage_tensors(spec: StageSpec, data: list[Any]) -> dict[str, torch.Tensor]:
     flat = torch.empty(spec.numel, dtype=torch.float32)
     copy_frames_into(flat, data)
     return {p.name: flat[p.offset : p.offset + numel_of(p.shape)].view(p.shape).clone() for p in spec.params}
-
-
-def options_difference(theirs: m.JobOptions, ours: m.JobOptions) -> str | None:
-    """The first field in which a job's options differ from those asked for, said readably."""
-    for field in m.JobOptions.__struct_fields__:
-        a, b = getattr(theirs, field), getattr(ours, field)
-        if a != b:
-            return f"{field}: the job has {a!r}, asked {b!r}"
-    return None
-
-
-def job_options(options: m.JobOptions | None, fields: dict[str, Any]) -> m.JobOptions:
-    """``options``, or a :class:`JobOptions` of the keyword ``fields``; an unknown field is named."""
-    if options is not None and fields:
-        raise TypeError(f"give options= or its fields as keywords ({', '.join(sorted(fields))}), not both")
-    if options is not None:
-        return options
-    known = set(m.JobOptions.__struct_fields__)
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise TypeError(f"create_job() got unknown option(s) {unknown}; a job's options are {sorted(known)}")
-    return m.JobOptions(**fields)

@@ -298,7 +298,7 @@ def test_job_options_round_trip_through_a_snapshot_record_and_old_manifests_stil
 
 
 def test_create_job_takes_options_or_their_fields_and_names_an_unknown_one() -> None:
-    from wstream.client.client import job_options
+    from wstream.client.job_options import job_options
 
     assert job_options(None, {"dtype": "bfloat16"}) == m.JobOptions(dtype="bfloat16")
     given = m.JobOptions(frozen=True)

@@ -1,0 +1,30 @@
+"""A job's options on the client: :class:`~wstream.protocol.JobOptions` from ``create_job``'s
+keywords, and the first difference between two of them (``create_job(exist_ok=True)``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from wstream.protocol import messages as m
+
+
+def options_difference(theirs: m.JobOptions, ours: m.JobOptions) -> str | None:
+    """The first field in which a job's options differ from those asked for, said readably."""
+    for field in m.JobOptions.__struct_fields__:
+        a, b = getattr(theirs, field), getattr(ours, field)
+        if a != b:
+            return f"{field}: the job has {a!r}, asked {b!r}"
+    return None
+
+
+def job_options(options: m.JobOptions | None, fields: dict[str, Any]) -> m.JobOptions:
+    """``options``, or a :class:`JobOptions` of the keyword ``fields``; an unknown field is named."""
+    if options is not None and fields:
+        raise TypeError(f"give options= or its fields as keywords ({', '.join(sorted(fields))}), not both")
+    if options is not None:
+        return options
+    known = set(m.JobOptions.__struct_fields__)
+    unknown = sorted(set(fields) - known)
+    if unknown:
+        raise TypeError(f"create_job() got unknown option(s) {unknown}; a job's options are {sorted(known)}")
+    return m.JobOptions(**fields)
