@@ -193,11 +193,12 @@ def page_size_of(path: str) -> int:
     return 1
 
 
-def segment_paths(pid: int | None = None) -> list[str]:
-    """Paths of wstream segments in /dev/shm (and hugetlbfs mounts), all or those of one server pid."""
+def segment_paths(pid: int | None = None, dirs: list[str] | None = None) -> list[str]:
+    """Paths of wstream segments in /dev/shm (and hugetlbfs mounts; or in ``dirs``), all or
+    those of one server pid."""
     prefix = PREFIX if pid is None else f"{PREFIX}{pid}-"
     paths = []
-    for d in segment_dirs():
+    for d in segment_dirs() if dirs is None else dirs:
         try:
             names = os.listdir(d)
         except OSError:
@@ -232,11 +233,13 @@ def map_segment(path: str, nbytes: int) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=round_up(nbytes, page_size_of(path)), dtype=torch.uint8)
 
 
-def unlink_segment(path: str) -> None:
+def unlink_segment(path: str) -> bool:
+    """Remove ``path``; False when it was gone already (another process reaped it first)."""
     try:
         os.unlink(path)
     except FileNotFoundError:
-        pass
+        return False
+    return True
 
 
 def shm_free_bytes() -> int:
@@ -252,17 +255,18 @@ def _space(directory: str) -> str:
     return f"{directory} has {huge_pages_free(page)} bytes of free huge pages ({page}-byte pages)"
 
 
-def reap_stale_segments() -> list[str]:
-    """Unlink segments whose creating server process no longer exists; return what was removed."""
+def reap_stale_segments(dirs: list[str] | None = None) -> list[str]:
+    """Unlink segments whose creating server process no longer exists; return what this call
+    removed (servers starting at once may share the work). ``dirs``: where to look (default
+    :func:`segment_dirs`)."""
     removed = []
-    for path in segment_paths():
+    for path in segment_paths(dirs=dirs):
         parts = os.path.basename(path)[len(PREFIX) :].split("-", 1)
         try:
             pid = int(parts[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not psutil.pid_exists(pid):
-            unlink_segment(path)
+        if pid != os.getpid() and not psutil.pid_exists(pid) and unlink_segment(path):
             removed.append(path)
     if removed:
         log.info("reaped %d stale shared-memory segment(s) of dead servers", len(removed))
