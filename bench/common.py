@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import platform
@@ -76,3 +77,20 @@ def time_fetches(trainer: Any, stages: int, *, rounds: int, repeat: int) -> floa
             pf.release(pf.get(s))
 
     return median_time(fetch_all, repeat=repeat)
+
+
+def parse_args(p: argparse.ArgumentParser, *, smoke: dict[str, Any]) -> argparse.Namespace:
+    """``p``'s arguments, with ``--smoke``: ``smoke`` replaces the defaults by the smallest sizes
+    that still go through the whole script (CI runs every bench so, to keep them from rotting;
+    the figures of a smoke run are not measurements). Options given on the command line win."""
+    unknown = set(smoke) - {a.dest for a in p._actions}
+    if unknown:
+        raise ValueError(f"smoke sizes for options this script does not have: {sorted(unknown)}")
+    p.add_argument("--smoke", action="store_true", help="a tiny run through the whole script (CI); no figures")
+    args = p.parse_args()
+    if args.smoke:
+        p.set_defaults(**smoke)
+        args = p.parse_args()
+        print("smoke run: the smallest sizes, for CI; these figures are not measurements", flush=True)
+    return args
+

@@ -15,7 +15,7 @@ import socket
 import tempfile
 from typing import Any
 
-from common import FlatStage, machine, server, time_fetches
+from common import FlatStage, machine, parse_args, server, time_fetches
 from wstream.client import AdamW, Client
 from wstream.protocol.curve import write_keypair
 
@@ -43,7 +43,7 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=8)
     p.add_argument("--rounds", type=int, default=2, help="passes over all stages per measurement")
     p.add_argument("--repeat", type=int, default=3)
-    args = p.parse_args()
+    args = parse_args(p, smoke=dict(stage_mib=1, stages=2, rounds=1, repeat=1))
     total = args.stages * args.rounds * args.stage_mib * 2**20
     print(f"machine: {machine()}")
     print(f"{args.stages} stages x {args.stage_mib} MiB as data frames over loopback tcp, {args.rounds} rounds")

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from common import machine, server
+from common import machine, parse_args, server
 
 CASES = [("store_all", None), ("revolve", 8), ("dnc", None)]
 
@@ -97,7 +97,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--worker", nargs=3, metavar=("ADDRESS", "SCHEDULE", "N"), help=argparse.SUPPRESS)
     p.add_argument("--slots", type=int, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parse_args(p, smoke=dict(depths="10", steps=1, width=16, batch=8))
     if args.worker:
         address, schedule, n = args.worker
         print(json.dumps(worker(address, schedule, args.slots, int(n), args.width, args.batch, args.steps)))

@@ -15,7 +15,7 @@ import argparse
 
 import torch
 
-from common import FlatStage, machine, median_time, server, time_fetches
+from common import FlatStage, machine, median_time, parse_args, server, time_fetches
 from wstream.client import AdamW, Client
 
 
@@ -26,7 +26,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=4, help="passes over all stages per measurement")
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--repeat", type=int, default=5)
-    args = p.parse_args()
+    args = parse_args(p, smoke=dict(stage_mib=1, stages=2, rounds=1, repeat=1))
     numel = args.stage_mib * 2**20 // 4
     total_bytes = args.stages * args.rounds * numel * 4
     print(f"machine: {machine()}")

@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from common import FlatStage, server
+from common import FlatStage, parse_args, server
 from gpu_common import gb_per_s, gpu_seconds, header, require_cuda
 from wstream.client import SGD, Client
 from wstream.client.device import GradientStager, HostRegistration, copy_engine
@@ -155,8 +155,8 @@ def main() -> None:
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--register-gib", type=float, default=8.0, help="segment size for the registration rate")
-    args = p.parse_args()
-    device = require_cuda("gpu_bandwidth.py")
+    args = parse_args(p, smoke=dict(stage_mib=1, stages=2, rounds=1, repeat=1, register_gib=0.01))
+    device = require_cuda("gpu_bandwidth.py", smoke=args.smoke)
     header(device)
     numel = args.stage_mib * 2**20 // 2
     print(f"{args.stages} stages x {args.stage_mib} MiB (bf16), {args.rounds} rounds, prefetch {args.prefetch}")

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from common import parse_args
 from gpu_common import add_model_args, header, require_cuda
 from gpu_train import VOCAB, batch, loss_fn
 from wstream.client.models.gpt import GPTConfig, gpt_stages
@@ -86,8 +87,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--compare", help="the --json file of bench/gpu_train.py from this run")
-    args = p.parse_args()
-    device = require_cuda("gpu_deepspeed.py")
+    args = parse_args(p, smoke=dict(steps=1, warmup=0, layers=1, width=64, heads=2, seq=16, batches="1"))
+    device = require_cuda("gpu_deepspeed.py", smoke=args.smoke)
     header(device)
     try:
         import deepspeed

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from common import server
+from common import parse_args, server
 from gpu_common import add_model_args, header, require_cuda
 from wstream.client import SGD, AdamW, Client
 from wstream.client.models.gpt import GPTConfig, gpt_stages, lm_loss
@@ -152,8 +152,8 @@ def main() -> None:
     p.add_argument("--huge-pages", default="auto", choices=["auto", "on", "off"], help="the server's --huge-pages")
     p.add_argument("--only", choices=["small", "big"], help="run only the model of figures 2/3 or the big one")
     p.add_argument("--json", help="also write the figures here (bench/gpu_deepspeed.py --compare reads them)")
-    args = p.parse_args()
-    device = require_cuda("gpu_train.py")
+    args = parse_args(p, smoke=dict(steps=1, warmup=0, layers=1, width=64, heads=2, seq=16, batches="1", big_layers=0))
+    device = require_cuda("gpu_train.py", smoke=args.smoke)
     header(device)
     sizes = [int(b) for b in args.batches.split(",")]
     cfg = GPTConfig(vocab_size=VOCAB, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)

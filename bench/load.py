@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from common import machine
+from common import machine, parse_args
 from wstream.client import AdamW, Client, wait_for_server
 
 LR = 1e-3
@@ -221,7 +221,7 @@ def main() -> None:
     )
     p.add_argument("--server-arg", action="append", default=[], help="passed to wstream-server (repeatable)")
     p.add_argument("--worker", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    args = parse_args(p, smoke=dict(jobs=1, workers=1, steps=2, stages=2, width=16, batch=4))
     if args.worker:
         worker(json.loads(args.worker))
         return

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from common import machine, server
+from common import machine, parse_args, server
 from train_step import Block, loss_fn
 from wstream.client import AdamW, Client
 
@@ -39,7 +39,7 @@ def main() -> None:
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--ks", default="1,2,4,8,16")
     p.add_argument("--steps", type=int, default=5)
-    args = p.parse_args()
+    args = parse_args(p, smoke=dict(stages=2, width=32, micro_batch=2, ks="1,2", steps=1))
     ks = [int(k) for k in args.ks.split(",")]
     print(f"machine: {machine()}")
     torch.manual_seed(0)

@@ -15,7 +15,7 @@ import argparse
 import torch
 import zmq
 
-from common import machine, median_time
+from common import machine, median_time, parse_args
 from wstream.protocol import AdamW
 from wstream.protocol import messages as m
 from wstream.protocol.layout import build_stage_spec
@@ -24,7 +24,9 @@ from wstream.server.memory import MemoryAccount
 
 
 def make_job(numel: int, *, double_buffer: bool, workers: int) -> tuple[Job, UpdateTask]:
-    job = Job(m.CreateJob(name="b", token="t", optimizer=AdamW(lr=1e-4), double_buffer=double_buffer), MemoryAccount(2**40))
+    options = m.JobOptions(optimizer=AdamW(lr=1e-4), double_buffer=double_buffer)
+    created = m.CreateJob(name="b", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=options)
+    job = Job.create(created, MemoryAccount(2**40))
     spec = build_stage_spec("0", [("w", (numel,))])
     job.add_stage(m.AddStage(session=b"s" * 16, index=0, spec=spec), [zmq.Frame(torch.randn(spec.numel).numpy().tobytes())])
     job.seal()
@@ -37,7 +39,7 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--mparams", type=int, default=32, help="stage size in millions of parameters")
     p.add_argument("--repeat", type=int, default=9)
-    args = p.parse_args()
+    args = parse_args(p, smoke=dict(mparams=1, repeat=1))
     numel = args.mparams * 1_000_000
     print(f"machine: {machine()}")
     print(f"one stage of {numel:,} fp32 parameters")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from common import machine, server
+from common import machine, parse_args, server
 from wstream.client import AdamW, Client
 from wstream.client.plans import (
     StageCosts,
@@ -160,7 +160,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--budget-mib", type=int, default=16, help="memory budget of the budgeted schedules")
-    args = p.parse_args()
+    args = parse_args(p, smoke=dict(max_n=100, stages=4, width=32, batch=8, steps=1, budget_mib=1))
     print(f"machine: {machine()}")
     rows = depth_table(args.max_n)
     path = plot(rows)

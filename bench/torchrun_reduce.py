@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from common import machine, server
+from common import machine, parse_args, server
 from train_step import Block, loss_fn
 from wstream.client import AdamW, Client
 from wstream.client.distributed import from_torchrun
@@ -79,7 +79,7 @@ def main() -> None:
     p.add_argument("--job")
     p.add_argument("--reduce", default="server")
     p.add_argument("--out")
-    args = p.parse_args()
+    args = parse_args(p, smoke=dict(stages=2, width=32, batch=8, steps=1))
     if args.worker:
         worker(args)
         return

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from common import machine, server
+from common import machine, parse_args, server
 from wstream.client import AdamW, Client
 
 
@@ -49,7 +49,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--server-threads", type=int, default=None, help="torch threads of the server's optimizer")
-    args = p.parse_args()
+    args = parse_args(p, smoke=dict(stages=2, width=64, batch=8, steps=1))
     print(f"machine: {machine()}")
     torch.manual_seed(0)
     stages = [Block(args.width) for _ in range(args.stages)]
