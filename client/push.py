@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import threading
 import time
 from collections import deque
@@ -17,6 +15,7 @@ import zmq
 from wstream.protocol import ServerUnavailable, StageSpec
 from wstream.protocol import messages as m
 from wstream.protocol.frames import tensor_frames
+from wstream.protocol.wake import WakePipe
 
 from .channel import Channel, no_answer, raise_or_narrow
 from .device import CopyTicket, GradientStager
@@ -69,8 +68,7 @@ class GradientPusher:
         self._replies = 0  # replies seen: progress, for the wait deadline
         self._error: BaseException | None = None
         self._stop = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
+        self._wake = WakePipe()
         self.stats = StreamStats()
         self._thread = threading.Thread(target=self._run, name="wstream-push", daemon=True)
         self._thread.start()
@@ -86,7 +84,7 @@ class GradientPusher:
         msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
         with self._cond:
             self._unsent.append(_Unsent(msg, frames, ticket))
-        os.write(self._wake_w, b"x")
+        self._wake.wake()
         if self._sc.tracer is not None:
             self._sc.tracer.add(f"grad copy {stage}", "push", "compute", t0, stage=stage, step=step)
         self.stats.pushes += 1
@@ -147,24 +145,22 @@ class GradientPusher:
         if self._stop.is_set():
             return
         self._stop.set()
-        os.write(self._wake_w, b"x")
+        self._wake.wake()
         self._thread.join()
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._wake.close()
 
     # ---- the sender thread -----------------------------------------------------------------------
     def _run(self) -> None:
         chan = self._sc.channel()
         poller = zmq.Poller()
         poller.register(chan.socket, zmq.POLLIN)
-        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(self._wake.fileno(), zmq.POLLIN)
         try:
             while not self._stop.is_set():
                 sent = self._send_ready(chan)
                 events = dict(poller.poll(0 if sent else 100))
-                if self._wake_r in events:
-                    with contextlib.suppress(BlockingIOError):
-                        os.read(self._wake_r, 4096)
+                if self._wake.fileno() in events:
+                    self._wake.clear()
                 if chan.socket in events:
                     self._take_replies(chan)
         except BaseException as exc:  # raised in the compute thread by its next wait

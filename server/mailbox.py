@@ -7,9 +7,10 @@ snapshots through another; :meth:`Mailbox.wake` alone also serves to wake the lo
 
 from __future__ import annotations
 
-import os
 import queue
 from typing import Generic, TypeVar
+
+from wstream.protocol.wake import WakePipe
 
 T = TypeVar("T")
 
@@ -20,13 +21,11 @@ class Mailbox(Generic[T]):
 
     def __init__(self) -> None:
         self._items: queue.SimpleQueue[T] = queue.SimpleQueue()
-        self._wake_r, self._wake_w = os.pipe()
-        os.set_blocking(self._wake_r, False)
-        os.set_blocking(self._wake_w, False)
+        self._pipe = WakePipe()
 
     def fileno(self) -> int:
         """The read end of the wake-up pipe, to register with a poller."""
-        return self._wake_r
+        return self._pipe.fileno()
 
     def post(self, item: T) -> None:
         self._items.put(item)
@@ -34,18 +33,12 @@ class Mailbox(Generic[T]):
 
     def wake(self) -> None:
         """Make :meth:`fileno` readable (safe from any thread or a signal handler)."""
-        try:
-            os.write(self._wake_w, b"x")
-        except OSError:
-            pass  # the pipe is already full of wake-ups (or closed at shutdown)
+        self._pipe.wake()
 
     def drain(self) -> list[T]:
         """Everything posted so far, oldest first. The pipe is emptied before the queue, so a post
         that races with this call is either returned now or wakes the poller again."""
-        try:
-            os.read(self._wake_r, 4096)
-        except BlockingIOError:
-            pass
+        self._pipe.clear()
         items: list[T] = []
         while True:
             try:
@@ -54,5 +47,4 @@ class Mailbox(Generic[T]):
                 return items
 
     def close(self) -> None:
-        os.close(self._wake_r)
-        os.close(self._wake_w)
+        self._pipe.close()
