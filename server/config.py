@@ -106,6 +106,7 @@ class ServerConfig:
         for addr in self.bind:
             if "://" not in addr:
                 raise ValueError(f"ServerConfig.bind: {addr!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555")
+            _check_tcp_port(addr)
         if self.memory_limit <= 0:
             raise ValueError(f"ServerConfig.memory_limit must be > 0 bytes, got {self.memory_limit}")
         if not self.lease_s > 0:
@@ -175,3 +176,19 @@ def read_admin_secret(path: str) -> str:
     if not secret:
         raise ValueError(f"the admin secret file {path} is empty")
     return secret
+
+
+def _check_tcp_port(endpoint: str) -> None:
+    """A ``tcp://`` endpoint names a port from 1 to 65535, or ``*`` (ZeroMQ picks a free one):
+    ZeroMQ itself takes 99999 and listens on another port (it wraps)."""
+    if not endpoint.startswith("tcp://"):
+        return
+    host, sep, port = endpoint[len("tcp://") :].rpartition(":")
+    if port == "*" and sep:
+        return
+    if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
+        raise ValueError(
+            f"ServerConfig.bind: {endpoint!r}: a tcp endpoint's port must be 1-65535 (or * for any free port), "
+            "as in tcp://127.0.0.1:5555"
+        )
+

@@ -138,3 +138,28 @@ def test_every_flag_and_key_is_in_the_operating_guide() -> None:
     missing = [f for f in flags if f"`{f}" not in doc]
     missing += [k for k in setting_types() if f"`{k}`" not in doc]
     assert not missing, f"docs/operating.md does not describe {missing}"
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "accepted"),
+    [
+        ("tcp://127.0.0.1:5555", True),
+        ("tcp://127.0.0.1:65535", True),
+        ("tcp://*:*", True),  # ZeroMQ's "any free port"
+        ("tcp://[::1]:7001", True),
+        ("ipc:///tmp/wstream.sock", True),
+        ("tcp://127.0.0.1:99999", False),  # would wrap around to another port
+        ("tcp://127.0.0.1:0", False),
+        ("tcp://127.0.0.1:-1", False),
+        ("tcp://127.0.0.1", False),
+        ("tcp://127.0.0.1:http", False),
+    ],
+)
+def test_a_tcp_endpoint_needs_a_port_from_1_to_65535(endpoint: str, accepted: bool) -> None:
+    if accepted:
+        assert ServerConfig(bind=[endpoint]).bind == [endpoint]
+        return
+    with pytest.raises(ValueError, match=r"ServerConfig\.bind: .*port must be 1-65535 \(or \* for any free port\)"):
+        ServerConfig(bind=[endpoint])
+    with pytest.raises(ValueError, match="metrics_port must be a TCP port"):
+        ServerConfig(metrics_port=99999)
