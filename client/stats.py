@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from .connection import WorkerConnection
 from .loss_scale import LossScaler
 from .streaming import LatencyWindow
+from .throughput import Throughput
 
 
 @dataclass(slots=True)
@@ -46,10 +47,14 @@ class TrainerStats:
     """The loss scale of the next step (None: no loss scaling; NOTE [Per-stage loss scaling])."""
     loss_scale_backoffs: int = 0
     """Stage backward passes run again at a lower scale because a gradient was not finite."""
+    samples_per_s: float | None = None
+    """Samples (first dimension of the first input) per second over the last steps (None: no step yet)."""
+    tokens_per_s: float | None = None
+    """Token ids per second over the last steps (None: the inputs are not integer token ids)."""
 
 
 def trainer_stats(
-    conn: WorkerConnection, scaler: LossScaler | None, *, steps: int, peak_boundary: int
+    conn: WorkerConnection, scaler: LossScaler | None, *, steps: int, peak_boundary: int, throughput: Throughput
 ) -> TrainerStats:
     """A trainer's stats: ``steps`` completed, ``peak_boundary`` the most activation bytes a step held."""
     pf, pu = conn.prefetcher.stats, conn.pusher.stats
@@ -78,4 +83,6 @@ def trainer_stats(
         grad_staging_bytes=conn.stager.nbytes,
         loss_scale=None if scaler is None else scaler.scale,
         loss_scale_backoffs=0 if scaler is None else scaler.backoffs,
+        samples_per_s=throughput.samples_per_s,
+        tokens_per_s=throughput.tokens_per_s,
     )

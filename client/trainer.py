@@ -40,6 +40,7 @@ from .profile import Planning, measure_profile
 from .rng import StageRng
 from .stages import StageRunner, as_boundary, join_lanes, place, split_micro_batches
 from .stats import TrainerStats, trainer_stats
+from .throughput import Throughput, work_of
 from .timeline import Tracer, write_worker_trace
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,7 @@ class Trainer:
         self._steps_done = 0
         self._peak_boundary = 0
         self.last_loop_steps = 0
+        self._throughput = Throughput()  # samples and tokens per second, for stats()
         self._tracer: Tracer | None = None
         self._endpoint = endpoint
         endpoint.register(self)
@@ -164,7 +166,10 @@ class Trainer:
         their updates).
         """
         self._check_open()
-        return self._recovering(lambda: self._step_once(inputs, targets, loss_fn, micro_batches))
+        started = time.perf_counter()
+        loss = self._recovering(lambda: self._step_once(inputs, targets, loss_fn, micro_batches))
+        self._throughput.add(*work_of(inputs), time.perf_counter() - started)
+        return loss
 
     @contextlib.contextmanager
     def trace(self, path: str | os.PathLike[str]) -> Iterator[Tracer]:
@@ -305,7 +310,10 @@ class Trainer:
 
     def stats(self) -> TrainerStats:
         """What the steps so far did (fetches, pushes, waits, memory, loss scale)."""
-        return trainer_stats(self.connection, self.executor.scaler, steps=self._steps_done, peak_boundary=self._peak_boundary)
+        return trainer_stats(
+            self.connection, self.executor.scaler, steps=self._steps_done, peak_boundary=self._peak_boundary,
+            throughput=self._throughput,
+        )
 
     def close(self) -> None:
         """Leave the job (the server detaches this worker) and stop every thread."""

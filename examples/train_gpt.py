@@ -109,8 +109,11 @@ def main() -> None:
                         x, y = next(data_iter)
                         last = trainer.step(x, y, lm_loss, micro_batches=args.micro_batches)
                         first = first or last
-                        scale = trainer.stats().loss_scale
-                        bar.set_postfix(loss=f"{last:.3f}", **({"loss_scale": f"{scale:g}"} if scale else {}))
+                        now = trainer.stats()
+                        shown = {"loss": f"{last:.3f}", "tok/s": f"{now.tokens_per_s or 0:,.0f}"}
+                        if now.loss_scale:
+                            shown["loss_scale"] = f"{now.loss_scale:g}"
+                        bar.set_postfix(shown)
                 elapsed = time.perf_counter() - t0
                 stats = trainer.stats()
             rss = process.memory_info().rss
