@@ -10,7 +10,7 @@ from typing import Any
 
 import msgspec
 
-from wstream.protocol import WstreamError, format_bytes
+from wstream.protocol import WstreamError, format_bytes, version_line
 from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY, write_keypair
 from wstream.protocol import messages as m
 
@@ -131,6 +131,11 @@ def _shutdown(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(folder):  # before pulling every weight, not after
+        raise ValueError(f"cannot write {args.out}: the directory {folder} does not exist")
+    if not os.access(folder, os.W_OK):
+        raise ValueError(f"cannot write {args.out}: the directory {folder} is not writable")
     secret = _admin_secret(args)
     with _client(args, timeout=args.timeout, admin_secret=secret) as client:
         if secret is not None:  # any job, no token needed
@@ -184,6 +189,7 @@ def _job_command(sub: Any, name: str, help: str, *, admin: bool = False) -> argp
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="wstream", description="Inspect and manage a wstream-server.")
+    p.add_argument("--version", action="version", version=version_line("wstream"))
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("status", help="jobs, workers, steps and memory of a server")
     _connection(s, timeout=5.0)

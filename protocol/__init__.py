@@ -25,7 +25,7 @@ from .errors import (
     error_from_code,
 )
 from .messages import PROTOCOL_VERSION, SGD, AdamW, JobOptions, OptimizerSpec, ParamSpec, StageSpec
-from .units import format_bytes, parse_size
+from .units import format_bytes, parse_size, version_line
 
 __all__ = [
     "PROTOCOL_VERSION",
@@ -61,4 +61,5 @@ __all__ = [
     "format_bytes",
     "parse_size",
     "peek_id",
+    "version_line",
 ]

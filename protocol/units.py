@@ -46,3 +46,17 @@ def format_bytes(n: int | float) -> str:
             return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
         value /= 1024
     raise AssertionError("unreachable")
+
+
+def version_line(prog: str) -> str:
+    """What ``--version`` prints: the installed wstream release and the protocol it speaks."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from .messages import PROTOCOL_VERSION
+
+    try:
+        release = version("wstream")
+    except PackageNotFoundError:  # run from a source tree that was not installed
+        release = "(not installed)"
+    return f"{prog} {release} (protocol {PROTOCOL_VERSION})"
+

@@ -6,7 +6,7 @@ import argparse
 import logging
 import sys
 
-from wstream.protocol import format_bytes, parse_size
+from wstream.protocol import format_bytes, parse_size, version_line
 
 from .config import ServerConfig, default_memory_limit
 from .config_file import apply_config_file, default_of
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="wstream-server",
         description="Hold training jobs' weights and optimizer state in host memory and stream them to workers.",
     )
+    p.add_argument("--version", action="version", version=version_line("wstream-server"))
     p.add_argument(
         "--bind",
         action="append",

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
 import models
 from conftest import ServerProcess
 from wstream.client import AdamW, Client
-from wstream.client.admin import format_status, main
+from wstream.client.admin import build_parser, format_status, main
 from wstream.protocol import messages as m
 
 
@@ -57,3 +58,26 @@ def test_jobs_lists_names_and_steps(server: ServerProcess, client: Client, capsy
         {"name": "first", "step": 2, "ready": True},
         {"name": "second-job", "step": 0, "ready": True},
     ]
+
+
+def test_both_commands_say_their_version_and_protocol(capsys: pytest.CaptureFixture[str]) -> None:
+    from wstream.protocol import PROTOCOL_VERSION
+    from wstream.server.cli import build_parser as server_parser
+
+    for parser in (build_parser(), server_parser()):
+        with pytest.raises(SystemExit) as done:
+            parser.parse_args(["--version"])
+        assert done.value.code == 0
+        out = capsys.readouterr().out
+        assert f"(protocol {PROTOCOL_VERSION})" in out and out.split()[0] in ("wstream", "wstream-server")
+
+
+def test_export_to_a_folder_that_does_not_exist_fails_before_pulling_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # no server at this address: the destination is checked first, so nothing is even asked
+    monkeypatch.setenv("WSTREAM_TOKEN", "t")
+    out = tmp_path / "no" / "such" / "dir" / "w.safetensors"
+    argv = ["export", "j", "--out", str(out), "--server", f"ipc://{tmp_path}/nobody.sock"]
+    assert main(argv) == 2
+    assert f"cannot write {out}: the directory {out.parent} does not exist" in capsys.readouterr().err
