@@ -44,6 +44,8 @@ from safetensors.torch import save as save_safetensors
 
 from wstream.protocol import messages as m
 
+from .ownership import HeldElsewhere, OwnerLock, holder
+
 log = logging.getLogger(__name__)
 
 FORMAT = 1
@@ -178,6 +180,10 @@ class Snapshot:
             self.cond.notify_all()
 
 
+LOCK_FILE = ".wstream-server.lock"
+"""Beside the job directories: locked by the server that uses the store (server/ownership.py)."""
+
+
 class SnapshotStore:
     """The snapshots of every job under one directory; keeps the newest ``keep`` per job."""
 
@@ -187,6 +193,14 @@ class SnapshotStore:
         self.root = Path(root)
         self.keep = keep
         self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:  # one server per store: another's drop would delete this one's live files
+            self._lock = OwnerLock(self.root / LOCK_FILE)
+        except HeldElsewhere as exc:
+            raise OSError(f"store {root} is in use by {holder(exc.pid)}") from None
+
+    def close(self) -> None:
+        """Give the store up (another server may open it from now on)."""
+        self._lock.release()
 
     def job_dir(self, name: str) -> Path:
         return self.root / f"job-{name}"

@@ -175,6 +175,12 @@ class SnapshotScheduler:
         self.written.close()
         if self.store is None:
             return
+        try:
+            self._final_snapshots(self.store)
+        finally:
+            self.store.close()
+
+    def _final_snapshots(self, store: SnapshotStore) -> None:
         for job in self.jobs.values():
             job.snapshot = None
             step = job.consistent_step()
@@ -184,7 +190,7 @@ class SnapshotScheduler:
                 continue
             snap = Snapshot(job.record(), step, self.buffer_bytes, "shutdown")
             try:
-                path = self.store.write(snap, job.snapshot_sources())
+                path = store.write(snap, job.snapshot_sources())
                 job.last_snapshot_step = step
                 log.info("job %r: snapshot of step %d written at shutdown to %s", job.name, step, path)
             except OSError as exc:

@@ -23,6 +23,7 @@ from wstream.protocol.curve import load_secret_certificate, uses_curve
 from .auth import start_authenticator
 from .config import ServerConfig
 from .outgoing import Outgoing
+from .ownership import HeldElsewhere, OwnerLock, holder
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Transport:
         self._authenticator: ThreadAuthenticator | None = None
         self.endpoints: list[str] = []
         self.curve_public_key: bytes | None = None
+        self._locks: list[OwnerLock] = []  # one per ipc socket (server/ownership.py)
         try:
             self._listen(config)
         except BaseException:
@@ -68,11 +70,26 @@ class Transport:
         for addr in config.bind:
             if self.curve_public_key is not None:  # security options apply to the binds after them
                 self._sock.curve_server = uses_curve(addr)
+            self._own(addr)
             try:
                 self._sock.bind(addr)
             except zmq.ZMQError as exc:
                 raise OSError(f"cannot listen on {addr}: {exc}") from None
             self.endpoints.append(self._sock.getsockopt_string(zmq.LAST_ENDPOINT))
+
+    def _own(self, addr: str) -> None:
+        """Lock an ipc socket's path before binding it: ZeroMQ would take a live server's socket
+        over (a tcp port in use is refused by the kernel already). Abstract sockets (``ipc://@``)
+        have no path to lock beside."""
+        path = addr[len("ipc://") :] if addr.startswith("ipc://") else ""
+        if not path or path.startswith("@"):
+            return
+        try:
+            self._locks.append(OwnerLock(path + ".lock"))
+        except HeldElsewhere as exc:
+            raise OSError(f"cannot listen on {addr}: {holder(exc.pid)} holds it") from None
+        except OSError as exc:  # e.g. its directory does not exist
+            raise OSError(f"cannot listen on {addr}: {exc.strerror or exc}: {path}") from None
 
     # ---- the start-up log ----------------------------------------------------------------------
     def security(self, endpoint: str) -> str:
@@ -151,6 +168,9 @@ class Transport:
             self._authenticator.stop()
             self._authenticator = None
         self._ctx.term()
+        for lock in self._locks:  # after the socket is closed: no moment with two listeners
+            lock.release()
+        self._locks.clear()
 
 
 def _loopback(endpoint: str) -> bool:
