@@ -52,7 +52,12 @@ class Server:
             torch.set_num_threads(config.torch_threads)
         self._updates = UpdatePool(config.optimizer_workers)
         store = SnapshotStore(config.store, config.keep_snapshots) if config.store is not None else None
-        self.transport = Transport(config)
+        try:
+            self.transport = Transport(config)
+        except BaseException:
+            if store is not None:
+                store.close()  # give the store up again: this server never ran
+            raise
         self.counters = ServerCounters()
         outbox = Outbox(self.transport.send, self.counters.errors)
         self.snapshots = SnapshotScheduler(store, config, self.jobs, outbox)
@@ -62,6 +67,8 @@ class Server:
                 self.metrics = MetricsEndpoint(self, config.metrics_addr, config.metrics_port)
             except OSError as exc:
                 self.transport.close()
+                if store is not None:
+                    store.close()
                 raise OSError(f"cannot serve metrics on {config.metrics_addr}:{config.metrics_port}: {exc}") from None
         self._sessions = SessionTable(config)
         self.handlers = Handlers(

@@ -40,11 +40,14 @@ def test_a_resuming_server_logs_its_progress(
     specs = [build_stage_spec(str(i), [("w", (16,))]) for i in range(4)]
     record = JobRecord("j", b"k" * 32, JobOptions(optimizer=SGD()), specs)
     store = SnapshotStore(tmp_path, keep=1)
-    sources = [(threading.Lock(), lambda i=i: {"master": torch.full((16,), float(i))}) for i in range(4)]
-    store.write(Snapshot(record, 7, 2**20, "test"), sources)
-    with caplog.at_level(logging.INFO, logger="wstream.server.snapshot"):
-        step, _, stages, path = store.load_latest("j")
-        masters = [t["master"][0].item() for _, t in stages]
+    try:
+        sources = [(threading.Lock(), lambda i=i: {"master": torch.full((16,), float(i))}) for i in range(4)]
+        store.write(Snapshot(record, 7, 2**20, "test"), sources)
+        with caplog.at_level(logging.INFO, logger="wstream.server.snapshot"):
+            step, _, stages, path = store.load_latest("j")
+            masters = [t["master"][0].item() for _, t in stages]
+    finally:
+        store.close()  # it holds the store's lock (one server per store)
     assert step == 7 and masters == [0.0, 1.0, 2.0, 3.0]
     progress = [r.getMessage() for r in caplog.records if r.getMessage().startswith("loading")]
     assert [p.split(": ")[1].split()[0] for p in progress] == ["25%", "50%", "75%"]
