@@ -54,10 +54,6 @@ class InProcessServer:
         """The first endpoint it listens on (as bound: a tcp port 0 is resolved)."""
         return self.server.endpoints[0]
 
-    @property
-    def running(self) -> bool:
-        return self._thread.is_alive()
-
     def _run(self) -> None:
         try:
             self.server.run()
