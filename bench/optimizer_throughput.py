@@ -1,7 +1,8 @@
 """(2) The server's per-stage update vs torch.optim.AdamW(fused=True) on a flat tensor.
 
-Runs the server's own update (`UpdateTask.run` on a real `Job`, i.e. gradient mean, fused AdamW on
-the fp32 master in shared memory, publication) and, as the baseline, a bare
+Runs the server's own per-stage work of one step on a real `Job`: each worker's gradient added into
+the stage's accumulator (`GatherTask.run`, the last one also taking the norm for clipping), then
+`UpdateTask.run` (mean and clip folded into fused AdamW on the fp32 master, publication) and, as the baseline, a bare
 `torch.optim.AdamW([p], fused=True).step()` on a flat tensor of the same size, alternately in this
 process. Ratio = baseline time / wstream time (1.0 = as fast as bare fused AdamW).
 
@@ -11,6 +12,7 @@ process. Ratio = baseline time / wstream time (1.0 = as fast as bare fused AdamW
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 
 import torch
 import zmq
@@ -19,11 +21,12 @@ from common import machine, median_time, parse_args
 from wstream.protocol import AdamW
 from wstream.protocol import messages as m
 from wstream.protocol.layout import build_stage_spec
-from wstream.server.job import Job, UpdateTask
+from wstream.server.job import Job
+from wstream.server.stage_state import GatherTask, UpdateTask
 from wstream.server.memory import MemoryAccount
 
 
-def make_job(numel: int, *, double_buffer: bool, workers: int) -> tuple[Job, UpdateTask]:
+def make_job(numel: int, *, double_buffer: bool, workers: int) -> tuple[Job, Callable[[], None]]:
     options = m.JobOptions(optimizer=AdamW(lr=1e-4), double_buffer=double_buffer)
     created = m.CreateJob(name="b", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=options)
     job = Job.create(created, MemoryAccount(2**40))
@@ -31,8 +34,20 @@ def make_job(numel: int, *, double_buffer: bool, workers: int) -> tuple[Job, Upd
     job.add_stage(m.AddStage(session=b"s" * 16, index=0, spec=spec), [zmq.Frame(torch.randn(spec.numel).numpy().tobytes())])
     job.seal()
     grads = [torch.randn(spec.numel) * 1e-3 for _ in range(workers)]
-    # run() does not flip the version (the loop does, in finish_update), so it can be repeated
-    return job, UpdateTask(job, job.stages[0], grads)
+    st = job.stages[0]
+    gathers = [GatherTask(job, st, w, g, job.attempt, workers) for w, g in enumerate(grads)]
+    update = UpdateTask(job, st, grad_scale=float(workers), lr=1e-4)
+
+    def one_stage_step() -> None:
+        """Everything the server does to one stage in one step: add each worker's gradient into
+        the accumulator (the last one also takes its norm), then the update and its publication.
+        run() does not flip the version (the loop does), so this can be repeated."""
+        st.acc = (-1, 0)
+        for g in gathers:
+            g.run()
+        update.run()
+
+    return job, one_stage_step
 
 
 def main() -> None:
@@ -56,8 +71,8 @@ def main() -> None:
         ("2 workers (mean of gradients)", False, 2),
     ]
     for label, double, workers in cases:
-        job, task = make_job(numel, double_buffer=double, workers=workers)
-        t = median_time(task.run, repeat=args.repeat)
+        job, one_stage_step = make_job(numel, double_buffer=double, workers=workers)
+        t = median_time(one_stage_step, repeat=args.repeat)
         t_base = median_time(opt.step, repeat=args.repeat)  # re-measured next to each case
         print(f"wstream update, {label:45}: {numel / t / 1e9:5.2f} G params/s   ratio {t_base / t:.2f}")
         job.close()

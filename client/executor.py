@@ -167,8 +167,7 @@ class PlanExecutor:
         the ranks, sent by rank 0 alone; client/distributed.py)."""
         stage = runner.stage
         pusher = self._streams.pusher
-        if run.delayed and not self.reader:  # (s, t) applies to version t: (s, t - 1) must be done
-            pusher.wait_stage(stage)
+        # a delayed job's (s, t) may reach the server before (s, t - 1) is applied: it holds it
         if self._allreduce is None:
             pusher.push(stage, run.step, runner.spec, grads)
         else:

@@ -18,7 +18,7 @@ from wstream.protocol.frames import tensor_frames
 from wstream.protocol.wake import WakePipe
 
 from .channel import Channel, no_answer, raise_or_narrow
-from .device import CopyTicket, GradientStager
+from .device import DONE, CopyTicket, GradientStager
 from .streaming import StreamContext, StreamStats
 
 log = logging.getLogger(__name__)
@@ -26,16 +26,17 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Unsent:
-    """A push handed to the sender thread: sent once ``ticket`` (the gradient's copy) is done."""
+    """A push (or the step's commit) handed to the sender thread: sent once ``ticket`` (the
+    gradient's copy) is done."""
 
-    message: m.Push
+    message: m.Push | m.Commit
     frames: list[object]
     ticket: CopyTicket
 
 
 @dataclass(slots=True)
 class _Sent:
-    slot: int
+    slot: int | None  # None: the step's commit
     stage: int
     step: int
     sent_ns: int
@@ -67,6 +68,7 @@ class GradientPusher:
         self._outstanding: dict[int, _Sent] = {}  # request id -> what was sent
         self._replies = 0  # replies seen: progress, for the wait deadline
         self._error: BaseException | None = None
+        self.committed: m.Committed | None = None  # the newest step's commit reply
         self._stop = threading.Event()
         self._wake = WakePipe()
         self.stats = StreamStats()
@@ -90,12 +92,21 @@ class GradientPusher:
         self.stats.pushes += 1
         self.stats.bytes_pushed += numel * 4
 
+    def commit(self, step: int) -> None:
+        """Say that every gradient of ``step`` is pushed (after them, on the same socket); its reply
+        comes when the step commits (NOTE [The step commit point] in server/job.py) and is kept
+        in :attr:`committed`; :meth:`drain` waits for it."""
+        with self._cond:
+            self._unsent.append(_Unsent(m.Commit(session=self._sc.session, step=step), [], DONE))
+        self._wake.wake()
+
     def drain(self) -> None:
-        """Wait until every push is acknowledged, i.e. the server applied those updates."""
-        self._wait_until(lambda: not self._outstanding and not self._unsent, "wait updates")
+        """Wait until every push and commit is answered: for a commit, the step committed (its
+        updates are queued; the next step's fetches wait for them)."""
+        self._wait_until(lambda: not self._outstanding and not self._unsent, "wait commit")
 
     def wait_stage(self, stage: int) -> None:
-        """Wait until no push of ``stage`` is unacknowledged (its update was applied)."""
+        """Wait until no push of ``stage`` is unacknowledged (its gradient was gathered)."""
 
         def done() -> bool:
             return all(e.stage != stage for e in self._outstanding.values()) and all(
@@ -184,7 +195,10 @@ class GradientPusher:
         with self._cond:
             if self._unsent and self._unsent[0] is item:  # not forgotten meanwhile
                 self._unsent.popleft()
-                self._outstanding[rid] = _Sent(msg.slot, msg.stage, msg.step, sent, time.monotonic_ns())
+                if isinstance(msg, m.Push):
+                    self._outstanding[rid] = _Sent(msg.slot, msg.stage, msg.step, sent, time.monotonic_ns())
+                else:
+                    self._outstanding[rid] = _Sent(None, -1, msg.step, sent, time.monotonic_ns())
         return True
 
     def _take_replies(self, chan: Channel) -> None:
@@ -195,9 +209,18 @@ class GradientPusher:
                 if entry is None:
                     log.debug("dropping an unexpected reply %s", type(reply).__name__)
                     continue
-                self._free.append(entry.slot)
+                if entry.slot is not None:
+                    self._free.append(entry.slot)
                 self._replies += 1
                 self._cond.notify_all()
+            if entry.slot is None:
+                if self._sc.tracer is not None:
+                    self._sc.tracer.add(f"commit {entry.step}", "commit", "gradient pushes", entry.sent_ns, step=entry.step)
+                committed = raise_or_narrow(reply, m.Committed)
+                with self._cond:
+                    self.committed = committed
+                    self.stats.skipped_steps += committed.skipped
+                continue
             if self._sc.tracer is not None:  # the send; when the worker saw the reply goes in args
                 seen_us = (time.monotonic_ns() - entry.sent_ns) / 1000
                 self._sc.tracer.add(

@@ -51,6 +51,15 @@ class TrainerStats:
     """Samples (first dimension of the first input) per second over the last steps (None: no step yet)."""
     tokens_per_s: float | None = None
     """Token ids per second over the last steps (None: the inputs are not integer token ids)."""
+    grad_norm: float | None = None
+    """The global gradient norm of the newest step this worker saw commit, before clipping (the
+    norm of the mean over workers, as ``torch.nn.utils.clip_grad_norm_`` returns it)."""
+    lr: float | None = None
+    """The base learning rate of that step's update (the job's schedule at that step)."""
+    clip: float = 1.0
+    """The factor that step's gradient was multiplied by (1.0: not clipped)."""
+    skipped_steps: int = 0
+    """Steps this worker saw commit without an update because their gradient norm was not finite."""
 
 
 def trainer_stats(
@@ -59,6 +68,7 @@ def trainer_stats(
     """A trainer's stats: ``steps`` completed, ``peak_boundary`` the most activation bytes a step held."""
     pf, pu = conn.prefetcher.stats, conn.pusher.stats
     registered_bytes, registration_s = conn.registered()
+    committed = conn.pusher.committed
     weight_budget = conn.transport.weight_budget
     assert weight_budget is None or isinstance(weight_budget, int)  # Transport parsed it
     return TrainerStats(
@@ -85,4 +95,8 @@ def trainer_stats(
         loss_scale_backoffs=0 if scaler is None else scaler.backoffs,
         samples_per_s=throughput.samples_per_s,
         tokens_per_s=throughput.tokens_per_s,
+        grad_norm=None if committed is None else committed.grad_norm,
+        lr=None if committed is None else committed.lr,
+        clip=1.0 if committed is None else committed.clip,
+        skipped_steps=pu.skipped_steps,
     )

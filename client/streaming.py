@@ -73,6 +73,7 @@ class StreamStats:
     pushes: int = 0
     bytes_pushed: int = 0
     push_wait_s: float = 0.0  # time compute waited for a free gradient slot or the final acks
+    skipped_steps: int = 0  # steps committed without an update (their gradient norm was not finite)
 
 
 @dataclass(kw_only=True)

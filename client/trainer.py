@@ -161,9 +161,10 @@ class Trainer:
         micro-batches' losses. The checkpoint plan applies to every micro-batch (a kept input is
         kept for all k); plans made from a profile count k in their memory budget.
 
-        Returns once the server has applied this step's update to every stage; in a job with
-        ``delayed_update``, once every gradient of the step is sent (:meth:`flush` waits for
-        their updates).
+        Returns once the step has committed on the server: every worker's gradient of every stage
+        is in and the updates are queued (they run while the next step's forward starts; a fetch
+        or ``job.state_dict()`` waits for the stages it reads). In a job with ``delayed_update``,
+        once every gradient of the step is sent (:meth:`flush` waits for the commits).
         """
         self._check_open()
         started = time.perf_counter()
@@ -271,7 +272,7 @@ class Trainer:
                 for op, i in planner.finish():  # position 0's backward pushes the sum over applications
                     ex.execute(run, op, i, loss_fn)
                 assert run.pushed, "the loop body's gradient was not pushed: a bug in wstream"
-            self.connection.pusher.drain()
+            self._commit(run)
         except BaseException:
             self._abort_step(run.pushed)
             raise
@@ -379,8 +380,7 @@ class Trainer:
         try:
             for op, i in plan.actions:
                 ex.execute(run, op, i, loss_fn)
-            if not run.delayed:  # see server/job.py NOTE [Versions ...] rule 5
-                conn.pusher.drain()
+            self._commit(run)
         except (ServerUnavailable, SessionExpiredError):
             self._abort_step(run.pushed, recoverable=self.options.transport.reconnect_s > 0)
             raise
@@ -391,6 +391,16 @@ class Trainer:
             self._tracer.add(f"step {self._step}", "step", "steps", started, step=self._step, micro_batches=k)
         self._end_run(run)
         return run.loss
+
+    def _commit(self, run: PlanRun) -> None:
+        """Every gradient of the step is pushed: send the step's commit and, unless the job's
+        updates are delayed, wait until the step committed (server/job.py NOTE [The step commit
+        point]); the update itself overlaps the next step's forward."""
+        pusher = self.connection.pusher
+        if not self.executor.reader:
+            pusher.commit(run.step)
+        if not run.delayed:
+            pusher.drain()
 
     def _end_run(self, run: PlanRun) -> None:
         """A step's run completed: record its peak, move the loss scale by what it met, and count it."""

@@ -13,7 +13,9 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from msgspec import Meta, Struct
 
-PROTOCOL_VERSION = 3
+from .lr_schedules import Constant, Schedule
+
+PROTOCOL_VERSION = 4
 """Carried in every header; a server answers any other value with ``version_mismatch``.
 docs/protocol.md lists what changed in each version."""
 
@@ -81,6 +83,13 @@ def _check_finite(name: str, value: float, *, low: float, high: float = math.inf
         raise ValueError(f"{name} must be a finite number in [{low}, {high}], got {value}")
 
 
+def _check_clip(value: float | None) -> None:
+    # A norm of 0 would zero every gradient, and nan or inf would clip nothing or poison all.
+    real = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if value is not None and not (real and math.isfinite(value) and value > 0):  # type: ignore[arg-type]
+        raise ValueError(f"clip_grad_norm must be a finite number > 0 (or None), got {value!r}")
+
+
 class AdamW(Struct, frozen=True, kw_only=True, tag="adamw", tag_field="kind"):
     """AdamW as ``torch.optim.AdamW`` defines it (decoupled weight decay); run fused on the server."""
 
@@ -88,6 +97,13 @@ class AdamW(Struct, frozen=True, kw_only=True, tag="adamw", tag_field="kind"):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
+    schedule: Schedule = Constant()
+    """Evaluated by the server each step: the lr of (0-based) step t is ``lr * schedule.factor(t)``
+    (``wstream.protocol.lr_schedules``). The default keeps ``lr`` throughout."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm of every step to this, exactly as
+    ``torch.nn.utils.clip_grad_norm_`` over all of the job's parameters, of the gradient the
+    optimizer sees (the mean of the workers'); None: no clipping."""
 
     def __post_init__(self) -> None:
         _check_finite("lr", self.lr, low=0.0)
@@ -95,6 +111,7 @@ class AdamW(Struct, frozen=True, kw_only=True, tag="adamw", tag_field="kind"):
         _check_finite("betas[1]", self.betas[1], low=0.0, high=0.999999999)
         _check_finite("eps", self.eps, low=0.0)
         _check_finite("weight_decay", self.weight_decay, low=0.0)
+        _check_clip(self.clip_grad_norm)
 
 
 class SGD(Struct, frozen=True, kw_only=True, tag="sgd", tag_field="kind"):
@@ -105,6 +122,13 @@ class SGD(Struct, frozen=True, kw_only=True, tag="sgd", tag_field="kind"):
     dampening: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    schedule: Schedule = Constant()
+    """Evaluated by the server each step: the lr of (0-based) step t is ``lr * schedule.factor(t)``
+    (``wstream.protocol.lr_schedules``). The default keeps ``lr`` throughout."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm of every step to this, exactly as
+    ``torch.nn.utils.clip_grad_norm_`` over all of the job's parameters, of the gradient the
+    optimizer sees (the mean of the workers'); None: no clipping."""
 
     def __post_init__(self) -> None:
         _check_finite("lr", self.lr, low=0.0)
@@ -113,6 +137,7 @@ class SGD(Struct, frozen=True, kw_only=True, tag="sgd", tag_field="kind"):
         _check_finite("weight_decay", self.weight_decay, low=0.0)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError("nesterov momentum needs momentum > 0 and dampening = 0")
+        _check_clip(self.clip_grad_norm)
 
 
 OptimizerSpec = Union[AdamW, SGD]
@@ -245,6 +270,16 @@ class Push(SessionMessage, tag="push"):
     nframes: FrameCount = 0
 
 
+class Commit(SessionMessage, tag="commit"):
+    """This worker has pushed every gradient of ``step``: answer with ``committed`` once the step
+    commits (every expected worker's gradient of every trained stage is in, the global gradient
+    norm is known and the updates are queued), or with an error when the step is discarded (a
+    worker that had pushed part of it left: see NOTE [The step commit point] in server/job.py).
+    Sent on the same socket as the pushes, after them."""
+
+    step: Step
+
+
 class Pull(SessionMessage, tag="pull"):
     """A stage's fp32 master weights: of the session's job, or with an admin session of ``job``."""
 
@@ -297,7 +332,7 @@ class Timeline(SessionMessage, tag="timeline"):
 
 
 Request = Union[
-    Hello, CreateJob, AddStage, Seal, Attach, AdminAttach, Join, Fetch, Push, Pull, Heartbeat, Leave, DropJob,
+    Hello, CreateJob, AddStage, Seal, Attach, AdminAttach, Join, Fetch, Push, Commit, Pull, Heartbeat, Leave, DropJob,
     Status, Save, Shutdown, Timeline, Describe,
 ]
 _REQUESTS: tuple[type[Message], ...] = Request.__args__  # type: ignore[attr-defined]
@@ -357,11 +392,27 @@ class Weights(Message, tag="weights"):
 
 
 class Pushed(Message, tag="pushed"):
-    """The gradient is consumed and ``slot`` is free again."""
+    """The gradient is added into the stage's accumulator for the step and ``slot`` is free again
+    (the update itself waits for the step's commit: see ``commit``)."""
 
     stage: StageIndex
     step: Step
     slot: SlotIndex
+
+
+class Committed(Message, tag="committed"):
+    """Step ``step`` committed: its updates are queued (fetches of ``step + 1`` wait for them).
+    ``grad_norm``: the global L2 norm of the step's gradient (the mean over workers, before
+    clipping; ``inf``/``nan`` when not finite); ``lr``: the base learning rate the step's update
+    uses; ``skipped``: the norm was not finite, so no stage was updated (weights and optimizer
+    state unchanged, as a loss scaler skips a step); ``clip``: the factor every gradient was
+    multiplied by (1.0 when not clipped)."""
+
+    step: Step
+    grad_norm: float
+    lr: float
+    skipped: bool = False
+    clip: float = 1.0
 
 
 class Master(Message, tag="master"):
@@ -405,6 +456,14 @@ class JobInfo(Struct, frozen=True, kw_only=True):
     absent from older servers' replies)."""
     frozen: bool = False
     base: str | None = None
+    grad_norm: float | None = None
+    """The global gradient norm (before clipping) of the newest committed step (version 4)."""
+    lr: float | None = None
+    """The base learning rate of the newest committed step's update (version 4)."""
+    skipped_steps: int = 0
+    """Steps committed without an update because their gradient norm was not finite."""
+    discarded_steps: int = 0
+    """Step attempts thrown away because a worker that had pushed part of them left."""
 
 
 class Layout(Message, tag="layout"):
@@ -451,7 +510,7 @@ class Error(Message, tag="error"):
 
 
 Reply = Union[
-    Challenge, Attached, AdminAttached, Joined, Weights, Pushed, Master, Ok, Saved, StatusReply, TimelineReply, Layout,
+    Challenge, Attached, AdminAttached, Joined, Weights, Pushed, Committed, Master, Ok, Saved, StatusReply, TimelineReply, Layout,
     Error,
 ]
 _REPLIES: tuple[type[Message], ...] = Reply.__args__  # type: ignore[attr-defined]

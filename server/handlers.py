@@ -30,7 +30,7 @@ from wstream.protocol.shm import SegmentSpaceError
 
 from .config import ServerConfig
 from .counters import ServerCounters
-from .job import Job, UpdateTask
+from .job import Job, PoolTask
 from .job_views import attached_reply, job_info
 from .memory import MemoryAccount
 from .outgoing import Outbox, Outgoing
@@ -56,7 +56,7 @@ class Handlers:
         snapshots: SnapshotScheduler,
         outbox: Outbox,
         counters: ServerCounters,
-        submit: Callable[[UpdateTask], None],
+        submit: Callable[[PoolTask], None],
         stop: Callable[[], None],
         started: float,
     ) -> None:
@@ -82,6 +82,7 @@ class Handlers:
             m.Join: self._on_join,
             m.Fetch: self._on_fetch,
             m.Push: self._on_push,
+            m.Commit: self._on_commit,
             m.Pull: self._on_pull,
             m.Heartbeat: self._on_heartbeat,
             m.Leave: self._on_leave,
@@ -131,15 +132,16 @@ class Handlers:
         log.exception("internal error while handling request %d", request_id)  # a bug: keep serving
         self.outbox.error(identity, request_id, InternalError(f"internal server error: {exc!r} (a bug in wstream)"))
 
-    def updates_done(self, completions: Sequence[tuple[UpdateTask, BaseException | None]]) -> None:
-        """Finish stage updates the pool has run: answer the pushes and waiters, maybe snapshot."""
+    def updates_done(self, completions: Sequence[tuple[PoolTask, BaseException | None]]) -> None:
+        """Finish the tasks the pool has run (gathers, norms, updates): answer the requests that
+        waited for them, commit steps, maybe snapshot."""
         for task, error in completions:
             if error is not None:
-                log.error("update of job %r stage %d failed: %r", task.job.name, task.stage.index, error)
+                log.error("%s of job %r stage %d failed: %r", type(task).__name__, task.job.name, task.stage.index, error)
             job = self.jobs.get(task.job.name)
             if job is not task.job:
                 continue  # the job was dropped meanwhile
-            self.outbox.send_all(job.finish_update(task, error))
+            self.outbox.send_all(job.finish_task(task, error, self.submit))
             self.snapshots.maybe_snapshot(job)
 
     def expire(self, now: float) -> None:
@@ -155,8 +157,15 @@ class Handlers:
     def end_session(self, sid: bytes, reason: str) -> None:
         s = self.sessions.end(sid)
         if s is not None and s.job is not None and s.worker is not None:
-            self.outbox.send_all(s.job.remove_worker(s.worker, self.submit, reason))
-            self.snapshots.maybe_snapshot(s.job)
+            job = s.job
+
+            def end_worker(worker_id: int, why: str) -> None:  # another worker's session, by its id
+                sid = job.worker_table.all[worker_id].session if worker_id in job.worker_table.all else None
+                if sid is not None:
+                    self.end_session(sid, why)
+
+            self.outbox.send_all(job.remove_worker(s.worker, self.submit, end_worker, reason))
+            self.snapshots.maybe_snapshot(job)
 
     def drop(self, job: Job, reason: str) -> None:
         """Remove ``job``: its sessions, snapshots and memory; requests waiting on it get errors."""
@@ -321,7 +330,7 @@ class Handlers:
         except SegmentSpaceError as exc:
             raise MemoryLimitError(str(exc)) from None
         s.worker = w.id
-        job.open_barrier(self.submit)
+        self.outbox.send_all(job.open_barrier(self.submit))
         reply = m.Joined(
             id=msg.id,
             worker=w.id,
@@ -341,6 +350,11 @@ class Handlers:
         assert isinstance(msg, m.Push)
         s, job = self.sessions.job_session(msg.session)
         job.push(msg, data, identity, job.worker_of(s.id), self.submit)
+
+    def _on_commit(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing | None:
+        assert isinstance(msg, m.Commit)
+        s, job = self.sessions.job_session(msg.session)
+        return job.commit(msg, identity, job.worker_of(s.id))
 
     def _on_pull(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing | None:
         assert isinstance(msg, m.Pull)

@@ -8,32 +8,59 @@ its workers in :mod:`~wstream.server.workers`; this module keeps the rules that 
 
 # NOTE [Versions and who may read what]
 # 1. ``stage.version`` counts the updates applied to a stage: version t holds the weights that
-#    step t reads. A step's update of stage i runs once every *expected* worker (live, with
-#    ``first_step <= t``) has pushed its gradient for (i, t).
+#    step t reads. Stages change version only after their step committed (NOTE below).
 # 2. A worker pushes (i, t) only after its last use of w_i(t) (it copies weights into its own
-#    buffer at fetch time), so once the update of (i, t) starts nobody still reads w_i(t).
-#    That is why, with fp32 compute, the master can be updated in place in the published slot.
+#    buffer at fetch time, or reads them in place and is done with them), so once every expected
+#    worker pushed (i, t) nobody still reads w_i(t). That is why, with one published slot, the
+#    update can write the slot in place: it runs only after the step committed.
 # 3. ``fetch(i, t+1)`` arriving before the update of (i, t) completes is deferred, and answered
 #    when the version flips. ``pull(i)`` is deferred while stage i updates (no torn reads).
-# 4. Gradient slot s of a worker is busy from its push until the reply ``pushed`` (sent after the
-#    update consumed it); a push into a busy slot is an error.
+# 4. Gradient slot s of a worker is busy from its push until the reply ``pushed`` (sent once the
+#    gradient is added into the stage's accumulator); a push into a busy slot is an error.
 # 5. A job with ``delayed_update`` reads one version behind: step t reads w_i(t - 1) (but the
 #    first step after creation or a restore reads the weights it starts from, and steps before
 #    ``delay_after`` read w_i(t) as synchronous training does), while the update
-#    of (i, t - 1) may be running. Its gradient for (i, t) is still applied to version t, and
-#    only once that version exists (the worker waits for the acknowledgement of (i, t - 1)
-#    before pushing (i, t)). Such a job always has two slots: version v is in slot v % 2, and the
-#    update (i, t) -> t + 1 writes slot (t + 1) % 2 = (t - 1) % 2 only after every expected
-#    worker pushed (i, t), i.e. after its last read of w_i(t - 1) (rule 2).
+#    of (i, t - 1) may be running. Such a job always has two slots: version v is in slot v % 2, and
+#    the update (i, t) -> t + 1 writes slot (t + 1) % 2 = (t - 1) % 2 only after step t committed,
+#    i.e. after every expected worker's last read of w_i(t - 1) (rule 2).
+#
+# NOTE [The step commit point]
+# A step is all-or-nothing: no stage is updated for step t before every gradient of step t is in.
+# 1. ``push(i, t)`` is accepted while the job's open step is t (``open_step``) and stage i is at
+#    version t; a gather task adds the slot into the stage's fp32 accumulator ``grad`` (copy for
+#    the first gradient of the attempt, add for the others) and ``pushed`` frees the slot.
+# 2. The step *commits* when every trained stage holds the gradient of every expected worker
+#    (live, ``first_step <= t``, not a reader) and its squared norm: the global gradient norm is
+#    then known, so clipping is exact (one factor for every stage, folded into the fused
+#    kernel's ``grad_scale`` with the mean over workers). A non-finite norm commits the step
+#    without an update (``skipped``: weights and optimizer state unchanged, as a loss scaler
+#    skips a step). The learning rate is the schedule's at step t.
+# 3. At the commit every stage is marked updating and its update queued in the order the next
+#    step needs it (forward order; backward order for a delayed job), the held ``commit``
+#    requests are answered, and ``open_step`` becomes t + 1. The next step's forward overlaps
+#    the updates: its fetch of stage i waits for stage i's update only.
+# 4. A worker that leaves (dies, stalls past its lease, or quits) while the open step holds any
+#    gradient of its (``contributors``) poisons the step: the step is *discarded* on every stage
+#    (accumulators forgotten: a new ``attempt`` starts; gather tasks of the old attempt add
+#    nothing), and every other contributor's session is ended, so its trainer re-attaches and
+#    trains step t again (or, if it had moved on, is told to resync). Nothing was applied, so
+#    every stage is still at t: the job is consistent at every moment. A worker that leaves
+#    having pushed nothing of the open step only stops being expected.
+# 5. A worker that joins trains the open step when nothing of it has been gathered yet (or the
+#    start barrier is still shut), else the next one.
+# 6. A delayed-update job may push (i, t + 1) while stage i is still at t (its forward read
+#    t - 1); such a push is held (``waiting_push``) until the stage reaches t + 1.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,10 +68,12 @@ import torch
 from wstream.protocol import (
     LayoutError,
     NotReadyError,
+    SessionExpiredError,
     StaleStepError,
     StateError,
 )
 from wstream.protocol import messages as m
+from wstream.protocol.lr_schedules import lr_at
 
 from .counters import JobCounters, Timeline
 from .job_key import JobKey, token_digest
@@ -52,10 +81,37 @@ from .memory import MemoryAccount
 from .outgoing import Outgoing
 from .published import PublishedStages
 from .snapshot import JobRecord, Snapshot
-from .stage_state import Deferred, StageState, UpdateTask, align
+from .stage_state import (
+    Deferred,
+    DeferredPush,
+    GatherTask,
+    NormTask,
+    PoolTask,
+    StageState,
+    UpdateTask,
+    align,
+)
 from .workers import MAX_WAITING_FETCHES, Worker, WorkerTable
 
-__all__ = ["MAX_WAITING_FETCHES", "Job", "Outgoing", "UpdateTask", "token_digest"]
+__all__ = ["MAX_WAITING_FETCHES", "CommitRecord", "Job", "Outgoing", "PoolTask", "UpdateTask", "token_digest"]
+
+COMMITS_KEPT = 8
+"""Committed steps whose outcome a late ``commit`` request can still be answered with."""
+
+Submit = Callable[[PoolTask], None]
+EndSession = Callable[[int, str], None]
+"""Ends the session of worker ``id`` with a reason (the handlers do: it needs the session table)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CommitRecord:
+    """How step ``step`` committed (the ``committed`` reply, status and metrics read it)."""
+
+    step: int
+    grad_norm: float
+    lr: float
+    skipped: bool
+    clip: float
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +124,10 @@ class Job:
         self.key = JobKey(record.name, record.token_digest)  # attach and base proofs, session keys
         self.options = options = record.options
         self.base: Job | None = None  # set by the server when it creates or restores this job
-        self.double_buffer = options.double_buffer or options.dtype != "float32" or options.delayed_update
+        # one published slot is enough whatever the dtype: updates run after the commit (NOTE rule 2)
+        self.double_buffer = options.double_buffer or options.delayed_update
         self.base_step = 0  # delayed updates read max(t - 1, base_step): see NOTE rule 5
-        self.published_dtype = options.dtype if self.double_buffer else "float32"
+        self.published_dtype = options.dtype
         self.memory = memory
         self.published = PublishedStages(
             record.name, options.optimizer, options.dtype, self.double_buffer, options.frozen, memory, total_numel
@@ -81,6 +138,16 @@ class Job:
         self.last_snapshot_step: int | None = None
         self._versions: Counter[int] = Counter()  # stage version -> how many stages are at it
         self._updating = 0
+        # the step commit point (NOTE [The step commit point])
+        self.open_step = 0  # the step whose gradients are being gathered
+        self.attempt = 0  # bumped at every commit and discard: a gather of an older attempt adds nothing
+        self.contributors: set[int] = set()  # workers with a gradient accepted for the open step
+        self._complete: set[int] = set()  # trained stages holding every expected gradient and its norm
+        self._trained = 0  # stages with something to train
+        self.waiting_commit: list[tuple[Deferred, int]] = []  # (request, worker id) until the commit
+        self.commits: deque[CommitRecord] = deque(maxlen=COMMITS_KEPT)
+        self.skipped_steps = 0
+        self.discarded_steps = 0
         self.counters = JobCounters()  # bytes served, gradients, durations (server/counters.py)
         self.sealed = False
         self.timeline = Timeline()  # for ``timeline``
@@ -106,11 +173,13 @@ class Job:
         try:
             job.published.load(record.specs, stages, step)
             job._versions = Counter({step: len(job.stages)})
+            job._trained = sum(st.trained for st in job.stages)
             job.seal()
         except BaseException:
             job.close()
             raise
         job.last_snapshot_step = step
+        job.open_step = step
         job.base_step = step  # the weights before ``step`` are gone: the first step reads ``step``
         return job
 
@@ -127,6 +196,7 @@ class Job:
             raise StateError(f"job {self.name!r} is sealed: stages cannot be added any more")
         self.published.add(msg, frames)
         self._versions[0] += 1
+        self._trained += self.stages[-1].trained
         self.last_activity = time.monotonic()
 
     def seal(self) -> None:
@@ -148,12 +218,22 @@ class Job:
         self.published.close()
 
     def refuse_waiters(self, error: Callable[[bytes, int], None]) -> None:
-        """Answer every deferred fetch and pull with ``error`` (the job is going away)."""
+        """Answer every request still waiting on this job with ``error`` (the job is going away):
+        deferred fetches, pulls and pushes, pushes being gathered, and held commits."""
         for st in self.stages:
             for d in [*st.waiting_fetch, *st.waiting_pull]:
                 error(d.identity, d.request_id)
+            for p in st.pending.values():
+                error(p.identity, p.request_id)
+            for w in st.waiting_push:
+                error(w.identity, w.msg.id)
             st.waiting_fetch.clear()
             st.waiting_pull.clear()
+            st.pending.clear()
+            st.waiting_push.clear()
+        for d, _ in self.waiting_commit:
+            error(d.identity, d.request_id)
+        self.waiting_commit.clear()
 
     # ---- queries -----------------------------------------------------------------------------------
     @property
@@ -218,32 +298,65 @@ class Job:
                 "(create_job(..., base=...)) and train that"
             )
         numel = self.published.max_stage_numel
-        # the first step no stage has begun to update: a step whose update started anywhere
-        # cannot be trained by a newcomer any more (its forward needs the old weights)
-        first_step = max(s.version + s.updating for s in self.stages)
+        # NOTE [The step commit point] rule 5: the open step, unless part of it is gathered already
+        joins_open = not self.worker_table.started or not self.contributors
+        first_step = self.open_step if joins_open else self.open_step + 1
         return self.worker_table.join(session, msg, first_step, numel, align(numel * 4))
 
-    def open_barrier(self, submit: Callable[[UpdateTask], None]) -> None:
+    def open_barrier(self, submit: Submit) -> list[Outgoing]:
         """Start training once ``world_size`` workers have joined (checked after every join)."""
         pushers = self.worker_table.barrier_opens()
-        if pushers is not None:
-            self.counters.steps.start(time.monotonic())
-            log.info("job %r: %d worker(s) joined, training starts", self.name, pushers)
-            for st in self.stages:
-                self._maybe_update(st, submit)
+        if pushers is None:
+            return []
+        self.counters.steps.start(time.monotonic())
+        log.info("job %r: %d worker(s) joined, training starts", self.name, pushers)
+        return self._check_complete(self.stages, submit)
 
-    def remove_worker(self, worker_id: int, submit: Callable[[UpdateTask], None], reason: str) -> list[Outgoing]:
-        """Detach a worker: drop its unfinished pushes and start updates it was holding back."""
+    def remove_worker(self, worker_id: int, submit: Submit, end_session: EndSession, reason: str) -> list[Outgoing]:
+        """Detach a worker. If the open step holds a gradient of its, the step is discarded on
+        every stage and the other contributors are sent back to train it again (NOTE [The step
+        commit point] rule 4); otherwise the step goes on without it."""
         w = self.worker_table.pop(worker_id)
         if w is None:
             return []
         log.info("job %r: worker %d detached (%s)", self.name, worker_id, reason)
-        for st in self.stages:
-            if not st.updating:
-                st.pending.pop(worker_id, None)  # its gradient of an unfinished step is discarded
-            self._maybe_update(st, submit)
+        out: list[Outgoing] = []
+        if worker_id in self.contributors:
+            out += self._discard_open_step(worker_id, end_session, reason)
+        else:
+            for d, wid in [c for c in self.waiting_commit if c[1] == worker_id]:
+                self.waiting_commit.remove((d, wid))
+            out += self._check_complete(self.stages, submit)
         self.worker_table.free(w)
-        return self.skip_abandoned_step()
+        return out
+
+    def _discard_open_step(self, leaver: int, end_session: EndSession, reason: str) -> list[Outgoing]:
+        t = self.open_step
+        others = sorted(self.contributors - {leaver})
+        log.warning(
+            "job %r: step %d discarded on every stage (worker %d left after pushing part of it: %s)%s",
+            self.name, t, leaver, reason, f"; workers {others} train it again" if others else "",
+        )
+        self.attempt += 1
+        self.discarded_steps += 1
+        self.contributors.clear()
+        self._complete.clear()
+        gone = SessionExpiredError(
+            f"job {self.name!r}: step {t} was discarded because worker {leaver} left after pushing part of it "
+            f"({reason}); attach again and train step {t}"
+        )
+        out: list[Outgoing] = []
+        for st in self.stages:
+            st.gathered.clear()
+            for p in st.pending.values():  # their gathers add nothing now; the slots die with the sessions
+                out.append(Outgoing.error(p.identity, p.request_id, gone))
+            st.pending = {}
+        for d, _ in self.waiting_commit:
+            out.append(Outgoing.error(d.identity, d.request_id, gone))
+        self.waiting_commit = []
+        for wid in others:
+            end_session(wid, f"step {t} discarded")
+        return out
 
     # ---- fetch / push / pull -------------------------------------------------------------------
     def fetch(self, msg: m.Fetch, identity: bytes, worker: Worker) -> Outgoing | None:
@@ -283,58 +396,151 @@ class Job:
         base = self.base.stages[st.index] if self.base is not None else None
         return st.weights_reply(version, identity, request_id, shm, base, self.counters.served)
 
-    def push(
-        self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker, submit: Callable[[UpdateTask], None]
-    ) -> None:
+    def push(self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker, submit: Submit) -> None:
         st = self.stage(msg.stage)
-        st.accept_push(msg, frames, identity, worker)
+        if self.options.delayed_update and st.version < msg.step <= self.open_step + 1:
+            if len(st.waiting_push) >= len(worker.slots) * max(1, len(self.workers)):
+                raise StateError(f"too many pushes held for stage {st.index}: wait for their replies")
+            st.waiting_push.append(DeferredPush(msg, frames, identity, worker))  # NOTE rule 6
+            return
+        self._accept_push(st, msg, frames, identity, worker, submit)
+
+    def _accept_push(
+        self, st: StageState, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker, submit: Submit
+    ) -> None:
+        if msg.step != self.open_step and msg.step == st.version:
+            raise StaleStepError(
+                f"gradient of stage {msg.stage} step {msg.step}: the job gathers step {self.open_step}"
+            )
+        pending = st.accept_push(msg, frames, identity, worker)
+        self.contributors.add(worker.id)
         self.counters.gradients += 1
-        self.counters.gradient_bytes += st.spec.numel * 4
-        self._maybe_update(st, submit)
+        assert st.grad is not None
+        self.counters.gradient_bytes += st.grad.numel() * 4
+        st.gathering += 1
+        expected = len(self.worker_table.expected(self.open_step)) if self.worker_table.started else 0
+        source = worker.slots[pending.slot][: st.grad.numel()]
+        submit(GatherTask(self, st, worker.id, source, self.attempt, expected))
 
-    def _maybe_update(self, st: StageState, submit: Callable[[UpdateTask], None]) -> None:
-        if st.updating or not st.pending or not self.worker_table.started:
-            return
-        expected = self.worker_table.expected(st.version)
-        if not expected.issubset(st.pending):
-            return
-        grads = [self.workers[wid].slots[p.slot][: st.spec.numel] for wid, p in sorted(st.pending.items())]
-        first = min(p.arrived_ns for p in st.pending.values())
-        self.timeline.add(f"gradients {st.index}", "gather", "gradients in", first, time.monotonic_ns(), st.index, st.version)
-        st.updating = True
-        self._updating += 1
-        submit(UpdateTask(self, st, grads))
+    def commit(self, msg: m.Commit, identity: bytes, worker: Worker) -> Outgoing | None:
+        """Answer when step ``msg.step`` commits (held until then)."""
+        if msg.step == self.open_step:
+            self.waiting_commit.append((Deferred(identity, msg.id, msg.step), worker.id))
+            return None
+        for rec in self.commits:
+            if rec.step == msg.step:
+                return Outgoing(identity, committed_reply(msg.id, rec))
+        if msg.step < self.open_step:
+            raise StaleStepError(
+                f"step {msg.step} committed long ago (the job gathers step {self.open_step}); its outcome is not kept"
+            )
+        raise StaleStepError(f"step {msg.step} is ahead of the job, which gathers step {self.open_step}")
 
-    def finish_update(self, task: UpdateTask, error: BaseException | None) -> list[Outgoing]:
-        """Called on the loop thread when an update completes: flip, free slots, answer waiters."""
+    # ---- the pool's completions ----------------------------------------------------------------------
+    def finish_task(self, task: PoolTask, error: BaseException | None, submit: Submit) -> list[Outgoing]:
+        """Called on the loop thread when a pool task completes."""
+        if isinstance(task, UpdateTask):
+            return self.finish_update(task, error, submit)
+        if isinstance(task, GatherTask):
+            return self._finish_gather(task, error, submit)
+        return self._check_complete([task.stage], submit)
+
+    def _finish_gather(self, task: GatherTask, error: BaseException | None, submit: Submit) -> list[Outgoing]:
+        st = task.stage
+        st.gathering -= 1
+        if task.attempt != self.attempt:
+            return []  # discarded meanwhile: its push was answered then
+        p = st.pending.pop(task.worker, None)
+        w = self.workers.get(task.worker)
+        if p is None or w is None:
+            return []
+        w.busy.discard(p.slot)
+        self.timeline.add(f"gather {st.index}", "gather", task.thread, task.started_ns,
+                          task.started_ns + int(task.seconds * 1e9), st.index, self.open_step)
+        if error is not None:
+            return [Outgoing(p.identity, m.Error(id=p.request_id, code="internal", message=f"gather failed: {error}"))]
+        st.gathered.add(task.worker)
+        out = [Outgoing(p.identity, m.Pushed(id=p.request_id, stage=st.index, step=self.open_step, slot=p.slot))]
+        return out + self._check_complete([st], submit)
+
+    def _check_complete(self, stages: Iterable[StageState], submit: Submit) -> list[Outgoing]:
+        """Note the stages that now hold every expected gradient of the open step (and ask for a
+        norm where no gather computed it); commit when all do."""
+        if not self.worker_table.started or not self.contributors:
+            return []
+        expected = self.worker_table.expected(self.open_step)
+        if not expected:
+            return []
+        for st in stages:
+            if st.index in self._complete or not st.trained or st.gathering or not expected <= st.gathered:
+                continue
+            if st.sumsq is not None and st.sumsq[:2] == (self.attempt, len(st.gathered)):
+                self._complete.add(st.index)
+            else:
+                st.gathering += 1
+                submit(NormTask(self, st, self.attempt))
+        if len(self._complete) < self._trained:
+            return []
+        return self._commit(len(expected), submit)
+
+    def _commit(self, workers: int, submit: Submit) -> list[Outgoing]:
+        """NOTE [The step commit point] rules 2 and 3."""
+        t = self.open_step
+        spec = self.options.optimizer
+        norm = math.sqrt(sum(st.sumsq[2] for st in self.stages if st.sumsq is not None and st.trained)) / workers
+        lr = lr_at(spec.schedule, spec.lr, t)
+        skipped = not math.isfinite(norm)
+        clip = 1.0
+        if not skipped and spec.clip_grad_norm is not None:
+            clip = min(1.0, spec.clip_grad_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_
+        record = CommitRecord(t, norm, lr, skipped, clip)
+        self.commits.append(record)
+        if skipped:
+            self.skipped_steps += 1
+            log.warning("job %r: step %d has a gradient norm of %s: no stage is updated", self.name, t, norm)
+        order = reversed(self.stages) if self.options.delayed_update else iter(self.stages)
+        now = time.monotonic_ns()
+        for st in order:
+            st.updating = True
+            self._updating += 1
+            st.gathered.clear()
+            submit(UpdateTask(self, st, grad_scale=workers / clip, lr=lr, apply=not skipped, submitted_ns=now))
+        self.open_step = t + 1
+        self.attempt += 1  # the accumulators start again for the next step
+        self.contributors.clear()
+        self._complete.clear()
+        out = [Outgoing(d.identity, committed_reply(d.request_id, record)) for d, _ in self.waiting_commit]
+        self.waiting_commit = []
+        return out
+
+    def finish_update(self, task: UpdateTask, error: BaseException | None, submit: Submit) -> list[Outgoing]:
+        """Called on the loop thread when an update completes: flip the version, answer waiters."""
         st = task.stage
         st.updating = False
         self._updating -= 1
-        out: list[Outgoing] = []
-        pending = st.pending
-        st.pending = {}
-        for wid, p in pending.items():
-            w = self.workers.get(wid)
-            if w is not None:
-                w.busy.discard(p.slot)
-            if error is None:
-                out.append(Outgoing(p.identity, m.Pushed(id=p.request_id, stage=st.index, step=st.version, slot=p.slot)))
-            else:
-                out.append(
-                    Outgoing(p.identity, m.Error(id=p.request_id, code="internal", message=f"update failed: {error}"))
-                )
         if task.started_ns:
             end = task.started_ns + int(task.seconds * 1e9)
             self.timeline.add(f"queued {st.index}", "queue", "update queue", task.submitted_ns, task.started_ns, st.index, st.version)
             self.timeline.add(f"update {st.index}", "optimizer", task.thread, task.started_ns, end, st.index, st.version)
-        if error is None:
-            log.debug("job %r stage %d: step %d applied (workers %s)", self.name, st.index, st.version, sorted(pending))
-            self._set_version(st, st.version + 1)
+        if error is not None:  # the stage stays at its version: fetches of the next step keep waiting
+            log.error("job %r stage %d: the update of step %d failed: %r", self.name, st.index, st.version, error)
+            return []
+        self._set_version(st, st.version + 1)
+        if task.apply:
             self.counters.optimizer.observe(task.seconds)
             st.updates += 1
             st.optimizer_s += task.seconds
             st.last_optimizer_s = task.seconds
-        out.extend(self._answer_waiters(st))
+        out = self._answer_waiters(st)
+        held = st.waiting_push
+        st.waiting_push = []
+        for d in held:  # NOTE rule 6: a delayed job's pushes of the step the stage reached now
+            if d.worker.id not in self.workers:
+                continue
+            try:
+                self._accept_push(st, d.msg, d.frames, d.identity, d.worker, submit)
+            except Exception as exc:  # answered as the push would have been
+                out.append(Outgoing.error(d.identity, d.msg.id, exc))
         return out
 
     def _set_version(self, st: StageState, version: int) -> None:
@@ -371,24 +577,6 @@ class Job:
             return None
         return next(iter(self._versions))
 
-    def skip_abandoned_step(self) -> list[Outgoing]:
-        """Close a step that no live worker will finish (every worker that was making it is gone):
-        the stages it had not reached keep their weights and optimizer state, and move on to the
-        step the others are at, so the job is consistent again and a new worker can start."""
-        top = max(self._versions, default=0)
-        out: list[Outgoing] = []
-        if len(self._versions) <= 1:
-            return out
-        for st in self.stages:
-            while st.version < top and not st.updating and not st.pending and not self.worker_table.expected(st.version):
-                log.warning(
-                    "job %r: stage %d skips step %d (every worker making it left before its gradient came)",
-                    self.name, st.index, st.version,
-                )
-                self._set_version(st, st.version + 1)
-                out.extend(self._answer_waiters(st))
-        return out
-
     def pull(self, msg: m.Pull, identity: bytes) -> Outgoing | None:
         if not self.ready:
             raise NotReadyError(f"job {self.name!r} is still uploading its weights")
@@ -400,3 +588,7 @@ class Job:
 
     def pull_reply(self, st: StageState, identity: bytes, request_id: int) -> Outgoing:
         return st.master_reply(identity, request_id, self.counters.served)
+
+
+def committed_reply(request_id: int, rec: CommitRecord) -> m.Committed:
+    return m.Committed(id=request_id, step=rec.step, grad_norm=rec.grad_norm, lr=rec.lr, skipped=rec.skipped, clip=rec.clip)

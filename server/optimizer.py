@@ -39,7 +39,7 @@ class StageOptimizer:
             )
         else:  # pragma: no cover - the schema admits no other kind
             raise TypeError(f"unsupported optimizer spec {spec!r}")
-        self._scales: dict[int, torch.Tensor] = {}
+        self._scales: dict[float, torch.Tensor] = {}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The optimizer's per-parameter state (live tensors: moments, step count)."""
@@ -50,17 +50,20 @@ class StageOptimizer:
         if tensors:
             self._opt.state[self.master] = {k: v.clone() for k, v in tensors.items()}
 
-    def step(self, grads: list[torch.Tensor]) -> None:
-        """Apply one update with the mean of ``grads``: summed in place into ``grads[0]``, and
-        divided by their number inside the fused kernel (its ``grad_scale`` input, which AMP uses
-        to unscale), which saves a pass over memory."""
-        grad = grads[0]
-        for other in grads[1:]:
-            grad.add_(other)
-        scale = self._scales.get(len(grads)) if len(grads) > 1 else None
-        if len(grads) > 1 and scale is None:
-            scale = self._scales[len(grads)] = torch.tensor(float(len(grads)))
+    def step(self, grad: torch.Tensor, *, grad_scale: float | None = None, lr: float | None = None) -> None:
+        """Apply one update with ``grad / grad_scale`` (the fused kernel's ``grad_scale`` input, which
+        AMP uses to unscale: dividing by the number of workers and the clipping factor costs no
+        pass over memory) at learning rate ``lr`` (None: the spec's)."""
+        scale = None
+        if grad_scale is not None and grad_scale != 1.0:
+            scale = self._scales.get(grad_scale)
+            if scale is None:
+                if len(self._scales) > 64:
+                    self._scales.clear()
+                scale = self._scales[grad_scale] = torch.tensor(float(grad_scale))
         self._opt.grad_scale = scale  # type: ignore[attr-defined]
+        if lr is not None:
+            self._opt.param_groups[0]["lr"] = lr
         self.master.grad = grad
         try:
             self._opt.step()

@@ -26,6 +26,13 @@ class Outgoing:
     message: m.Message
     frames: list[object] = field(default_factory=list)
 
+    @staticmethod
+    def error(identity: bytes, request_id: int, exc: BaseException) -> Outgoing:
+        """The ``error`` reply ``exc`` stands for (a non-wstream exception is an internal error)."""
+        if isinstance(exc, WstreamError):
+            return Outgoing(identity, m.Error(id=request_id, code=exc.code.value, message=exc.message))
+        return Outgoing(identity, m.Error(id=request_id, code="internal", message=f"internal server error: {exc!r}"))
+
 
 Send = Callable[[Outgoing], None]
 """Sends one reply; never raises for a peer that is gone (the transport logs it)."""

@@ -21,7 +21,7 @@ from wstream.protocol.layout import numel_of, validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
-from .optimizer import StageOptimizer, state_bytes_per_element
+from .optimizer import StageOptimizer
 from .stage_state import DTYPES, StageState, stage_bytes
 
 SEGMENT_START = 2**20
@@ -54,11 +54,11 @@ class PublishedStages:
         self.double_buffer = double_buffer
         self.frozen = frozen  # never updated: no optimizer state
         self.compute_dtype = dtype
-        self.dtype = dtype if double_buffer else "float32"  # of the published copies
+        self.dtype = dtype  # of the published copies
         self.memory = memory
         expected: int | None = None  # the published segment's final size, if known (huge pages)
         if total_numel is not None:
-            pub, priv = stage_bytes(total_numel, optimizer, dtype, double_buffer)
+            pub, priv = stage_bytes(total_numel, optimizer, dtype, double_buffer, grad_numel=0 if frozen else None)
             memory.check(pub + priv, f"job {name!r}")
             expected = pub
         self.stages: list[StageState] = []
@@ -116,9 +116,8 @@ class PublishedStages:
         """Reserve memory for stage ``index``, place it in the published segment, ``fill`` its
         fp32 master (a flat tensor of ``spec.numel``) and set up its optimizer."""
         numel = spec.numel
-        pub, priv = stage_bytes(numel, self.optimizer_spec, self.compute_dtype, self.double_buffer)
-        if self.frozen:  # never updated: no optimizer state
-            priv -= numel * state_bytes_per_element(self.optimizer_spec)
+        grad_numel = 0 if self.frozen else numel  # a frozen base: never updated, no optimizer state
+        pub, priv = stage_bytes(numel, self.optimizer_spec, self.compute_dtype, self.double_buffer, grad_numel=grad_numel)
         offset = self.nbytes
         capacity = self._capacity if offset + pub <= self._capacity else grown_capacity(self._capacity, offset + pub)
         slack = capacity - offset - pub
@@ -138,16 +137,20 @@ class PublishedStages:
             self._mapping[o : o + numel * pub_dtype.itemsize].view(pub_dtype)
             for o in ((offset, offset + slot_nbytes) if self.double_buffer else (offset,))
         ]
-        if self.double_buffer:
+        if self.double_buffer or pub_dtype != torch.float32:  # the master apart from the published copies
             master = torch.empty(numel, dtype=torch.float32)
             fill(master)
-            slots, offsets = (views[0], views[1]), (offset, offset + slot_nbytes)
             views[0].copy_(master)
-        else:
+        else:  # fp32, one slot: the master is the published copy, updated in place
             master = views[0]
             fill(master)
-            slots, offsets = (master, master), (offset, offset)
+        if self.double_buffer:
+            slots, offsets = (views[0], views[1]), (offset, offset + slot_nbytes)
+        else:
+            slots, offsets = (views[0], views[0]), (offset, offset)
         st = StageState(index, spec, master, slots, offsets, StageOptimizer(self.optimizer_spec, master))
+        if grad_numel:
+            st.grad = torch.empty(grad_numel, dtype=torch.float32)
         self.stages.append(st)
         self.max_stage_numel = max(self.max_stage_numel, numel)
         self.num_params += sum(numel_of(p.shape) for p in spec.params)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, Union
 
 import torch
 
@@ -47,7 +47,7 @@ class Deferred:
 
 @dataclass(slots=True)
 class PendingPush:
-    """A worker's gradient in its slot ``slot``, waiting for the stage's update."""
+    """A worker's gradient in its slot ``slot``, being added into the stage's accumulator."""
 
     slot: int
     identity: bytes
@@ -55,13 +55,23 @@ class PendingPush:
     arrived_ns: int = field(default_factory=time.monotonic_ns)
 
 
+@dataclass(slots=True)
+class DeferredPush:
+    """A push of a delayed-update job that came before its stage reached its step (NOTE [The
+    step commit point] in job.py, rule 6): accepted once the stage's update to it is done."""
+
+    msg: m.Push
+    frames: list[Any]
+    identity: bytes
+    worker: Worker
+
+
 class UpdatedJob(Protocol):
-    """What an :class:`UpdateTask` needs of its job (``wstream.server.job.Job``)."""
+    """What the pool's tasks need of their job (``wstream.server.job.Job``)."""
 
     name: str
     snapshot: Snapshot | None
-
-    def finish_update(self, task: UpdateTask, error: BaseException | None) -> list[Outgoing]: ...
+    attempt: int
 
 
 @dataclass(slots=True)
@@ -77,8 +87,23 @@ class StageState:
     pending: dict[int, PendingPush] = field(default_factory=dict)
     waiting_fetch: list[Deferred] = field(default_factory=list)
     waiting_pull: list[Deferred] = field(default_factory=list)
+    waiting_push: list[DeferredPush] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held by the optimizer while it changes the stage and by a snapshot capturing it."""
+    grad: torch.Tensor | None = None
+    """The open step's gradient, summed over workers (fp32, private); None: nothing to train."""
+    gathered: set[int] = field(default_factory=set)
+    """Workers whose gradient of the open step is in ``grad`` (their gather finished)."""
+    gathering: int = 0
+    """Gather tasks of this stage handed to the pool and not finished."""
+    grad_lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held by a gather task while it adds into ``grad`` (pool threads only)."""
+    acc: tuple[int, int] = (-1, 0)
+    """(attempt, gradients added) of what ``grad`` holds: written by gather tasks under
+    ``grad_lock``; a task of a newer attempt starts the sum again."""
+    sumsq: tuple[int, int, float] | None = None
+    """(attempt, gradients, squared L2 norm of ``grad``), computed by the gather task that added
+    the last expected gradient (or by a :class:`NormTask`)."""
     updates: int = 0
     optimizer_s: float = 0.0
     last_optimizer_s: float = 0.0
@@ -93,6 +118,11 @@ class StageState:
     @property
     def state_nbytes(self) -> int:
         return self.master.numel() * 4 + sum(v.numel() * v.element_size() for v in self.optimizer.state_tensors().values())
+
+    @property
+    def trained(self) -> bool:
+        """Whether the stage has parameters that get gradients (else it never gathers)."""
+        return self.grad is not None
 
     @property
     def single_slot(self) -> bool:
@@ -126,48 +156,123 @@ class StageState:
         served["pull", "frames"] += snapshot.nbytes
         return Outgoing(identity, m.Master(id=request_id, stage=self.index, version=self.version), list(tensor_frames(snapshot)))
 
-    def accept_push(self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker) -> None:
-        """Check a worker's gradient for this stage (NOTE [Versions and who may read what] in
-        job.py, rules 1 and 4), copy it into its slot when it came in data frames, and record it
-        as pending."""
+    def accept_push(self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker) -> PendingPush:
+        """Check a worker's gradient for this stage (NOTE [The step commit point] in job.py),
+        copy it into its slot when it came in data frames, and record it as pending."""
         where = f"gradient of stage {msg.stage} step {msg.step}"
         if worker.reader:
             raise GradientError(f"{where}: this worker joined as a reader, which never pushes")
         if msg.step < worker.first_step:
             raise StaleStepError(f"{where}: this worker joined at step {worker.first_step}")
+        if self.grad is None:
+            raise GradientError(f"{where}: every parameter of this stage is frozen; it has no gradient to push")
         if msg.step != self.version or self.updating:
             raise StaleStepError(
                 f"{where}: the stage is at step {self.version}{' and updating' if self.updating else ''}; "
                 f"only gradients for step {self.version} are accepted"
             )
-        if worker.id in self.pending:
+        if worker.id in self.pending or worker.id in self.gathered:
             raise GradientError(f"{where}: this worker already pushed it")
         if msg.slot >= len(worker.slots):
             raise GradientError(f"{where}: slot {msg.slot} does not exist (the ring has {len(worker.slots)})")
         if msg.slot in worker.busy:
             raise GradientError(f"{where}: slot {msg.slot} is still in use by an earlier push")
-        if msg.numel != self.spec.numel:
-            raise GradientError(f"{where}: {msg.numel} elements, the stage has {self.spec.numel}")
+        numel = self.grad.numel()
+        if msg.numel != numel:
+            raise GradientError(f"{where}: {msg.numel} elements, the stage's gradient has {numel}")
         if msg.dtype != "float32":
             raise GradientError(f"{where}: dtype {msg.dtype}; this server takes float32 gradients")
         if worker.shm and frames:
             raise GradientError(f"{where}: a shared-memory worker sends no data frame (the slot holds it)")
         if not worker.shm:
             got = frames_nbytes(frames)
-            if got != self.spec.numel * 4:
-                raise GradientError(f"{where}: data frames of {got} bytes, expected {self.spec.numel * 4}")
-            copy_frames_into(worker.slots[msg.slot][: self.spec.numel], frames)
+            if got != numel * 4:
+                raise GradientError(f"{where}: data frames of {got} bytes, expected {numel * 4}")
+            copy_frames_into(worker.slots[msg.slot][:numel], frames)
         worker.busy.add(msg.slot)
-        self.pending[worker.id] = PendingPush(msg.slot, identity, msg.id)
+        pending = self.pending[worker.id] = PendingPush(msg.slot, identity, msg.id)
+        return pending
+
+
+@dataclass(slots=True)
+class GatherTask:
+    """Add one worker's gradient (its slot) into the stage's accumulator, off the loop thread; the
+    task that adds the ``expected``-th gradient of its attempt also computes the squared norm."""
+
+    job: UpdatedJob
+    stage: StageState
+    worker: int
+    source: torch.Tensor
+    attempt: int
+    expected: int
+    seconds: float = 0.0
+    submitted_ns: int = field(default_factory=time.monotonic_ns)
+    started_ns: int = 0
+    thread: str = ""
+
+    def run(self) -> GatherTask:
+        self.started_ns = time.monotonic_ns()
+        self.thread = threading.current_thread().name
+        t0 = time.perf_counter()
+        st = self.stage
+        assert st.grad is not None
+        with st.grad_lock:
+            if self.attempt == self.job.attempt:  # else: a discarded attempt's, nothing to add
+                attempt, count = st.acc
+                if attempt != self.attempt:
+                    count = 0
+                if count == 0:
+                    st.grad.copy_(self.source)
+                else:
+                    st.grad.add_(self.source)
+                count += 1
+                st.acc = (self.attempt, count)
+                if count == self.expected:
+                    st.sumsq = (self.attempt, count, squared_norm(st.grad))
+        self.seconds = time.perf_counter() - t0
+        return self
+
+
+@dataclass(slots=True)
+class NormTask:
+    """The squared norm of a stage whose last expected gradient came without a task knowing it
+    was the last (a worker that had pushed nothing left the step)."""
+
+    job: UpdatedJob
+    stage: StageState
+    attempt: int
+    seconds: float = 0.0
+
+    def run(self) -> NormTask:
+        t0 = time.perf_counter()
+        st = self.stage
+        assert st.grad is not None
+        with st.grad_lock:
+            attempt, count = st.acc
+            if attempt == self.attempt == self.job.attempt:
+                st.sumsq = (attempt, count, squared_norm(st.grad))
+        self.seconds = time.perf_counter() - t0
+        return self
+
+
+def squared_norm(grad: torch.Tensor) -> float:
+    """||grad||^2 as ``torch.nn.utils.clip_grad_norm_`` measures it (a float32 L2 norm), squared
+    in float64 so that stages add up without overflow."""
+    return float(torch.linalg.vector_norm(grad)) ** 2
 
 
 @dataclass(slots=True)
 class UpdateTask:
-    """Work for the optimizer pool; ``run`` executes off the loop thread."""
+    """One stage's update of a committed step, run off the loop thread: the optimizer on the
+    accumulated gradient (divided by ``grad_scale``: the number of workers over the clipping
+    factor) at learning rate ``lr``, then publication of the new weights. ``apply`` False (a
+    skipped step, or a stage with nothing to train) only publishes, so the version can move on."""
 
     job: UpdatedJob
     stage: StageState
-    grads: list[torch.Tensor]
+    grad_scale: float = 1.0
+    lr: float | None = None
+    apply: bool = True
     seconds: float = 0.0
     submitted_ns: int = field(default_factory=time.monotonic_ns)
     started_ns: int = 0
@@ -182,7 +287,8 @@ class UpdateTask:
         if snap is not None and snap.step == st.version:  # NOTE [Consistent snapshots], rule 2
             snap.capture_before_update(st.index, st.lock, st.capture, st.state_nbytes)
         with st.lock:
-            st.optimizer.step(self.grads)
+            if self.apply and st.grad is not None:
+                st.optimizer.step(st.grad, grad_scale=self.grad_scale, lr=self.lr)
             target = st.slots[st.slot_for(st.version + 1)]
             if target is not st.master:
                 target.copy_(st.master)
@@ -190,9 +296,19 @@ class UpdateTask:
         return self
 
 
-def stage_bytes(numel: int, optimizer: m.OptimizerSpec, dtype: str, double_buffer: bool) -> tuple[int, int]:
-    """(published bytes in shared memory, private bytes) one stage holds (see DESIGN.md)."""
-    private = numel * state_bytes_per_element(optimizer)
-    if double_buffer:
-        return 2 * align(numel * m.DTYPE_ITEMSIZE[dtype]), private + numel * 4
-    return align(numel * 4), private
+PoolTask = Union[UpdateTask, GatherTask, NormTask]
+"""What the loop hands the optimizer pool."""
+
+
+def stage_bytes(
+    numel: int, optimizer: m.OptimizerSpec, dtype: str, double_buffer: bool, *, grad_numel: int | None = None
+) -> tuple[int, int]:
+    """(published bytes in shared memory, private bytes) one stage holds (see DESIGN.md, "Memory
+    accounting"). ``grad_numel``: the elements that get gradients (None: all of them; 0: a frozen
+    base's stage), each with its optimizer state and its place in the step's gradient accumulator."""
+    grad_numel = numel if grad_numel is None else grad_numel
+    published = (2 if double_buffer else 1) * align(numel * m.DTYPE_ITEMSIZE[dtype])
+    private = grad_numel * (state_bytes_per_element(optimizer) + 4)
+    if double_buffer or dtype != "float32":  # the fp32 master is not the published copy
+        private += numel * 4
+    return published, private

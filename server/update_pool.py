@@ -5,26 +5,26 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from .job import UpdateTask
+from .job import PoolTask
 from .mailbox import Mailbox
 
-Completion = tuple[UpdateTask, BaseException | None]
-"""A finished update and its error (None when it succeeded)."""
+Completion = tuple[PoolTask, BaseException | None]
+"""A finished task and its error (None when it succeeded)."""
 
 
 class UpdatePool:
-    """``submit`` on the loop thread; :meth:`UpdateTask.run` on a pool thread; the finished task is
+    """``submit`` on the loop thread; the task's ``run`` on a pool thread; the finished task is
     :meth:`drain`-ed back on the loop thread."""
 
     def __init__(self, workers: int) -> None:
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="wstream-opt")
         self.done: Mailbox[Completion] = Mailbox()
 
-    def submit(self, task: UpdateTask) -> None:
+    def submit(self, task: PoolTask) -> None:
         fut = self._pool.submit(task.run)
         fut.add_done_callback(lambda f, t=task: self._finished(t, f))
 
-    def _finished(self, task: UpdateTask, fut: Future[UpdateTask]) -> None:
+    def _finished(self, task: PoolTask, fut: Future[PoolTask]) -> None:
         self.done.post((task, None if fut.cancelled() else fut.exception()))
 
     def fileno(self) -> int:

@@ -1,0 +1,163 @@
+"""The standard training recipe through wstream equals plain PyTorch: a learning-rate schedule
+(``LambdaLR`` with the same closed form), exact global-norm gradient clipping
+(``torch.nn.utils.clip_grad_norm_`` over every parameter of the job) and the step's norm and lr
+reported; a step whose gradient norm is not finite changes nothing."""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from conftest import ServerProcess, run_workers
+from test_equivalence import assert_weights_equal
+from wstream.client import SGD, AdamW, Client, WarmupCosine, WarmupLinear
+from wstream.protocol import messages as m
+
+STEPS = 12
+CLIP = 0.5
+
+
+def cosine_factor(warmup: int, total: int, floor: float) -> Callable[[int], float]:
+    """Hugging Face's get_cosine_with_min_lr_schedule_with_warmup (min_lr_rate=floor), by hand."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def reference(
+    stages: list[nn.Module], make_opt: Callable[[object], torch.optim.Optimizer], factor: Callable[[int], float],
+    clip: float | None, steps: int, ranks: int = 1,
+) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
+    """Plain PyTorch: the mean gradient over ``ranks`` batches, clipped, then the scheduled step.
+    Returns the weights, the pre-clip norms and the lr of every step."""
+    model = nn.Sequential(*stages)
+    opt = make_opt(model.parameters())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, factor)
+    norms, lrs = [], []
+    for step in range(steps):
+        opt.zero_grad()
+        loss = sum(models.loss_fn(model(x), y) for x, y in (models.batch("mixed", step, r) for r in range(ranks))) / ranks
+        loss.backward()
+        if clip is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    return model.state_dict(), norms, lrs
+
+
+ADAMW = AdamW(lr=3e-2, weight_decay=0.05, clip_grad_norm=CLIP, schedule=WarmupCosine(warmup_steps=3, total_steps=10, min_lr_ratio=0.1))
+
+
+@pytest.mark.parametrize("schedule_name", ["store_all", "revolve", "dnc"])
+def test_clipping_and_warmup_cosine_equal_pytorch(client: Client, schedule_name: str) -> None:
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    job = client.create_job("recipe", stages, optimizer=ADAMW, token="t")
+    kw = {"slots": 2} if schedule_name == "revolve" else {}
+    norms, lrs = [], []
+    with job.trainer(schedule=schedule_name, **kw) as trainer:
+        for s in range(STEPS):
+            trainer.step(*models.batch("mixed", s), models.loss_fn)
+            stats = trainer.stats()
+            norms.append(stats.grad_norm)
+            lrs.append(stats.lr)
+    want, want_norms, want_lrs = reference(
+        start, lambda p: torch.optim.AdamW(p, lr=3e-2, weight_decay=0.05), cosine_factor(3, 10, 0.1), CLIP, STEPS
+    )
+    assert_weights_equal(job.state_dict(), want, atol=1e-6)
+    assert norms == pytest.approx(want_norms, rel=1e-5)
+    assert lrs == pytest.approx(want_lrs, rel=1e-12)
+    assert sum(n > CLIP for n in want_norms) >= 3  # clipping really happened on several steps
+    assert lrs[0] == 0.0 and max(lrs) == pytest.approx(3e-2)  # the warmup and the peak
+    info = {j.name: j for j in client.status().jobs}["recipe"]
+    assert info.grad_norm == pytest.approx(want_norms[-1], rel=1e-5) and info.lr == pytest.approx(want_lrs[-1])
+
+
+def test_clipping_with_micro_batches_and_sgd_equals_pytorch(client: Client) -> None:
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    opt = SGD(lr=0.2, momentum=0.9, clip_grad_norm=CLIP, schedule=WarmupLinear(warmup_steps=2, total_steps=STEPS))
+    job = client.create_job("recipe-mb", stages, optimizer=opt, token="t")
+    with job.trainer() as trainer:
+        for s in range(STEPS):
+            trainer.step(*models.batch("mixed", s), models.loss_fn, micro_batches=2)
+
+    def linear(step: int) -> float:  # Hugging Face's get_linear_schedule_with_warmup
+        return step / 2 if step < 2 else max(0.0, (STEPS - step) / (STEPS - 2))
+
+    want, want_norms, _ = reference(start, lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9), linear, CLIP, STEPS)
+    assert_weights_equal(job.state_dict(), want, atol=1e-6)
+    assert sum(n > CLIP for n in want_norms) >= 3
+
+
+@pytest.mark.server_process
+def test_clipping_over_two_workers_clips_the_mean_gradient(server: ServerProcess, tmp_path: Path) -> None:
+    """The norm is that of the gradient the optimizer sees: the mean over the workers."""
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    with Client(server.address, timeout=30) as c:
+        job = c.create_job("recipe-dp", stages, optimizer=ADAMW, token="t")
+        run_workers(server.address, "recipe-dp", "t", "mixed", STEPS, 2, tmp_path)
+        got = job.state_dict()
+    want, _, _ = reference(
+        start, lambda p: torch.optim.AdamW(p, lr=3e-2, weight_decay=0.05), cosine_factor(3, 10, 0.1), CLIP, STEPS, ranks=2
+    )
+    assert_weights_equal(got, want, atol=1e-6)
+
+
+class NanGrad(nn.Module):
+    """Adds 0 in forward, but the gradient of ``w`` is nan (sqrt at 0 times 0)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.sqrt(self.w * 0).sum()
+
+
+def test_a_step_with_a_non_finite_gradient_norm_changes_nothing(client: Client) -> None:
+    torch.manual_seed(0)
+    stages = [nn.Linear(12, 5), NanGrad()]
+    job = client.create_job("nan", stages, optimizer=AdamW(lr=1e-2), token="t")
+    before = job.state_dict()
+    with job.trainer() as trainer:
+        trainer.step(*models.batch("mixed", 0), models.loss_fn)
+        stats = trainer.stats()
+    assert stats.skipped_steps == 1 and math.isnan(stats.grad_norm)
+    after = job.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # no stage moved, not even the finite one
+    info = {j.name: j for j in client.status().jobs}["nan"]
+    assert info.step == 1 and info.skipped_steps == 1
+
+
+def test_bad_recipe_values_are_refused_with_the_field_named() -> None:
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        AdamW(clip_grad_norm=0.0)
+    with pytest.raises(ValueError, match="clip_grad_norm"):
+        SGD(clip_grad_norm=-1.0)
+    with pytest.raises(ValueError, match="total_steps"):
+        WarmupCosine(warmup_steps=10, total_steps=5)
+    with pytest.raises(ValueError, match="warmup_steps"):
+        WarmupCosine(warmup_steps=-1, total_steps=5)
+    import msgspec
+
+    with pytest.raises(msgspec.ValidationError, match="nope"):
+        msgspec.msgpack.decode(
+            msgspec.msgpack.encode({"kind": "adamw", "schedule": {"kind": "warmup_cosine", "warmup_steps": 1,
+                                                                  "total_steps": 2, "nope": 1}}),
+            type=m.AdamW,
+        )
