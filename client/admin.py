@@ -13,6 +13,7 @@ import msgspec
 from wstream.protocol import WstreamError, format_bytes, version_line
 from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY, write_keypair
 from wstream.protocol import messages as m
+from wstream.protocol.lr_schedules import Schedule
 
 from .client import Client
 
@@ -120,6 +121,28 @@ def _drop(args: argparse.Namespace) -> int:
     return 0
 
 
+def _schedule(args: argparse.Namespace) -> int:
+    if args.lr is None and args.schedule is None:
+        raise ValueError("wstream schedule: give --lr, --schedule or both")
+    schedule = None
+    if args.schedule is not None:
+        try:
+            schedule = msgspec.json.decode(args.schedule, type=Schedule)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"--schedule {args.schedule!r}: {exc}") from None
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"--schedule must be a JSON object such as {_SCHEDULE_EXAMPLE}: {exc}") from None
+    secret = _admin_secret(args)
+    with _client(args, admin_secret=secret, timeout=args.timeout) as client:
+        client.set_schedule(args.job, schedule, lr=args.lr, token=None if secret is not None else _token(args))
+    changes = ([f"lr {args.lr:g}"] if args.lr is not None else []) + ([f"schedule {schedule!r}"] if schedule else [])
+    print(f"job {args.job!r}: {', '.join(changes)} from its next step on")
+    return 0
+
+
+_SCHEDULE_EXAMPLE = '\'{"kind": "warmup_cosine", "warmup_steps": 100, "total_steps": 10000, "min_lr_ratio": 0.1}\''
+
+
 def _shutdown(args: argparse.Namespace) -> int:
     secret = _admin_secret(args)
     if secret is None:
@@ -206,6 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = _job_command(sub, "export", "write a job's current weights to a plain safetensors file", admin=True)
     c.add_argument("--out", required=True, help="the .safetensors file to write")
     c.set_defaults(func=_export)
+    c = _job_command(sub, "schedule", "change a live job's base learning rate and/or its schedule", admin=True)
+    c.add_argument("--lr", type=float, help="the new base learning rate")
+    c.add_argument("--schedule", help=f"the new schedule as JSON, e.g. {_SCHEDULE_EXAMPLE}")
+    c.set_defaults(func=_schedule)
     c = _job_command(sub, "drop", "delete a job from the server (and its snapshots)", admin=True)
     c.set_defaults(func=_drop)
     d = sub.add_parser("shutdown", help="stop the server cleanly, as SIGTERM does (needs the admin secret)")

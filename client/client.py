@@ -8,6 +8,7 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
+import msgspec
 import torch
 import zmq
 from torch import nn
@@ -23,6 +24,7 @@ from wstream.protocol import (
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, tensor_frames
 from wstream.protocol.layout import describe_mismatch, numel_of
+from wstream.protocol.lr_schedules import Schedule
 
 from wstream.protocol.auth import SessionSigner, base_proof, secret_key, session_key
 from wstream.protocol.curve import ClientKeys, KeySource, uses_curve
@@ -239,6 +241,17 @@ class Client:
         )
         return reply.step, reply.path
 
+    def set_schedule(
+        self, name: str, schedule: Schedule | None = None, *, lr: float | None = None, token: str | None = None
+    ) -> None:
+        """Change job ``name``'s base ``lr`` and/or learning-rate ``schedule`` from its next step
+        on (as :meth:`Job.set_schedule`): with the admin secret, or with the job's ``token`` where
+        the server has no admin secret."""
+        if self._admin_secret is None and token is not None:
+            self.attach_job(name, token=token).set_schedule(schedule, lr=lr)
+            return
+        self._admin_request(lambda sid: m.SetSchedule(session=sid, job=name, lr=lr, schedule=schedule), m.Ok)
+
     def export_job(self, name: str, path: str | os.PathLike[str], *, progress: bool | None = None) -> int:
         """Write job ``name``'s fp32 weights to a safetensors file, with the admin secret (no job
         token needed); returns the step they are of. :meth:`Job.export` does it with the token."""
@@ -392,6 +405,16 @@ class Job:
             m.Save(session=self.session), m.Saved, timeout_s=timeout or self.client.wait_timeout_s
         )
         return reply.step, reply.path
+
+    def set_schedule(self, schedule: Schedule | None = None, *, lr: float | None = None) -> None:
+        """Change the job's base ``lr`` and/or learning-rate ``schedule`` (e.g.
+        ``WarmupCosine(...)``), from the next step to commit on; the step index the schedule is
+        evaluated at stays the job's. A server with an admin secret refuses this from a job
+        session: use ``Client.set_schedule`` with ``admin_secret``."""
+        self.client._chan.request(m.SetSchedule(session=self.session, lr=lr, schedule=schedule), m.Ok)
+        opt = self.options.optimizer
+        opt = msgspec.structs.replace(opt, lr=opt.lr if lr is None else lr, schedule=schedule or opt.schedule)
+        self.options = msgspec.structs.replace(self.options, optimizer=opt)
 
     def export(self, path: str | os.PathLike[str], *, progress: bool | None = None) -> None:
         """Write the job's current fp32 weights to a plain safetensors file (names as

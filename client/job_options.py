@@ -3,13 +3,30 @@ keywords, and the first difference between two of them (``create_job(exist_ok=Tr
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+import msgspec
 
 from wstream.protocol import messages as m
 
+log = logging.getLogger(__name__)
+
+
+LIVE_OPTIMIZER_FIELDS = ("lr", "schedule")
+"""What ``set_schedule`` may change on a live job: a rank restarted with the creation's values
+attaches to such a job (with a warning) rather than being refused."""
+
 
 def options_difference(theirs: m.JobOptions, ours: m.JobOptions) -> str | None:
-    """The first field in which a job's options differ from those asked for, said readably."""
+    """The first field in which a job's options differ from those asked for, said readably
+    (the optimizer's live fields aside: :data:`LIVE_OPTIMIZER_FIELDS`)."""
+    live = {f: getattr(theirs.optimizer, f) for f in LIVE_OPTIMIZER_FIELDS if hasattr(ours.optimizer, f)}
+    if type(theirs.optimizer) is type(ours.optimizer) and live:
+        changed = [f for f, v in live.items() if getattr(ours.optimizer, f) != v]
+        if changed:
+            log.warning("the job's %s differ from those given (changed on the live job?); the job's are kept", changed)
+        ours = msgspec.structs.replace(ours, optimizer=msgspec.structs.replace(ours.optimizer, **live))
     for field in m.JobOptions.__struct_fields__:
         a, b = getattr(theirs, field), getattr(ours, field)
         if a != b:

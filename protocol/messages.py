@@ -320,6 +320,20 @@ class Save(SessionMessage, tag="save"):
     job: JobName | None = None
 
 
+class SetSchedule(SessionMessage, tag="set_schedule"):
+    """Change a live job's base learning rate and/or its schedule, from its next commit on (``job``
+    as for ``drop_job``: an admin session names any job). Answered with ``ok``; the job's options
+    (``attached``, snapshots) hold the new values from then on."""
+
+    job: JobName | None = None
+    lr: float | None = None
+    schedule: Schedule | None = None
+
+    def __post_init__(self) -> None:
+        if self.lr is not None:
+            _check_finite("lr", self.lr, low=0.0)
+
+
 class Shutdown(SessionMessage, tag="shutdown"):
     """Stop the server cleanly, as SIGTERM does (admin sessions only); answered with ``ok`` first."""
 
@@ -333,7 +347,7 @@ class Timeline(SessionMessage, tag="timeline"):
 
 Request = Union[
     Hello, CreateJob, AddStage, Seal, Attach, AdminAttach, Join, Fetch, Push, Commit, Pull, Heartbeat, Leave, DropJob,
-    Status, Save, Shutdown, Timeline, Describe,
+    Status, Save, SetSchedule, Shutdown, Timeline, Describe,
 ]
 _REQUESTS: tuple[type[Message], ...] = Request.__args__  # type: ignore[attr-defined]
 

@@ -89,6 +89,7 @@ class Handlers:
             m.DropJob: self._on_drop_job,
             m.Status: self._on_status,
             m.Save: self._on_save,
+            m.SetSchedule: self._on_set_schedule,
             m.Timeline: self._on_timeline,
             m.Describe: self._on_describe,
         }
@@ -403,6 +404,17 @@ class Handlers:
             raise NotReadyError(f"job {job.name!r} is still uploading its weights")
         self.snapshots.request(job, Waiter(identity, msg.id, functools.partial(_saved, msg.id)), "save request")
         return None
+
+
+    def _on_set_schedule(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
+        assert isinstance(msg, m.SetSchedule)
+        job = self._job_of(self.sessions.known(msg.session), msg.job, "set the schedule of")
+        if job.options.frozen:
+            raise StateError(f"job {job.name!r} is a frozen base: it has no optimizer")
+        if msg.lr is None and msg.schedule is None:
+            raise StateError("set_schedule changes nothing: give lr, schedule or both")
+        job.set_schedule(msg.lr, msg.schedule)
+        return Outgoing(identity, m.Ok(id=msg.id))
 
 
 def _saved(request_id: int, step: int, path: str) -> m.Message:

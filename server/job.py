@@ -63,6 +63,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import torch
 
 from wstream.protocol import (
@@ -435,6 +436,15 @@ class Job:
                 f"step {msg.step} committed long ago (the job gathers step {self.open_step}); its outcome is not kept"
             )
         raise StaleStepError(f"step {msg.step} is ahead of the job, which gathers step {self.open_step}")
+
+    def set_schedule(self, lr: float | None, schedule: Any) -> None:
+        """A new base lr and/or schedule, used from the next commit on (``set_schedule``)."""
+        opt = self.options.optimizer
+        new = msgspec.structs.replace(
+            opt, lr=opt.lr if lr is None else lr, schedule=opt.schedule if schedule is None else schedule
+        )
+        self.options = msgspec.structs.replace(self.options, optimizer=new)
+        log.info("job %r: lr %g, schedule %r from step %d on", self.name, new.lr, new.schedule, self.open_step)
 
     # ---- the pool's completions ----------------------------------------------------------------------
     def finish_task(self, task: PoolTask, error: BaseException | None, submit: Submit) -> list[Outgoing]:

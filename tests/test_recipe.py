@@ -161,3 +161,43 @@ def test_bad_recipe_values_are_refused_with_the_field_named() -> None:
                                                                   "total_steps": 2, "nope": 1}}),
             type=m.AdamW,
         )
+
+
+def test_the_schedule_of_a_live_job_changes_from_its_next_step_and_is_kept(
+    client: Client, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``set_schedule`` (and ``wstream schedule``) change lr and schedule from the next step; the
+    run equals PyTorch changing its LambdaLR at the same step; exist_ok still attaches."""
+    from wstream.client import Constant, MultiStep
+    from wstream.client.admin import main as wstream_main
+
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    job = client.create_job("live", stages, optimizer=AdamW(lr=1e-2), token="t")
+    with job.trainer() as trainer:
+        for s in range(3):
+            trainer.step(*models.batch("mixed", s), models.loss_fn)
+        job.set_schedule(MultiStep(milestones=[4], gamma=0.5), lr=2e-2)
+        for s in range(3, 6):
+            trainer.step(*models.batch("mixed", s), models.loss_fn)
+        assert trainer.stats().lr == pytest.approx(1e-2)  # step 5: 2e-2 * 0.5
+        token = tmp_path / "token"
+        token.write_text("t")
+        assert wstream_main(["schedule", "live", "--server", client.address, "--token-file", str(token),
+                             "--schedule", '{"kind": "constant"}', "--lr", "5e-3"]) == 0
+        for s in range(6, 8):
+            trainer.step(*models.batch("mixed", s), models.loss_fn)
+        assert trainer.stats().lr == pytest.approx(5e-3)
+    ref = nn.Sequential(*start)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for s in range(8):
+        opt.param_groups[0]["lr"] = 1e-2 if s < 3 else (2e-2 * (0.5 if s >= 4 else 1.0) if s < 6 else 5e-3)
+        opt.zero_grad()
+        models.loss_fn(ref(models.batch("mixed", s)[0]), models.batch("mixed", s)[1]).backward()
+        opt.step()
+    assert_weights_equal(job.state_dict(), ref.state_dict(), atol=1e-6)
+    again = client.create_job("live", models.mixed(), optimizer=AdamW(lr=1e-2), token="t", exist_ok=True)
+    assert again.options.optimizer.schedule == Constant() and again.options.optimizer.lr == 5e-3
+    bad = '{"kind": "warmup_cosine", "warmup_steps": 5, "total_steps": 2}'
+    assert wstream_main(["schedule", "live", "--server", client.address, "--token-file", str(token), "--schedule", bad]) == 2
+    assert "total_steps" in capsys.readouterr().err
