@@ -45,7 +45,8 @@ its workers in :mod:`~wstream.server.workers`; this module keeps the rules that 
 #    nothing), and every other contributor's session is ended, so its trainer re-attaches and
 #    trains step t again (or, if it had moved on, is told to resync). Nothing was applied, so
 #    every stage is still at t: the job is consistent at every moment. A worker that leaves
-#    having pushed nothing of the open step only stops being expected.
+#    having pushed nothing of the open step only stops being expected. Workers that joined for
+#    step t + 1 are sent back the same way when nobody is left to train step t.
 # 5. A worker that joins trains the open step when nothing of it has been gathered yet (or the
 #    start barrier is still shut), else the next one.
 # 6. A delayed-update job may push (i, t + 1) while stage i is still at t (its forward read
@@ -329,6 +330,10 @@ class Job:
                 self.waiting_commit.remove((d, wid))
             out += self._check_complete(self.stages, submit)
         self.worker_table.free(w)
+        if self.worker_table.started and not self.worker_table.expected(self.open_step):
+            ahead = [v.id for v in self.workers.values() if not v.reader and v.first_step > self.open_step]
+            for wid in ahead:  # nobody is left to train the open step: they must train it (rule 4)
+                end_session(wid, f"step {self.open_step} has no worker left to train it")
         return out
 
     def _discard_open_step(self, leaver: int, end_session: EndSession, reason: str) -> list[Outgoing]:
@@ -424,8 +429,9 @@ class Job:
         submit(GatherTask(self, st, worker.id, source, self.attempt, expected))
 
     def commit(self, msg: m.Commit, identity: bytes, worker: Worker) -> Outgoing | None:
-        """Answer when step ``msg.step`` commits (held until then)."""
-        if msg.step == self.open_step:
+        """Answer when step ``msg.step`` commits (held until then; a delayed job's worker may
+        already say so for the step after the open one)."""
+        if self.open_step <= msg.step <= self.open_step + 1:
             self.waiting_commit.append((Deferred(identity, msg.id, msg.step), worker.id))
             return None
         for rec in self.commits:
@@ -453,6 +459,7 @@ class Job:
             return self.finish_update(task, error, submit)
         if isinstance(task, GatherTask):
             return self._finish_gather(task, error, submit)
+        task.stage.gathering -= 1  # a NormTask
         return self._check_complete([task.stage], submit)
 
     def _finish_gather(self, task: GatherTask, error: BaseException | None, submit: Submit) -> list[Outgoing]:
@@ -519,8 +526,8 @@ class Job:
         self.attempt += 1  # the accumulators start again for the next step
         self.contributors.clear()
         self._complete.clear()
-        out = [Outgoing(d.identity, committed_reply(d.request_id, record)) for d, _ in self.waiting_commit]
-        self.waiting_commit = []
+        out = [Outgoing(d.identity, committed_reply(d.request_id, record)) for d, _ in self.waiting_commit if d.step == t]
+        self.waiting_commit = [c for c in self.waiting_commit if c[0].step != t]
         return out
 
     def finish_update(self, task: UpdateTask, error: BaseException | None, submit: Submit) -> list[Outgoing]:

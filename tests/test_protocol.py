@@ -28,6 +28,7 @@ from wstream.protocol import (
 from wstream.protocol import messages as m
 from wstream.protocol.errors import ErrorCode, GradientError, WstreamError
 from wstream.protocol.layout import ALIGN_ELEMENTS, build_stage_spec, describe_mismatch, validate_stage
+from wstream.protocol.lr_schedules import WarmupCosine
 
 SID = bytes(range(16))
 NONCE = bytes(range(32))
@@ -48,6 +49,7 @@ REQUESTS: list[m.Message] = [
     m.Join(session=SID, shm=True, grad_slots=4, world_size=2),
     m.Fetch(session=SID, stage=3, step=9),
     m.Push(session=SID, stage=3, step=9, slot=1, numel=100),
+    m.Commit(session=SID, step=9),
     m.Pull(session=SID, stage=0),
     m.Heartbeat(session=SID),
     m.Leave(session=SID),
@@ -55,6 +57,7 @@ REQUESTS: list[m.Message] = [
     m.DropJob(session=SID, job="other"),
     m.Status(),
     m.Save(session=SID, job="j"),
+    m.SetSchedule(session=SID, job="j", lr=1e-3, schedule=WarmupCosine(warmup_steps=10, total_steps=100)),
     m.Shutdown(session=SID, seq=2**63 - 1, mac=b"m" * 32),
     m.Timeline(session=SID, since_ns=12345),
     m.Describe(session=SID, job="j"),
@@ -83,6 +86,7 @@ def test_replies_round_trip() -> None:
     replies = [
         m.Weights(id=3, stage=1, step=2, offset=64),
         m.Pushed(id=4, stage=1, step=2, slot=0),
+        m.Committed(id=4, step=2, grad_norm=float("inf"), lr=1e-3, skipped=True),
         m.Master(stage=0, version=5),
         m.Ok(id=1),
         m.Error(code="bad_message", message="x"),

@@ -48,19 +48,27 @@ def test_trace_shows_every_fetch_compute_push_and_update(client: Client, tmp_pat
     assert count["fetch"] == count["copy"] == STEPS * len(plan.fetch_order())
     assert count["push"] == 2 * STEPS * n  # the gradient copy and the push itself, per stage
     assert {e["args"]["step"] for e in worker if e["cat"] == "backward"} == {1, 2}
-    updates = [e for e in server if e["cat"] == "optimizer" and e["args"]["step"] in (1, 2)]
-    assert sorted((e["args"]["stage"], e["args"]["step"]) for e in updates) == sorted(
-        (i, t) for i in range(n) for t in (1, 2)
-    )
-    assert Counter(e["cat"] for e in server if e["args"]["step"] in (1, 2))["queue"] == len(updates)
-    # the clocks agree: each update starts after its push was sent and ends before the worker saw the reply
+    # the server gathered every push of both steps; step 1's updates are done by the end of step 2
+    # (its fetches and pushes wait for them); step 2's may still run when the trace is taken
+    gathers = [e for e in server if e["cat"] == "gather" and e["args"]["step"] in (1, 2)]
+    assert sorted((e["args"]["stage"], e["args"]["step"]) for e in gathers) == sorted((i, t) for i in range(n) for t in (1, 2))
+    updates = [e for e in server if e["cat"] == "optimizer" and e["args"]["step"] == 1]
+    assert sorted(e["args"]["stage"] for e in updates) == list(range(n))
+    queued = Counter((e["args"]["stage"], e["args"]["step"]) for e in server if e["cat"] == "queue")
+    assert all(queued[(e["args"]["stage"], 1)] == 1 for e in updates)
+    # the clocks agree: each gather runs after its push was sent and ends before the worker saw the
+    # reply; every update of a step starts after the step's last push was sent (the commit point)
     slack = meta["clock_uncertainty_ns"] / 1000 + 1.0  # microseconds
     pushes = {
         (e["args"]["stage"], e["args"]["step"]): e for e in worker if e["cat"] == "push" and e["name"].startswith("push")
     }
-    for u in updates:
-        p = pushes[(u["args"]["stage"], u["args"]["step"])]
-        assert p["ts"] - slack <= u["ts"] and u["ts"] + u["dur"] <= p["ts"] + p["args"]["ack_seen_us"] + slack
+    for g in gathers:
+        p = pushes[(g["args"]["stage"], g["args"]["step"])]
+        assert p["ts"] - slack <= g["ts"] and g["ts"] + g["dur"] <= p["ts"] + p["args"]["ack_seen_us"] + slack
+    last_push = max(p["ts"] for (_, t), p in pushes.items() if t == 1)
+    assert all(u["ts"] >= last_push - slack for u in updates)
+    commits = [e for e in worker if e["cat"] == "commit"]
+    assert sorted(e["args"]["step"] for e in commits if e["args"]["step"] in (1, 2)) == [1, 2]
 
 
 def test_overlapping_spans_get_their_own_sub_lanes() -> None:
