@@ -13,6 +13,8 @@ from typing import Annotated, ClassVar, Literal, Union
 
 from msgspec import Meta, Struct
 
+from .lr_schedules import Constant, Schedule
+
 PROTOCOL_VERSION = 3
 """Carried in every header; a server answers any other value with ``version_mismatch``.
 docs/protocol.md lists what changed in each version."""
@@ -81,6 +83,13 @@ def _check_finite(name: str, value: float, *, low: float, high: float = math.inf
         raise ValueError(f"{name} must be a finite number in [{low}, {high}], got {value}")
 
 
+def _check_clip(value: float | None) -> None:
+    # A norm of 0 would zero every gradient, and nan or inf would clip nothing or poison all.
+    real = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if value is not None and not (real and math.isfinite(value) and value > 0):  # type: ignore[arg-type]
+        raise ValueError(f"clip_grad_norm must be a finite number > 0 (or None), got {value!r}")
+
+
 class AdamW(Struct, frozen=True, kw_only=True, tag="adamw", tag_field="kind"):
     """AdamW as ``torch.optim.AdamW`` defines it (decoupled weight decay); run fused on the server."""
 
@@ -88,6 +97,13 @@ class AdamW(Struct, frozen=True, kw_only=True, tag="adamw", tag_field="kind"):
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.01
+    schedule: Schedule = Constant()
+    """Evaluated by the server each step: the lr of (0-based) step t is ``lr * schedule.factor(t)``
+    (``wstream.protocol.lr_schedules``). The default keeps ``lr`` throughout."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm of every step to this, exactly as
+    ``torch.nn.utils.clip_grad_norm_`` over all of the job's parameters, of the gradient the
+    optimizer sees (the mean of the workers'); None: no clipping."""
 
     def __post_init__(self) -> None:
         _check_finite("lr", self.lr, low=0.0)
@@ -95,6 +111,7 @@ class AdamW(Struct, frozen=True, kw_only=True, tag="adamw", tag_field="kind"):
         _check_finite("betas[1]", self.betas[1], low=0.0, high=0.999999999)
         _check_finite("eps", self.eps, low=0.0)
         _check_finite("weight_decay", self.weight_decay, low=0.0)
+        _check_clip(self.clip_grad_norm)
 
 
 class SGD(Struct, frozen=True, kw_only=True, tag="sgd", tag_field="kind"):
@@ -105,6 +122,13 @@ class SGD(Struct, frozen=True, kw_only=True, tag="sgd", tag_field="kind"):
     dampening: float = 0.0
     weight_decay: float = 0.0
     nesterov: bool = False
+    schedule: Schedule = Constant()
+    """Evaluated by the server each step: the lr of (0-based) step t is ``lr * schedule.factor(t)``
+    (``wstream.protocol.lr_schedules``). The default keeps ``lr`` throughout."""
+    clip_grad_norm: float | None = None
+    """Clip the global gradient norm of every step to this, exactly as
+    ``torch.nn.utils.clip_grad_norm_`` over all of the job's parameters, of the gradient the
+    optimizer sees (the mean of the workers'); None: no clipping."""
 
     def __post_init__(self) -> None:
         _check_finite("lr", self.lr, low=0.0)
@@ -113,6 +137,7 @@ class SGD(Struct, frozen=True, kw_only=True, tag="sgd", tag_field="kind"):
         _check_finite("weight_decay", self.weight_decay, low=0.0)
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise ValueError("nesterov momentum needs momentum > 0 and dampening = 0")
+        _check_clip(self.clip_grad_norm)
 
 
 OptimizerSpec = Union[AdamW, SGD]
