@@ -195,6 +195,12 @@ class MultiStep(_Schedule, tag="multi_step"):
         _check_real("gamma", self.gamma)
         if self.gamma <= 0:
             raise ValueError(f"gamma must be > 0, got {self.gamma!r}")
+        try:  # the factor after the last milestone must be a number: the server multiplies by it
+            last = self.gamma ** len(self.milestones)
+        except OverflowError:
+            last = math.inf
+        if not math.isfinite(last):
+            raise ValueError(f"gamma ** len(milestones) overflows: gamma = {self.gamma!r}, {len(self.milestones)} milestones")
 
     def factor(self, step: int) -> float:
         """The multiplier of the base lr at 0-based optimizer step ``step``."""
@@ -211,7 +217,7 @@ class Piecewise(_Schedule, tag="piecewise"):
 
     steps: Points
     """At least one step, strictly increasing."""
-    factors: list[float]
+    factors: Annotated[list[float], Meta(max_length=MAX_POINTS)]
     """The factor at each of ``steps`` (finite, >= 0), as many as ``steps``."""
 
     def __post_init__(self) -> None:
