@@ -173,7 +173,7 @@ def test_one_of_two_workers_killed_mid_step_leaves_the_weights_of_a_crash_free_r
         want, got = weights(address, "ref"), weights(address, "dp")
         for key, w in want.items():
             assert torch.equal(got[key], w), f"{at}: {key} differs from the crash-free run"
-        if at != "action:8":  # it had pushed part of the step
+        if at.startswith("push"):  # it had pushed part of the step, which cannot have committed
             assert "discarded on every stage" in srv.log()
     finally:
         assert srv.stop() == 0
