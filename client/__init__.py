@@ -29,6 +29,7 @@ from wstream.protocol import (
 )
 
 from .client import Client, Job
+from .groups import ParamGroup, no_decay
 from .local import local_server
 from .options import Checkpointing, Parallelism, Precision, Transport
 from .loss_scale import LossScale
@@ -49,6 +50,7 @@ __all__ = [
     "LayoutError",
     "LossScale",
     "MemoryLimitError",
+    "ParamGroup",
     "Parallelism",
     "Precision",
     "ProtocolError",
@@ -64,5 +66,6 @@ __all__ = [
     "UnknownJobError",
     "WstreamError",
     "local_server",
+    "no_decay",
     "wait_for_server",
 ]

@@ -24,7 +24,7 @@ from .errors import (
     WstreamError,
     error_from_code,
 )
-from .messages import PROTOCOL_VERSION, SGD, AdamW, JobOptions, OptimizerSpec, ParamSpec, StageSpec
+from .messages import PROTOCOL_VERSION, SGD, AdamW, GroupSpec, JobOptions, OptimizerSpec, ParamSpec, StageSpec
 from .units import format_bytes, parse_size, version_line
 
 __all__ = [
@@ -35,6 +35,7 @@ __all__ = [
     "SessionExpiredError",
     "ErrorCode",
     "GradientError",
+    "GroupSpec",
     "InternalError",
     "JobExistsError",
     "LayoutError",

@@ -20,7 +20,7 @@ from wstream.protocol import GradientError, StaleStepError
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, frames_nbytes, tensor_frames
 
-from .optimizer import StageOptimizer, state_bytes_per_element
+from .optimizer import StageOptimizer
 from .outgoing import Outgoing
 from .snapshot import Snapshot
 from .workers import Worker
@@ -146,17 +146,21 @@ class StageState:
             raise GradientError(f"{where}: slot {msg.slot} does not exist (the ring has {len(worker.slots)})")
         if msg.slot in worker.busy:
             raise GradientError(f"{where}: slot {msg.slot} is still in use by an earlier push")
-        if msg.numel != self.spec.numel:
-            raise GradientError(f"{where}: {msg.numel} elements, the stage has {self.spec.numel}")
+        numel = self.optimizer.layout.numel  # groups: the gradient leaves frozen parameters out
+        if msg.numel != numel:
+            raise GradientError(
+                f"{where}: {msg.numel} elements, stage {self.index}'s gradient has {numel}"
+                + (f" (its frozen parameters have none; the stage has {self.spec.numel})" if numel != self.spec.numel else "")
+            )
         if msg.dtype != "float32":
             raise GradientError(f"{where}: dtype {msg.dtype}; this server takes float32 gradients")
         if worker.shm and frames:
             raise GradientError(f"{where}: a shared-memory worker sends no data frame (the slot holds it)")
         if not worker.shm:
             got = frames_nbytes(frames)
-            if got != self.spec.numel * 4:
-                raise GradientError(f"{where}: data frames of {got} bytes, expected {self.spec.numel * 4}")
-            copy_frames_into(worker.slots[msg.slot][: self.spec.numel], frames)
+            if got != numel * 4:  # groups: of the gradient layout
+                raise GradientError(f"{where}: data frames of {got} bytes, expected {numel * 4}")
+            copy_frames_into(worker.slots[msg.slot][:numel], frames)
         worker.busy.add(msg.slot)
         self.pending[worker.id] = PendingPush(msg.slot, identity, msg.id)
 
@@ -182,7 +186,13 @@ class UpdateTask:
         if snap is not None and snap.step == st.version:  # NOTE [Consistent snapshots], rule 2
             snap.capture_before_update(st.index, st.lock, st.capture, st.state_nbytes)
         with st.lock:
-            st.optimizer.step(self.grads)
+            # groups: the mean of the gradients (of the gradient layout's numel), summed in place
+            # into the first and divided by their number inside the fused kernel
+            n = st.optimizer.layout.numel
+            grad = self.grads[0][:n]
+            for other in self.grads[1:]:
+                grad.add_(other[:n])
+            st.optimizer.step(grad, grad_scale=len(self.grads) if len(self.grads) > 1 else None)
             target = st.slots[st.slot_for(st.version + 1)]
             if target is not st.master:
                 target.copy_(st.master)
@@ -190,9 +200,10 @@ class UpdateTask:
         return self
 
 
-def stage_bytes(numel: int, optimizer: m.OptimizerSpec, dtype: str, double_buffer: bool) -> tuple[int, int]:
-    """(published bytes in shared memory, private bytes) one stage holds (see DESIGN.md)."""
-    private = numel * state_bytes_per_element(optimizer)
+def stage_bytes(numel: int, state: int, dtype: str, double_buffer: bool) -> tuple[int, int]:
+    """(published bytes in shared memory, private bytes) one stage of ``numel`` elements holds,
+    with ``state`` bytes of optimizer state (``optimizer.state_nbytes``; see DESIGN.md)."""
+    private = state  # groups: of the trained elements only (was numel * bytes per element)
     if double_buffer:
         return 2 * align(numel * m.DTYPE_ITEMSIZE[dtype]), private + numel * 4
     return align(numel * 4), private
