@@ -397,6 +397,12 @@ class Job:
             )
             for stage, skeleton in self._chain
         ]
+        if not runners[0].trains:
+            raise LayoutError(
+                f"job {self.name!r}: the first chain position trains no parameter (stage {runners[0].stage} is frozen "
+                "whole), so its backward has nothing to differentiate, which this trainer cannot run yet; give the "
+                "frozen stage's modules to the next stage instead (a frozen stage later in the chain trains)"
+            )
         client = self.client
         endpoint = WorkerEndpoint(
             ctx=client.ctx,

@@ -183,6 +183,11 @@ class StageRunner:
             if p.name in wanted
         ]
 
+    @property
+    def trains(self) -> bool:
+        """Whether this position uses a trained parameter (has an autograd leaf)."""
+        return bool(self._used)
+
     def views(self, flat: torch.Tensor, base: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         return {**self._own(flat), **self._frozen(base)}
 
