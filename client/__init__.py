@@ -38,6 +38,7 @@ from wstream.protocol import (
 )
 
 from .client import Client, Job
+from .groups import ParamGroup, no_decay
 from .local import local_server
 from .options import Checkpointing, Parallelism, Precision, Transport
 from .loss_scale import LossScale
@@ -61,6 +62,7 @@ __all__ = [
     "LossScale",
     "MemoryLimitError",
     "MultiStep",
+    "ParamGroup",
     "Parallelism",
     "Piecewise",
     "Precision",
@@ -82,5 +84,6 @@ __all__ = [
     "WstreamError",
     "local_server",
     "lr_at",
+    "no_decay",
     "wait_for_server",
 ]

@@ -13,6 +13,7 @@ from torch import nn
 
 from wstream.protocol import LayoutError, StageSpec
 
+from .groups import GroupAssigner
 from .stages import Tied, check_tied, frozen_params, skeleton_of, spec_of
 
 Chain = list[tuple[int, nn.Module]]
@@ -20,15 +21,18 @@ Chain = list[tuple[int, nn.Module]]
 stages] in ``stages.py``)."""
 
 
-def layout_on(base_stages: list[StageSpec] | None, i: int, module: nn.Module) -> StageSpec:
-    """Stage i's layout: every parameter, or on a frozen base only the trainable ones (the others
-    must be the base's stage i's, by name and shape)."""
+def layout_on(
+    base_stages: list[StageSpec] | None, i: int, module: nn.Module, groups: GroupAssigner | None = None
+) -> StageSpec:
+    """Stage i's layout: every parameter (those without ``requires_grad`` marked frozen), or on a
+    frozen base only the trainable ones (the others must be the base's stage i's, by name and
+    shape); ``groups`` gives the trained ones their parameter groups."""
     if base_stages is None:
-        return spec_of(i, module)
+        return spec_of(i, module, groups=groups)
     if i >= len(base_stages):
         raise LayoutError(f"stage {i}: the base has {len(base_stages)} stages")
     frozen_params(i, module, base_stages[i])  # they match the base, or raise
-    return spec_of(i, module, trainable_only=True)
+    return spec_of(i, module, trainable_only=True, groups=groups)
 
 
 def walk_chain(

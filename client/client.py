@@ -23,7 +23,7 @@ from wstream.protocol import (
 )
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, tensor_frames
-from wstream.protocol.layout import describe_mismatch, numel_of
+from wstream.protocol.layout import describe_mismatch, numel_of, without_groups
 from wstream.protocol.lr_schedules import Schedule
 
 from wstream.protocol.auth import SessionSigner, base_proof, secret_key, session_key
@@ -41,6 +41,7 @@ from .channel import (
 )
 from .chain import Chain, layout_on, progress_bar, walk_chain
 from .endpoint import Closeable, WorkerEndpoint
+from .groups import GroupAssigner, ParamGroup
 from .job_options import job_options, options_difference
 from .options import Checkpointing, Parallelism, Precision, Transport, trainer_options
 from .stages import StageRunner, Tied, flatten, frozen_params
@@ -108,13 +109,21 @@ class Client:
         base_token: str | None = None,
         exist_ok: bool = False,
         progress: bool | None = None,
+        param_groups: Sequence[ParamGroup] = (),
         **option_fields: Any,
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
 
         Each module is a stage: its parameters are stored on the server. A :class:`Tied` item is
         a chain position that reuses an earlier stage's parameters (a tied LM head), uploads
-        nothing, and adds its gradient to that stage's.
+        nothing, and adds its gradient to that stage's. A parameter without ``requires_grad`` is
+        stored, streamed and exported but never trained (no gradient, no optimizer state).
+
+        ``param_groups``: :class:`~wstream.client.ParamGroup` items (``no_decay()`` is the GPT
+        recipe's), each a set of parameters trained with a weight decay or learning-rate scale of
+        its own; a parameter goes to the first group that picks it, the others keep the
+        optimizer's settings. A group that gets no parameter is refused (``ValueError``, and no
+        job is left on the server). Their settings go into ``JobOptions.param_groups``.
 
         How the job trains is a :class:`~wstream.protocol.JobOptions` (optimizer, dtype,
         double_buffer, delayed_update, delay_after, frozen, base; each field documented there):
@@ -133,6 +142,13 @@ class Client:
         ``progress``: a progress bar of the upload on stderr (None: only when stderr is a terminal).
         """
         options = job_options(options, option_fields)
+        groups = GroupAssigner(param_groups)
+        if options.param_groups and options.param_groups != groups.specs:
+            raise ValueError(
+                "JobOptions.param_groups is filled in from create_job(param_groups=[ParamGroup(...)]), which also "
+                "say which parameters each group takes: give those instead"
+            )
+        options = msgspec.structs.replace(options, param_groups=groups.specs)
         base = options.base
         if (base is None) != (base_token is None):
             raise ValueError("base= and base_token= go together")
@@ -150,14 +166,14 @@ class Client:
         except JobExistsError:
             if not exist_ok:
                 raise
-            return self._attach_same(name, stages, token, options)
+            return self._attach_same(name, stages, token, options, param_groups)
         session = created.session
         signer = SessionSigner(session, session_key(secret_key(token), nonce, mine))
         self._keys.add(signer)
         bar = progress_bar(progress, total, f"uploading {name}")
 
         def upload(i: int, module: nn.Module) -> StageSpec:
-            spec = layout_on(created.base_stages if base is not None else None, i, module)
+            spec = layout_on(created.base_stages if base is not None else None, i, module, groups)
             flat = flatten(module, spec)
             self._chan.request(m.AddStage(session=session, index=i, spec=spec), m.Ok, tensor_frames(flat))
             bar.update(sum(numel_of(p.shape) for p in spec.params))
@@ -165,6 +181,7 @@ class Client:
 
         try:
             _, chain = walk_chain(stages, upload)
+            groups.check_all_used()
             sealed, _ = self._chan.request(m.Seal(session=session), m.Attached, timeout_s=self.wait_timeout_s)
         except BaseException:
             try:  # leave nothing half-made on the server
@@ -176,26 +193,54 @@ class Client:
             bar.close()
         return Job(self, sealed, token, chain, signer)
 
-    def _attach_same(self, name: str, stages: Iterable[nn.Module | Tied], token: str, options: m.JobOptions) -> Job:
+    def _attach_same(
+        self,
+        name: str,
+        stages: Iterable[nn.Module | Tied],
+        token: str,
+        options: m.JobOptions,
+        param_groups: Sequence[ParamGroup],
+    ) -> Job:
         """``create_job(exist_ok=True)`` found the job: attach if it is the job asked for."""
-        job = self.attach_job(name, token=token, stages=stages)  # checks the layout
+        job = self.attach_job(name, token=token, stages=stages, param_groups=param_groups)  # checks the layout
         difference = options_difference(job.options, options)
         if difference is not None:
             raise LayoutError(f"job {name!r} exists with other options: {difference}")
         log.info("job %r exists with this layout and these options: attached to it", name)
         return job
 
-    def attach_job(self, name: str, *, token: str, stages: Iterable[nn.Module | Tied] | None = None) -> Job:
+    def attach_job(
+        self,
+        name: str,
+        *,
+        token: str,
+        stages: Iterable[nn.Module | Tied] | None = None,
+        param_groups: Sequence[ParamGroup] | None = None,
+    ) -> Job:
         """Attach to an existing job. ``stages`` (modules, best built on the meta device, and the
         same :class:`Tied` positions the creator gave) are needed to train; they must have the
-        job's layout exactly."""
+        job's layout exactly (names, shapes, and which parameters are frozen).
+
+        A worker trains with the job's parameter groups whatever it is given, so
+        ``param_groups`` is optional: without it the layouts are compared ignoring the groups;
+        with it (the creator's list) the groups' settings and each parameter's group must be the
+        job's too."""
         attached, signer = attach_session(self._chan, name, token)
         self._keys.add(signer)
+        groups = None if param_groups is None else GroupAssigner(param_groups)
+        if groups is not None and groups.specs != attached.options.param_groups:
+            raise LayoutError(
+                f"the given param_groups are not job {name!r}'s: it has {attached.options.param_groups}, "
+                f"given {groups.specs}"
+            )
         chain = None
         if stages is not None:
             on_base = attached.options.base is not None
-            specs, chain = walk_chain(stages, lambda i, mod: layout_on(attached.base_stages if on_base else None, i, mod))
-            mismatch = describe_mismatch(attached.stages, specs)
+            specs, chain = walk_chain(
+                stages, lambda i, mod: layout_on(attached.base_stages if on_base else None, i, mod, groups)
+            )
+            theirs = list(attached.stages) if groups is not None else [without_groups(s) for s in attached.stages]
+            mismatch = describe_mismatch(theirs, specs)
             if mismatch is not None:
                 raise LayoutError(f"the given stages do not match job {name!r}: {mismatch}")
         return Job(self, attached, token, chain, signer)
@@ -364,6 +409,12 @@ class Job:
             )
             for stage, skeleton in self._chain
         ]
+        if not runners[0].trains:
+            raise LayoutError(
+                f"job {self.name!r}: the first chain position trains no parameter (stage {runners[0].stage} is frozen "
+                "whole), so its backward has nothing to differentiate, which this trainer cannot run yet; give the "
+                "frozen stage's modules to the next stage instead (a frozen stage later in the chain trains)"
+            )
         client = self.client
         endpoint = WorkerEndpoint(
             ctx=client.ctx,

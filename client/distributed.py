@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from wstream.protocol import StageSpec
+from wstream.protocol.layout import grad_layout
 from wstream.protocol.messages import ParamSpec
 
 from .stages import scatter_grads
@@ -61,8 +62,10 @@ def from_torchrun(*, init_process_group: bool = True, backend: str | None = None
 
 
 def flat_spec(spec: StageSpec) -> StageSpec:
-    """``spec`` seen as one flat parameter: the layout of an already flat gradient, to push it."""
-    return StageSpec(name=spec.name, numel=spec.numel, params=[ParamSpec("flat", (spec.numel,), 0)])
+    """``spec``'s gradient seen as one flat parameter (``grad_layout(spec).numel`` elements: frozen
+    parameters have no gradient): the layout of an already flat gradient, to push it."""
+    numel = grad_layout(spec).numel
+    return StageSpec(name=spec.name, numel=numel, params=[ParamSpec("flat", (numel,), 0)])
 
 
 class AllReduceGradients:
@@ -82,11 +85,11 @@ class AllReduceGradients:
         self._flat: torch.Tensor | None = None
 
     def mean(self, spec: StageSpec, grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-        """The mean over the ranks of this stage's gradient, flat fp32 (``spec.numel`` elements);
-        a view of a buffer reused by the next call."""
+        """The mean over the ranks of this stage's gradient, flat fp32 (``grad_layout(spec).numel``
+        elements); a view of a buffer reused by the next call."""
         if self._flat is None or self._flat.device != device:
             self._flat = torch.empty(self._max_numel, dtype=torch.float32, device=device)
-        flat = self._flat[: spec.numel]
+        flat = self._flat[: grad_layout(spec).numel]
         scatter_grads(flat, spec, grads)
         torch.distributed.all_reduce(flat, group=self.group)
         return flat.div_(self.size)

@@ -21,6 +21,8 @@ from typing import Any, Protocol
 
 import torch
 
+from wstream.protocol.layout import grad_layout
+
 from .distributed import AllReduceGradients, flat_spec
 from .loss_scale import LossScaler, all_finite, unscaled
 from .offload import HostMover
@@ -167,6 +169,8 @@ class PlanExecutor:
         the ranks, sent by rank 0 alone; client/distributed.py)."""
         stage = runner.stage
         pusher = self._streams.pusher
+        if not grad_layout(runner.spec).numel:  # every parameter frozen: no gradient, the step commits without it
+            return
         # a delayed job's (s, t) may reach the server before (s, t - 1) is applied: it holds it
         if self._allreduce is None:
             pusher.push(stage, run.step, runner.spec, grads)

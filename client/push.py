@@ -15,6 +15,7 @@ import zmq
 from wstream.protocol import ServerUnavailable, StageSpec
 from wstream.protocol import messages as m
 from wstream.protocol.frames import tensor_frames
+from wstream.protocol.layout import grad_layout
 from wstream.protocol.wake import WakePipe
 
 from .channel import Channel, no_answer, raise_or_narrow
@@ -80,7 +81,7 @@ class GradientPusher:
         """Write the stage's per-parameter gradients into a free slot and have ``push`` sent."""
         slot = self._acquire(stage)
         t0 = time.monotonic_ns()
-        numel = spec.numel
+        numel = grad_layout(spec).numel  # groups: the stage's gradient (frozen parameters have none)
         ticket = self._stager.write(self._slots[slot], spec, grads)
         frames: list[object] = [] if self._shm else list(tensor_frames(self._slots[slot][:numel]))
         msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)

@@ -37,15 +37,21 @@ import torch
 from torch import nn
 
 from wstream.protocol import LayoutError, StageSpec
-from wstream.protocol.layout import build_stage_spec, numel_of, validate_stage
+from wstream.protocol.layout import build_stage_spec, grad_layout, numel_of, validate_stage
+
+from .groups import GroupAssigner
 
 Boundary = tuple[Any, ...]
 """What flows between stages: the positional arguments of the next stage."""
 
 
-def spec_of(index: int, module: nn.Module, *, trainable_only: bool = False) -> StageSpec:
-    """The flat layout of ``module``'s parameters (in ``named_parameters`` order); with
-    ``trainable_only``, of those with ``requires_grad`` (a job on a base holds only those)."""
+def spec_of(
+    index: int, module: nn.Module, *, trainable_only: bool = False, groups: GroupAssigner | None = None
+) -> StageSpec:
+    """The flat layout of ``module``'s parameters (in ``named_parameters`` order). A parameter
+    without ``requires_grad`` is marked ``frozen`` (kept and streamed, never trained); with
+    ``trainable_only`` it is left out instead (a job on a base holds only the others). ``groups``
+    gives each trained parameter its parameter group (else every one is in group 0)."""
     buffers = [name for name, _ in module.named_buffers()]
     if buffers:
         raise LayoutError(
@@ -58,7 +64,11 @@ def spec_of(index: int, module: nn.Module, *, trainable_only: bool = False) -> S
             continue
         if not p.is_floating_point():
             raise LayoutError(f"stage {index}: parameter {name!r} has dtype {p.dtype}; only floating point is streamed")
-        params.append((name, tuple(p.shape)))
+        frozen = not p.requires_grad
+        group = 0
+        if groups is not None and not frozen:
+            group = groups.index(name, p, module.get_submodule(name.rpartition(".")[0]))
+        params.append((name, tuple(p.shape), group, frozen))
     spec = build_stage_spec(str(index), params)
     validate_stage(index, spec)
     return spec
@@ -161,14 +171,22 @@ class StageRunner:
         self.spec = spec
         self.base_spec = base_spec
         used = {name for name, _ in skeleton.named_parameters()}
-        self._used = [k for k, p in enumerate(spec.params) if p.name in used]
-        self._views = [(p.name, p.offset, numel_of(p.shape), tuple(p.shape)) for p in spec.params if p.name in used]
+        # the trained parameters this position uses: its autograd leaves, in ``leaves`` order
+        self._used = [k for k, p in enumerate(spec.params) if p.name in used and not p.frozen]
+        self._views = [
+            (p.name, p.offset, numel_of(p.shape), tuple(p.shape), p.frozen) for p in spec.params if p.name in used
+        ]
         wanted = set(frozen)
         self._base_views = [
             (p.name, p.offset, numel_of(p.shape), tuple(p.shape))
             for p in (base_spec.params if base_spec is not None else ())
             if p.name in wanted
         ]
+
+    @property
+    def trains(self) -> bool:
+        """Whether this position uses a trained parameter (has an autograd leaf)."""
+        return bool(self._used)
 
     def views(self, flat: torch.Tensor, base: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         return {**self._own(flat), **self._frozen(base)}
@@ -177,13 +195,16 @@ class StageRunner:
         return torch.func.functional_call(self.skeleton, self.views(flat, base), inputs)
 
     def leaves(self, flat: torch.Tensor, base: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
-        """Parameter views of ``flat``, each an autograd leaf (see NOTE above); the base's frozen
-        parameters are views that need no gradient."""
-        own = {name: v.detach().requires_grad_(True) for name, v in self._own(flat).items()}
+        """Parameter views of ``flat``, each trained one an autograd leaf (see NOTE above); frozen
+        parameters (``ParamSpec.frozen``, and the base's) are views that need no gradient."""
+        own = {
+            name: flat[off : off + n].view(shape) if frozen else flat[off : off + n].view(shape).detach().requires_grad_(True)
+            for name, off, n, shape, frozen in self._views
+        }
         return {**own, **self._frozen(base)}
 
     def _own(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {name: flat[off : off + n].view(shape) for name, off, n, shape in self._views}
+        return {name: flat[off : off + n].view(shape) for name, off, n, shape, _ in self._views}
 
     def _frozen(self, base: torch.Tensor | None) -> dict[str, torch.Tensor]:
         if not self._base_views:
@@ -195,8 +216,9 @@ class StageRunner:
         return torch.func.functional_call(self.skeleton, params, inputs)
 
     def stage_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Gradients of the used parameters (in :meth:`leaves` order) spread over all of the
-        stage's (``spec.params`` order); the parameters this position does not use get None."""
+        """Gradients of the used trained parameters (in :meth:`leaves` order) spread over all of
+        the stage's (``spec.params`` order); frozen parameters and those this position does not
+        use get None."""
         if len(self._used) == len(self.spec.params):
             return grads
         out: list[torch.Tensor | None] = [None] * len(self.spec.params)
@@ -206,20 +228,24 @@ class StageRunner:
 
 
 def scatter_grads(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
-    """Write per-parameter ``grads`` (in ``spec.params`` order) into flat ``dst`` of ``spec.numel``
-    elements; unused parameters and alignment padding become zeros."""
+    """Write per-parameter ``grads`` (in ``spec.params`` order) into flat ``dst``, the stage's
+    gradient (``grad_layout(spec)``: ``spec``'s own layout unless a parameter is frozen; frozen
+    parameters have no place in it); unused parameters and alignment padding become zeros."""
+    layout = grad_layout(spec)
     pos = 0
-    for p, g in zip(spec.params, grads):
-        if p.offset > pos:
-            dst[pos : p.offset].zero_()
+    for p, offset, g in zip(spec.params, layout.offsets, grads):
+        if offset is None:  # frozen: no gradient
+            continue
+        if offset > pos:
+            dst[pos:offset].zero_()
         n = numel_of(p.shape)
         if g is None:
-            dst[p.offset : p.offset + n].zero_()
+            dst[offset : offset + n].zero_()
         else:
-            dst[p.offset : p.offset + n].copy_(g.reshape(-1))
-        pos = p.offset + n
-    if spec.numel > pos:
-        dst[pos : spec.numel].zero_()
+            dst[offset : offset + n].copy_(g.reshape(-1))
+        pos = offset + n
+    if layout.numel > pos:
+        dst[pos : layout.numel].zero_()
 
 
 def as_boundary(value: Any) -> Boundary:

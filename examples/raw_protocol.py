@@ -50,7 +50,7 @@ def main() -> None:
             attached = request(sock, "attach", 3, name="raw", nonce=nonce, client_nonce=client_nonce, proof=proof)
             print(
                 f"attach -> {attached['op']}: session {attached['session'].hex()[:12]}..., "
-                f"stages {[[(name, shape) for name, shape, _offset in s['params']] for s in attached['stages']]}, step {attached['step']}"
+                f"stages {[[(name, shape) for name, shape, *_rest in s['params']] for s in attached['stages']]}, step {attached['step']}"
             )
             wrong = hmac.new(hashlib.sha256(b"guess").digest(), ATTACH_LABEL + b"raw\0" + nonce, hashlib.sha256).digest()
             nonce2 = request(sock, "hello", 4)["nonce"]

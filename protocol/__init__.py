@@ -35,7 +35,7 @@ from .lr_schedules import (
     WarmupLinear,
     lr_at,
 )
-from .messages import PROTOCOL_VERSION, SGD, AdamW, JobOptions, OptimizerSpec, ParamSpec, StageSpec
+from .messages import PROTOCOL_VERSION, SGD, AdamW, GroupSpec, JobOptions, OptimizerSpec, ParamSpec, StageSpec
 from .units import format_bytes, parse_size, version_line
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "Constant",
     "ErrorCode",
     "GradientError",
+    "GroupSpec",
     "InternalError",
     "InverseSqrt",
     "JobExistsError",

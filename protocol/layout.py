@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 from .errors import LayoutError
 from .messages import MAX_NUMEL, ParamSpec, StageSpec
@@ -20,14 +22,67 @@ def align(n: int, to: int = ALIGN_ELEMENTS) -> int:
     return (n + to - 1) // to * to
 
 
-def build_stage_spec(name: str, params: Iterable[tuple[str, tuple[int, ...]]]) -> StageSpec:
-    """Lay ``(name, shape)`` pairs out back to back, each aligned to :data:`ALIGN_ELEMENTS`."""
+def build_stage_spec(name: str, params: Iterable[tuple[Any, ...]]) -> StageSpec:
+    """Lay ``(name, shape)`` pairs, or ``(name, shape, group, frozen)`` tuples, out back to back,
+    each aligned to :data:`ALIGN_ELEMENTS`."""
     specs: list[ParamSpec] = []
     offset = 0
-    for pname, shape in params:
-        specs.append(ParamSpec(pname, tuple(int(d) for d in shape), offset))
+    for pname, shape, *marks in params:
+        specs.append(ParamSpec(pname, tuple(int(d) for d in shape), offset, *marks))
         offset = align(offset + numel_of(shape))
     return StageSpec(name=name, numel=offset, params=specs)
+
+
+class GradLayout(NamedTuple):
+    """The layout of a stage's *gradient* (what a worker pushes and the optimizer reads): the
+    offset of each of ``spec.params`` in a flat buffer of ``numel`` elements, None for a frozen
+    parameter (it has no gradient)."""
+
+    numel: int
+    offsets: tuple[int | None, ...]
+
+
+_GRAD_LAYOUTS: dict[int, tuple[StageSpec, GradLayout]] = {}
+_GRAD_LAYOUTS_LOCK = threading.Lock()
+GRAD_LAYOUT_CACHE = 4096
+"""Stage specs whose gradient layout :func:`grad_layout` keeps (oldest dropped first)."""
+
+
+def grad_layout(spec: StageSpec, *, cache: bool = True) -> GradLayout:
+    """The gradient layout of ``spec``: exactly its own offsets and numel when no parameter is
+    frozen (an ordinary stage), else its trained parameters packed back to back in spec order,
+    each aligned to :data:`ALIGN_ELEMENTS` (the frozen ones take no room).
+
+    Called for every push, so the result is kept per spec *object* (a ``StageSpec`` holds a list
+    and cannot be hashed): keyed by ``id`` with the spec itself kept beside it, so that an id is
+    never reused while its entry lives; at most :data:`GRAD_LAYOUT_CACHE` entries. ``cache=False``
+    computes it without keeping it (for a holder that keeps it itself, such as the server's
+    stages, whose specs should not outlive their job here)."""
+    if not cache:
+        return _grad_layout(spec)
+    hit = _GRAD_LAYOUTS.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    layout = _grad_layout(spec)
+    with _GRAD_LAYOUTS_LOCK:
+        _GRAD_LAYOUTS[id(spec)] = (spec, layout)
+        while len(_GRAD_LAYOUTS) > GRAD_LAYOUT_CACHE:
+            del _GRAD_LAYOUTS[next(iter(_GRAD_LAYOUTS))]
+    return layout
+
+
+def _grad_layout(spec: StageSpec) -> GradLayout:
+    if not any(p.frozen for p in spec.params):
+        return GradLayout(spec.numel, tuple(p.offset for p in spec.params))
+    offsets: list[int | None] = []
+    offset = 0
+    for p in spec.params:
+        if p.frozen:
+            offsets.append(None)
+            continue
+        offsets.append(offset)
+        offset = align(offset + numel_of(p.shape))
+    return GradLayout(offset, tuple(offsets))
 
 
 def validate_stage(index: int, spec: StageSpec) -> None:
@@ -63,6 +118,20 @@ def validate_stages(stages: list[StageSpec]) -> None:
         validate_stage(i, spec)
 
 
+def validate_groups(index: int | None, spec: StageSpec, groups: int) -> None:
+    """Raise :class:`LayoutError` unless every parameter's ``group`` names the optimizer's own
+    settings (0) or one of the job's ``groups`` parameter groups (1..groups). ``index``: the
+    stage's, for the message (None: unknown)."""
+    where = f"stage {spec.name!r}" if index is None else f"stage {index} ({spec.name!r})"
+    for p in spec.params:
+        if p.group > groups:
+            have = "the job has no parameter groups" if not groups else f"the job's are 1..{groups}"
+            raise LayoutError(
+                f"{where}: parameter {p.name!r} is in parameter group {p.group}, but {have} "
+                "(0: the optimizer's own settings)"
+            )
+
+
 def describe_mismatch(expected: list[StageSpec], actual: list[StageSpec]) -> str | None:
     """A readable account of the first difference between two layouts, or None if equal."""
     if len(expected) != len(actual):
@@ -80,5 +149,22 @@ def describe_mismatch(expected: list[StageSpec], actual: list[StageSpec]) -> str
             ap = anames[name]
             if ep.shape != ap.shape:
                 return f"stage {i}: parameter {name!r} has shape {list(ap.shape)}, the job has {list(ep.shape)}"
+            if ep.frozen != ap.frozen:
+                how = ("frozen (requires_grad=False)", "trained")
+                return (
+                    f"stage {i}: parameter {name!r} is {how[not ap.frozen]} in the given model, "
+                    f"{how[not ep.frozen]} in the job"
+                )
+            if ep.group != ap.group:
+                return f"stage {i}: parameter {name!r} is in parameter group {ap.group}, in the job group {ep.group}"
         return f"stage {i}: parameter order or offsets differ from the job's layout"
     return None
+
+
+def without_groups(spec: StageSpec) -> StageSpec:
+    """``spec`` with every parameter in group 0 (to compare layouts whatever their groups)."""
+    return StageSpec(
+        name=spec.name,
+        numel=spec.numel,
+        params=[ParamSpec(p.name, p.shape, p.offset, 0, p.frozen) for p in spec.params],
+    )

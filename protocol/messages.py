@@ -29,6 +29,8 @@ MAX_GRAD_SLOTS = 64
 MAX_STEP = 2**62
 MAX_DATA_FRAMES = 1 << 16
 MAX_TRACE_EVENTS = 65_536
+MAX_PARAM_GROUPS = 1024
+"""At most this many entries in ``JobOptions.param_groups`` (a parameter's ``group`` is 0..this)."""
 CHUNK_BYTES = 4 * 2**20
 """Tensor bytes travel in data frames of at most this size: one 64 MiB ZeroMQ frame moves several
 times slower than the same bytes in 4 MiB frames (see BENCHMARKS.md)."""
@@ -63,11 +65,21 @@ DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # ---- layout and optimizer records (also part of the public client API) -----------------------
 class ParamSpec(Struct, frozen=True, array_like=True):
-    """One parameter of a stage: a view ``flat[offset : offset + numel(shape)].view(shape)``."""
+    """One parameter of a stage: a view ``flat[offset : offset + numel(shape)].view(shape)``.
+
+    ``group`` and ``frozen`` are trailing fields with defaults, so ``[name, shape, offset]`` (a
+    manifest written before they existed) still decodes; they are always encoded."""
 
     name: ParamName
     shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_DIMS)]
     offset: Numel
+    group: Annotated[int, Meta(ge=0, le=MAX_PARAM_GROUPS)] = 0
+    """The optimizer settings it is updated with: 0 the job's optimizer as given, k >= 1
+    ``JobOptions.param_groups[k - 1]``'s overrides of it."""
+    frozen: bool = False
+    """Not trained: no gradient is pushed for it and it has no optimizer state, but it is a weight
+    like any other (published, snapshotted, pulled, exported). Its stage's gradient leaves it out
+    (``wstream.protocol.layout.grad_layout``)."""
 
 
 class StageSpec(Struct, frozen=True, kw_only=True):
@@ -143,6 +155,26 @@ class SGD(Struct, frozen=True, kw_only=True, tag="sgd", tag_field="kind"):
 OptimizerSpec = Union[AdamW, SGD]
 
 
+class GroupSpec(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A parameter group: settings that replace the optimizer's own for the parameters whose
+    ``ParamSpec.group`` points at it (as a ``torch.optim`` param group does)."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=128)]
+    """A label (unique in the job) for messages and for ``create_job(exist_ok=True)``."""
+    weight_decay: float | None = None
+    """The group's weight decay; None: the optimizer's."""
+    lr_scale: float = 1.0
+    """The group's learning rate is the optimizer's (or a step's) times this."""
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.name) <= 128:
+            raise ValueError(f"a parameter group's name must have 1 to 128 characters, got {self.name!r}")
+        where = f"parameter group {self.name!r}: "
+        if self.weight_decay is not None:
+            _check_finite(where + "weight_decay", self.weight_decay, low=0.0)
+        _check_finite(where + "lr_scale", self.lr_scale, low=0.0)
+
+
 class JobOptions(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a job trains, fixed when it is created. Declared here once: ``create_job`` sends it,
     ``attached`` returns it, a snapshot's manifest stores it, and the ``Job`` objects of the
@@ -166,6 +198,18 @@ class JobOptions(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     base: JobName | None = None
     """Train on top of this frozen job: stage i of the new job holds only its trainable
     parameters, and its workers read stage i of the base for the rest."""
+    param_groups: Annotated[list[GroupSpec], Meta(max_length=MAX_PARAM_GROUPS)] = []
+    """Parameter groups: a parameter whose ``ParamSpec.group`` is k >= 1 is updated with
+    ``param_groups[k - 1]``'s weight decay and learning-rate scale."""
+
+    def __post_init__(self) -> None:
+        if len(self.param_groups) > MAX_PARAM_GROUPS:
+            raise ValueError(f"{len(self.param_groups)} parameter groups, more than the limit of {MAX_PARAM_GROUPS}")
+        seen: set[str] = set()
+        for g in self.param_groups:
+            if g.name in seen:
+                raise ValueError(f"parameter group names must be unique; {g.name!r} appears more than once")
+            seen.add(g.name)
 
 
 # ---- messages ----------------------------------------------------------------------------------

@@ -132,7 +132,8 @@ class Job:
         self.published_dtype = options.dtype
         self.memory = memory
         self.published = PublishedStages(
-            record.name, options.optimizer, options.dtype, self.double_buffer, options.frozen, memory, total_numel
+            record.name, options.optimizer, options.dtype, self.double_buffer, options.frozen, memory, total_numel,
+            groups=options.param_groups,  # groups: the job's parameter groups
         )
         self.stages: list[StageState] = self.published.stages
         self.worker_table = WorkerTable(record.name, memory)

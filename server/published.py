@@ -9,7 +9,7 @@ read) are in :mod:`wstream.server.job`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -17,11 +17,11 @@ import torch
 from wstream.protocol import LayoutError
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, frames_nbytes
-from wstream.protocol.layout import numel_of, validate_stage
+from wstream.protocol.layout import grad_layout, numel_of, validate_groups, validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
-from .optimizer import StageOptimizer
+from .optimizer import StageOptimizer, state_bytes_per_element, state_nbytes
 from .stage_state import DTYPES, StageState, stage_bytes
 
 SEGMENT_START = 2**20
@@ -37,7 +37,9 @@ def grown_capacity(capacity: int, needed: int) -> int:
 
 class PublishedStages:
     """The stages of job ``name`` in one shared-memory segment at ``path``. ``total_numel``, when
-    the job says it up front, is checked against free memory at once and sizes the segment."""
+    the job says it up front, is checked against free memory at once and sizes the segment.
+    ``groups``: the job's parameter groups (``JobOptions.param_groups``), which its stages'
+    parameters name by index."""
 
     def __init__(
         self,
@@ -48,9 +50,12 @@ class PublishedStages:
         frozen: bool,
         memory: MemoryAccount,
         total_numel: int | None = None,
+        *,
+        groups: Sequence[m.GroupSpec],
     ) -> None:
         self.name = name
         self.optimizer_spec = optimizer
+        self.groups = tuple(groups)
         self.double_buffer = double_buffer
         self.frozen = frozen  # never updated: no optimizer state
         self.compute_dtype = dtype
@@ -58,7 +63,8 @@ class PublishedStages:
         self.memory = memory
         expected: int | None = None  # the published segment's final size, if known (huge pages)
         if total_numel is not None:
-            pub, priv = stage_bytes(total_numel, optimizer, dtype, double_buffer, grad_numel=0 if frozen else None)
+            state = 0 if frozen else total_numel * state_bytes_per_element(optimizer)  # at most
+            pub, priv = stage_bytes(total_numel, state, dtype, double_buffer, grad_numel=0 if frozen else total_numel)
             memory.check(pub + priv, f"job {name!r}")
             expected = pub
         self.stages: list[StageState] = []
@@ -87,6 +93,7 @@ class PublishedStages:
         if msg.index != len(self.stages):
             raise LayoutError(f"job {self.name!r} expects stage {len(self.stages)} next, got stage {msg.index}")
         validate_stage(msg.index, msg.spec)
+        validate_groups(msg.index, msg.spec, len(self.groups))
         numel = msg.spec.numel
         expected = numel * 4
         got = frames_nbytes(frames)
@@ -102,6 +109,7 @@ class PublishedStages:
         version ``step``."""
         for i, tensors in stages:
             spec = specs[i]
+            validate_groups(i, spec, len(self.groups))
             master = tensors["master"]
             if master.numel() != spec.numel or master.dtype != torch.float32:
                 raise LayoutError(f"snapshot of job {self.name!r}: stage {i} master does not fit its layout")
@@ -116,8 +124,9 @@ class PublishedStages:
         """Reserve memory for stage ``index``, place it in the published segment, ``fill`` its
         fp32 master (a flat tensor of ``spec.numel``) and set up its optimizer."""
         numel = spec.numel
-        grad_numel = 0 if self.frozen else numel  # a frozen base: never updated, no optimizer state
-        pub, priv = stage_bytes(numel, self.optimizer_spec, self.compute_dtype, self.double_buffer, grad_numel=grad_numel)
+        grad_numel = 0 if self.frozen else grad_layout(spec, cache=False).numel  # a base is never updated
+        state = 0 if self.frozen else state_nbytes(self.optimizer_spec, spec)
+        pub, priv = stage_bytes(numel, state, self.compute_dtype, self.double_buffer, grad_numel=grad_numel)
         offset = self.nbytes
         capacity = self._capacity if offset + pub <= self._capacity else grown_capacity(self._capacity, offset + pub)
         slack = capacity - offset - pub
@@ -148,7 +157,7 @@ class PublishedStages:
             slots, offsets = (views[0], views[1]), (offset, offset + slot_nbytes)
         else:
             slots, offsets = (views[0], views[0]), (offset, offset)
-        st = StageState(index, spec, master, slots, offsets, StageOptimizer(self.optimizer_spec, master))
+        st = StageState(index, spec, master, slots, offsets, StageOptimizer(self.optimizer_spec, master, spec, self.groups))
         if grad_numel:
             st.grad = torch.empty(grad_numel, dtype=torch.float32)
         self.stages.append(st)

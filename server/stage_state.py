@@ -20,7 +20,7 @@ from wstream.protocol import GradientError, StaleStepError
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, frames_nbytes, tensor_frames
 
-from .optimizer import StageOptimizer, state_bytes_per_element
+from .optimizer import StageOptimizer
 from .outgoing import Outgoing
 from .snapshot import Snapshot
 from .workers import Worker
@@ -177,9 +177,12 @@ class StageState:
             raise GradientError(f"{where}: slot {msg.slot} does not exist (the ring has {len(worker.slots)})")
         if msg.slot in worker.busy:
             raise GradientError(f"{where}: slot {msg.slot} is still in use by an earlier push")
-        numel = self.grad.numel()
+        numel = self.grad.numel()  # the gradient layout: frozen parameters have no gradient
         if msg.numel != numel:
-            raise GradientError(f"{where}: {msg.numel} elements, the stage's gradient has {numel}")
+            raise GradientError(
+                f"{where}: {msg.numel} elements, stage {self.index}'s gradient has {numel}"
+                + (f" (its frozen parameters have none; the stage has {self.spec.numel})" if numel != self.spec.numel else "")
+            )
         if msg.dtype != "float32":
             raise GradientError(f"{where}: dtype {msg.dtype}; this server takes float32 gradients")
         if worker.shm and frames:
@@ -288,7 +291,7 @@ class UpdateTask:
             snap.capture_before_update(st.index, st.lock, st.capture, st.state_nbytes)
         with st.lock:
             if self.apply and st.grad is not None:
-                st.optimizer.step(st.grad, grad_scale=self.grad_scale, lr=self.lr)
+                st.optimizer.step(st.grad, grad_scale=None if self.grad_scale == 1.0 else self.grad_scale, lr=self.lr)
             target = st.slots[st.slot_for(st.version + 1)]
             if target is not st.master:
                 target.copy_(st.master)
@@ -300,15 +303,13 @@ PoolTask = Union[UpdateTask, GatherTask, NormTask]
 """What the loop hands the optimizer pool."""
 
 
-def stage_bytes(
-    numel: int, optimizer: m.OptimizerSpec, dtype: str, double_buffer: bool, *, grad_numel: int | None = None
-) -> tuple[int, int]:
-    """(published bytes in shared memory, private bytes) one stage holds (see DESIGN.md, "Memory
-    accounting"). ``grad_numel``: the elements that get gradients (None: all of them; 0: a frozen
-    base's stage), each with its optimizer state and its place in the step's gradient accumulator."""
-    grad_numel = numel if grad_numel is None else grad_numel
+def stage_bytes(numel: int, state: int, dtype: str, double_buffer: bool, *, grad_numel: int) -> tuple[int, int]:
+    """(published bytes in shared memory, private bytes) one stage of ``numel`` elements holds
+    (see DESIGN.md, "Memory accounting"): ``state`` bytes of optimizer state
+    (``optimizer.state_nbytes``, of the trained elements only) and ``grad_numel`` elements of the
+    step's gradient accumulator (the gradient layout; 0 for a frozen base's stage)."""
     published = (2 if double_buffer else 1) * align(numel * m.DTYPE_ITEMSIZE[dtype])
-    private = grad_numel * (state_bytes_per_element(optimizer) + 4)
+    private = state + grad_numel * 4
     if double_buffer or dtype != "float32":  # the fp32 master is not the published copy
         private += numel * 4
     return published, private

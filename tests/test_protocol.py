@@ -273,14 +273,14 @@ def test_server_update_takes_the_mean_of_worker_gradients() -> None:
         kwargs = {"lr": 0.1, "momentum": 0.9} if ref_cls is torch.optim.SGD else {"lr": 0.1}
         master = torch.randn(1000)
         ref_param = master.clone()
-        opt = StageOptimizer(spec, master)
+        opt = StageOptimizer(spec, master, m.StageSpec(name="0", numel=1000, params=[m.ParamSpec("w", (1000,), 0)]))
         ref = ref_cls([ref_param], **kwargs)
         for _ in range(3):
             g1, g2, g3 = torch.randn(1000), torch.randn(1000), torch.randn(1000)
-            opt.step([g1.clone(), g2.clone(), g3.clone()])
+            opt.step(g1 + g2 + g3, grad_scale=3)
             ref_param.grad = (g1 + g2 + g3) / 3
             ref.step()
-            opt.step([g1.clone()])  # and a single worker: no scaling at all
+            opt.step(g1.clone())  # and a single worker: no scaling at all
             ref_param.grad = g1
             ref.step()
         assert (master - ref_param).abs().max().item() < 1e-6

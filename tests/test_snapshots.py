@@ -37,7 +37,7 @@ def snapshot_weights(path: Path) -> tuple[int, dict[str, torch.Tensor]]:
                 masters[int(stage)] = t
     out = {}
     for i, spec in enumerate(manifest["job"]["stages"]):
-        for name, shape, offset in spec["params"]:
+        for name, shape, offset, *_ in spec["params"]:  # (group and frozen follow, since protocol 3's groups)
             n = int(torch.tensor(shape).prod().item()) if shape else 1
             out[f"{i}.{name}"] = masters[i][offset : offset + n].view(shape)
     return manifest["step"], out
