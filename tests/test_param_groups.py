@@ -19,6 +19,7 @@ from torch import nn
 
 from conftest import ServerThread, start_server
 from rawwire import RawPeer, RawSession
+from wstream.client import connection as connection_module
 from wstream.client import SGD, AdamW, Client, GradientError, LayoutError, ParamGroup, no_decay
 from wstream.protocol import GroupSpec, JobOptions
 from wstream.protocol import messages as m
@@ -195,6 +196,13 @@ def test_grad_layout_packs_trained_parameters_aligned_in_spec_order() -> None:
     assert layout.offsets == (None, 0, None, 32)
     assert layout.numel == 32 + ALIGN_ELEMENTS
     assert grad_layout(spec) is layout  # kept for the same spec object
+    from wstream.client.distributed import flat_spec
+    from wstream.client.stages import scatter_grads
+
+    assert flat_spec(spec).numel == layout.numel  # what reduce="allreduce" pushes
+    dst = torch.full((layout.numel,), float("nan"))
+    scatter_grads(dst, spec, [None, torch.ones(20), None, torch.full((2, 2), 2.0)])
+    assert torch.equal(dst, torch.cat([torch.ones(20), torch.zeros(12), torch.full((4,), 2.0), torch.zeros(12)]))
 
 
 # ---- wire records ---------------------------------------------------------------------------------
@@ -385,8 +393,15 @@ def test_a_first_stage_frozen_whole_is_refused_by_the_trainer_with_a_reason(clie
     assert job.state_dict().keys() == {f"{i}.{k}" for i, s in enumerate(model()) for k, _ in s.named_parameters()}
 
 
-def test_frames_and_a_copying_worker_push_the_gradient_layout(client: Client) -> None:
-    """Shared memory without zero-copy, and data frames: the same weights as plain PyTorch."""
+@pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])
+def test_frames_and_a_copying_worker_push_the_gradient_layout(
+    client: Client, staged: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Shared memory without zero-copy, and data frames, each with the gradient written straight
+    into its slot or (the GPU path's logic, on a CPU) through the staging buffers: the same
+    weights as plain PyTorch."""
+    if staged:
+        monkeypatch.setattr(connection_module, "host_staging", lambda device: True)
     for mode, kw in (("copy", {"zero_copy": False}), ("frames", {"shm": False})):
         stages = model(seed=4)
         start = copy.deepcopy(stages)
