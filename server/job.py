@@ -149,6 +149,7 @@ class Job:
         self._trained = 0  # stages with something to train
         self.waiting_commit: list[tuple[Deferred, int]] = []  # (request, worker id) until the commit
         self.commits: deque[CommitRecord] = deque(maxlen=COMMITS_KEPT)
+        self.last_commit: CommitRecord | None = None  # the newest (one reference: the metrics thread reads it)
         self.skipped_steps = 0
         self.discarded_steps = 0
         self.counters = JobCounters()  # bytes served, gradients, durations (server/counters.py)
@@ -513,6 +514,7 @@ class Job:
             clip = min(1.0, spec.clip_grad_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_
         record = CommitRecord(t, norm, lr, skipped, clip)
         self.commits.append(record)
+        self.last_commit = record
         if skipped:
             self.skipped_steps += 1
             log.warning("job %r: step %d has a gradient norm of %s: no stage is updated", self.name, t, norm)

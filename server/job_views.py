@@ -69,8 +69,8 @@ def job_info(job: Job) -> m.JobInfo:
         steps_per_s=job.counters.steps.rate(now),
         frozen=job.options.frozen,
         base=job.options.base,
-        grad_norm=job.commits[-1].grad_norm if job.commits else None,
-        lr=job.commits[-1].lr if job.commits else None,
+        grad_norm=job.last_commit.grad_norm if job.last_commit else None,
+        lr=job.last_commit.lr if job.last_commit else None,
         skipped_steps=job.skipped_steps,
         discarded_steps=job.discarded_steps,
     )

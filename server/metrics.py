@@ -54,12 +54,21 @@ class StageView(Protocol):
     last_optimizer_s: float
 
 
+class CommitView(Protocol):
+    grad_norm: float
+    lr: float
+    clip: float
+
+
 class JobView(Protocol):
     name: str
     options: JobOptions
     num_params: int
     counters: JobCounters
     last_snapshot_step: int | None
+    last_commit: CommitView | None
+    skipped_steps: int
+    discarded_steps: int
 
     @property
     def stages(self) -> Sequence[StageView]: ...
@@ -121,12 +130,18 @@ HELP: dict[str, str] = {
     "wstream_job_workers": "Workers training the job now.",
     "wstream_job_memory_bytes": (
         "Bytes the job holds, by kind: published (shared-memory weights workers read), private "
-        "(optimizer state and a separate fp32 master), gradients (workers' shared-memory gradient "
+        "(optimizer state, the step's gradient accumulator, a separate fp32 master), gradients "
+        "(workers' shared-memory gradient "
         "rings), reserve (room held ahead in the weights segment while the job is created)."
     ),
     "wstream_job_deferred_fetches": "Fetches waiting for a stage update to finish.",
     "wstream_job_deferred_pulls": "Pulls waiting for a stage update to finish.",
-    "wstream_job_pending_gradients": "Gradients received whose stage update has not finished.",
+    "wstream_job_pending_gradients": "Gradients received and not yet added into their stage's accumulator.",
+    "wstream_job_grad_norm": "Global gradient norm of the newest committed step, before clipping.",
+    "wstream_job_lr": "Base learning rate of the newest committed step's update (the schedule's).",
+    "wstream_job_clip_factor": "Factor the newest committed step's gradient was multiplied by (1: not clipped).",
+    "wstream_job_skipped_steps_total": "Steps committed without an update (gradient norm not finite).",
+    "wstream_job_discarded_steps_total": "Step attempts discarded because a worker left after pushing part of one.",
     "wstream_job_updates_in_flight": "Stage updates handed to the optimizer pool, queued or running.",
     "wstream_bytes_served_total": (
         "Bytes of weights served, by op (fetch, pull) and via (shm: bytes a reply pointed at in "
@@ -220,6 +235,13 @@ def _collect_job(out: _Families, job: JobView, now: float, stage_limit: int) -> 
     out.gauge("wstream_job_deferred_pulls", sum(len(st.waiting_pull) for st in stages), job=name)
     out.gauge("wstream_job_pending_gradients", sum(len(st.pending) for st in stages), job=name)
     out.gauge("wstream_job_updates_in_flight", job.updates_in_flight, job=name)
+    commit = job.last_commit
+    if commit is not None:
+        out.gauge("wstream_job_grad_norm", commit.grad_norm, job=name)
+        out.gauge("wstream_job_lr", commit.lr, job=name)
+        out.gauge("wstream_job_clip_factor", commit.clip, job=name)
+    out.counter("wstream_job_skipped_steps_total", job.skipped_steps, job=name)
+    out.counter("wstream_job_discarded_steps_total", job.discarded_steps, job=name)
     for (op, via), nbytes in list(c.served.items()):
         out.counter("wstream_bytes_served_total", nbytes, job=name, op=op, via=via)
     out.counter("wstream_gradients_received_total", c.gradients, job=name)

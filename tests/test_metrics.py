@@ -114,6 +114,12 @@ def test_metrics_agree_with_the_work_done_and_with_status(tmp_path: Path) -> Non
     for idle in ("deferred_fetches", "deferred_pulls", "pending_gradients", "updates_in_flight"):
         assert value(samples, f"wstream_job_{idle}", job="m") == 0
     assert value(samples, "wstream_job_info", job="m", optimizer="AdamW", dtype="float32") == 1
+    # the newest step's commit: its norm and lr as the worker saw them (and status says)
+    assert value(samples, "wstream_job_grad_norm", job="m") == pytest.approx(mine.grad_norm) == info.grad_norm
+    assert value(samples, "wstream_job_lr", job="m") == mine.lr == info.lr == AdamW().lr
+    assert value(samples, "wstream_job_clip_factor", job="m") == 1.0
+    assert value(samples, "wstream_job_skipped_steps_total", job="m") == 0 == info.skipped_steps
+    assert value(samples, "wstream_job_discarded_steps_total", job="m") == 0 == info.discarded_steps
     assert value(samples, "wstream_job_parameters", job="m") == numel
     # snapshots: the one at creation and the one saved
     assert value(samples, "wstream_snapshot_seconds_count", job="m") == 2
