@@ -33,7 +33,10 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
-_STATUS_COLUMNS = ("job", "state", "step", "steps/s", "workers", "memory", "snapshot", "stages", "params", "optimizer", "opt-time")
+_STATUS_COLUMNS = (
+    "job", "state", "step", "steps/s", "workers", "memory", "snapshot", "stages", "params", "optimizer", "lr", "grad-norm",
+    "opt-time",
+)
 _LEFT = {"job", "state", "optimizer"}
 
 
@@ -58,6 +61,8 @@ def format_status(st: m.StatusReply, server: str) -> str:
             str(j.stages),
             f"{j.params:,}",
             j.optimizer,
+            "-" if j.lr is None else f"{j.lr:.3g}",
+            "-" if j.grad_norm is None else f"{j.grad_norm:.4g}",
             f"{j.optimizer_s:.2f}s",
         ]
         for j in st.jobs

@@ -74,13 +74,15 @@ def test_status_command_prints_jobs_workers_steps_and_memory(tmp_path: Path) -> 
         lines = out.stdout.splitlines()
         assert "of 1.00 GiB" in lines[0]
         assert lines[1].split() == [
-            "job", "state", "step", "steps/s", "workers", "memory", "snapshot", "stages", "params", "optimizer", "opt-time"
+            "job", "state", "step", "steps/s", "workers", "memory", "snapshot", "stages", "params", "optimizer", "lr",
+            "grad-norm", "opt-time",
         ]
         row = next(line for line in lines if line.startswith("status-demo"))
         fields = row.split()  # the memory cell is two words ("12.34 KiB")
         params = sum(p.numel() for m in models.mixed() for p in m.parameters())
         assert fields[1:3] == ["ready", "3"] and float(fields[3]) > 0 and fields[4] == "1"  # state, step, steps/s, workers
-        assert fields[-5:-1] == ["-", "5", f"{params:,}", "AdamW"]  # no snapshot (no store), stages, params
+        assert fields[-7:-3] == ["-", "5", f"{params:,}", "AdamW"]  # no snapshot (no store), stages, params
+        assert float(fields[-3]) == 1e-3 and float(fields[-2]) > 0  # the lr and gradient norm of the last step
     finally:
         assert srv.stop() == 0
 
