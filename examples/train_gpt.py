@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from wstream.client import AdamW, Client, local_server
+from wstream.client import AdamW, Client, WarmupCosine, local_server, no_decay
 from wstream.client.models import GPTConfig, gpt_stages, lm_loss
 from wstream.protocol import format_bytes
 
@@ -59,7 +59,9 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=32)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (after the warmup)")
+    p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: a tenth of --steps)")
+    p.add_argument("--clip", type=float, default=1.0, help="clip the global gradient norm to this (0: no clipping)")
     p.add_argument("--prefetch", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--micro-batches", type=int, default=1, help="run each stage for K micro-batches of the batch (stage-major)")
@@ -85,10 +87,21 @@ def main() -> None:
     with local_server(args.server, announce=print):
         with Client(args.server) as client:
             torch.manual_seed(args.seed)
+            # the GPT recipe: warmup + cosine decay to a tenth, the global gradient norm clipped to 1,
+            # no weight decay on biases, norms and embeddings
+            warmup = max(1, args.steps // 10) if args.warmup is None else args.warmup
+            recipe = AdamW(
+                lr=args.lr,
+                betas=(0.9, 0.95),
+                weight_decay=0.1,
+                clip_grad_norm=args.clip or None,
+                schedule=WarmupCosine(warmup_steps=min(warmup, args.steps), total_steps=args.steps, min_lr_ratio=0.1),
+            )
             job = client.create_job(
                 job_name,
                 gpt_stages(cfg),
-                optimizer=AdamW(lr=args.lr, weight_decay=0.1),
+                optimizer=recipe,
+                param_groups=[no_decay()],
                 token="demo",
                 progress=True,
                 delayed_update=args.delayed_update,
@@ -110,7 +123,12 @@ def main() -> None:
                         last = trainer.step(x, y, lm_loss, micro_batches=args.micro_batches)
                         first = first or last
                         now = trainer.stats()
-                        shown = {"loss": f"{last:.3f}", "tok/s": f"{now.tokens_per_s or 0:,.0f}"}
+                        shown = {
+                            "loss": f"{last:.3f}",
+                            "lr": f"{now.lr or 0:.2e}",
+                            "|g|": f"{now.grad_norm or 0:.2f}",
+                            "tok/s": f"{now.tokens_per_s or 0:,.0f}",
+                        }
                         if now.loss_scale:
                             shown["loss_scale"] = f"{now.loss_scale:g}"
                         bar.set_postfix(shown)
