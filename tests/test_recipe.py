@@ -61,12 +61,23 @@ def reference(
 ADAMW = AdamW(lr=3e-2, weight_decay=0.05, clip_grad_norm=CLIP, schedule=WarmupCosine(warmup_steps=3, total_steps=10, min_lr_ratio=0.1))
 
 
-@pytest.mark.parametrize("schedule_name", ["store_all", "revolve", "dnc"])
+PLANS = {  # the checkpoint plans of bench/plans.py, each with what it needs
+    "store_all": {},
+    "sqrt": {},
+    "dnc": {},
+    "revolve": {"slots": 2},
+    "optimal": {"memory_budget": "64KiB"},
+    "min_peak": {},
+    "auto": {"memory_budget": "64KiB"},
+}
+
+
+@pytest.mark.parametrize("schedule_name", list(PLANS))
 def test_clipping_and_warmup_cosine_equal_pytorch(client: Client, schedule_name: str) -> None:
     stages = models.mixed()
     start = copy.deepcopy(stages)
     job = client.create_job("recipe", stages, optimizer=ADAMW, token="t")
-    kw = {"slots": 2} if schedule_name == "revolve" else {}
+    kw = PLANS[schedule_name]
     norms, lrs = [], []
     with job.trainer(schedule=schedule_name, **kw) as trainer:
         for s in range(STEPS):
@@ -201,3 +212,94 @@ def test_the_schedule_of_a_live_job_changes_from_its_next_step_and_is_kept(
     bad = '{"kind": "warmup_cosine", "warmup_steps": 5, "total_steps": 2}'
     assert wstream_main(["schedule", "live", "--server", client.address, "--token-file", str(token), "--schedule", bad]) == 2
     assert "total_steps" in capsys.readouterr().err
+
+
+@pytest.mark.server_process
+def test_schedule_clipping_and_a_live_change_resume_exactly_after_a_server_restart(tmp_path: Path) -> None:
+    """The schedule is evaluated at the job's step and stored with the job (a live change too):
+    4 steps, a schedule change, 2 steps, a restart from the store, 4 more steps equal one
+    uninterrupted PyTorch run with the same lr at every step."""
+    from conftest import start_server
+    from wstream.client import MultiStep
+
+    store = str(tmp_path / "store")
+    srv = start_server(tmp_path, "--store", store, name="a")
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    warm = WarmupCosine(warmup_steps=2, total_steps=20)
+    with Client(srv.address, timeout=30) as c:
+        job = c.create_job("resume", stages, optimizer=AdamW(lr=2e-2, clip_grad_norm=CLIP, schedule=warm), token="t")
+        with job.trainer() as trainer:
+            for s in range(4):
+                trainer.step(*models.batch("mixed", s), models.loss_fn)
+            job.set_schedule(MultiStep(milestones=[5, 8], gamma=0.5))
+            for s in range(4, 6):
+                trainer.step(*models.batch("mixed", s), models.loss_fn)
+    assert srv.stop() == 0  # SIGTERM: a final snapshot of step 6
+    srv = start_server(tmp_path, "--store", store, name="b", address=srv.address)
+    try:
+        with Client(srv.address, timeout=30) as c:
+            with torch.device("meta"):
+                skeleton = models.mixed()
+            job = c.attach_job("resume", token="t", stages=skeleton)
+            assert job.options.optimizer.schedule == MultiStep(milestones=[5, 8], gamma=0.5)
+            with job.trainer() as trainer:
+                assert trainer.step_index == 6
+                for s in range(6, 10):
+                    trainer.step(*models.batch("mixed", s), models.loss_fn)
+                assert trainer.stats().lr == pytest.approx(2e-2 * 0.25)
+            got = job.state_dict()
+    finally:
+        assert srv.stop() == 0
+
+    def factor(step: int) -> float:
+        if step < 4:
+            return cosine_factor(2, 20, 0.0)(step)
+        return 0.5 ** sum(step >= ms for ms in (5, 8))
+
+    want, norms, _ = reference(start, lambda p: torch.optim.AdamW(p, lr=2e-2), factor, CLIP, 10)
+    assert_weights_equal(got, want, atol=1e-6)
+    assert sum(n > CLIP for n in norms) >= 2
+
+
+@pytest.mark.server_process
+def test_the_whole_recipe_with_parameter_groups_over_two_workers_equals_pytorch(server: ServerProcess, tmp_path: Path) -> None:
+    """Clipping, the schedule and parameter groups (no decay on biases and norms, a group at half
+    the lr) together, two workers on different data: PyTorch's AdamW with the same groups."""
+    from wstream.client import ParamGroup, no_decay
+
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    groups = [no_decay(), ParamGroup("up", where=r"up\.weight", lr_scale=0.5)]
+    with Client(server.address, timeout=30) as c:
+        job = c.create_job("recipe-groups", stages, optimizer=ADAMW, param_groups=groups, token="t")
+        run_workers(server.address, "recipe-groups", "t", "mixed", STEPS, 2, tmp_path)
+        got = job.state_dict()
+
+    def make_opt(_params: object) -> torch.optim.Optimizer:
+        named = [(f"{i}.{n}", p) for i, mod in enumerate(start) for n, p in mod.named_parameters()]
+        decay0 = [p for n, p in named if p.ndim < 2]
+        half = [p for n, p in named if p.ndim >= 2 and n.endswith("up.weight")]
+        rest = [p for n, p in named if p.ndim >= 2 and not n.endswith("up.weight")]
+        return torch.optim.AdamW(
+            [{"params": decay0, "weight_decay": 0.0}, {"params": half, "lr_scale": 0.5}, {"params": rest}],
+            lr=3e-2, weight_decay=0.05,
+        )
+
+    class ScaledLambda(torch.optim.lr_scheduler.LambdaLR):
+        """LambdaLR with the group's lr_scale applied (PyTorch has no lr multiplier per group)."""
+
+        def get_lr(self) -> list[float]:  # type: ignore[override]
+            return [lr * g.get("lr_scale", 1.0) for lr, g in zip(super().get_lr(), self.optimizer.param_groups)]
+
+    model = nn.Sequential(*start)
+    opt = make_opt(model.parameters())
+    sched = ScaledLambda(opt, cosine_factor(3, 10, 0.1))
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = sum(models.loss_fn(model(x), y) for x, y in (models.batch("mixed", step, r) for r in range(2))) / 2
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        opt.step()
+        sched.step()
+    assert_weights_equal(got, model.state_dict(), atol=1e-6)
