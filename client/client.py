@@ -41,7 +41,7 @@ from .channel import (
 )
 from .chain import Chain, layout_on, progress_bar, walk_chain
 from .endpoint import Closeable, WorkerEndpoint
-from .groups import GroupAssigner, ParamGroup
+from .groups import GroupAssigner, ParamGroup, export_metadata
 from .job_options import job_options, options_difference
 from .options import Checkpointing, Parallelism, Precision, Transport, trainer_options
 from .stages import StageRunner, Tied, flatten, frozen_params
@@ -311,7 +311,7 @@ class Client:
                 _, data = self._chan.request(m.Pull(session=self._admin.session, stage=i, job=name), m.Master)
                 out.update({f"{i}.{name}": t for name, t in stage_tensors(spec, data).items()})
                 bar.update(sum(numel_of(p.shape) for p in spec.params))
-        save_file(out, os.fspath(path), metadata={"job": name})
+        save_file(out, os.fspath(path), metadata=export_metadata(name, layout.stages))
         return layout.step
 
     def shutdown(self) -> None:
@@ -472,7 +472,8 @@ class Job:
         :meth:`state_dict`), for use outside wstream. ``progress`` as for :meth:`state_dict`."""
         from safetensors.torch import save_file
 
-        save_file(self.state_dict(progress=progress), os.fspath(path), metadata={"job": self.name})
+        metadata = export_metadata(self.name, self.specs, self.options.param_groups)
+        save_file(self.state_dict(progress=progress), os.fspath(path), metadata=metadata)
 
     def drop(self) -> None:
         """Delete the job from the server, freeing its memory (workers get errors afterwards).

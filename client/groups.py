@@ -10,6 +10,8 @@ optimizer's own settings). The server runs each group as a ``torch.optim`` param
 
 from __future__ import annotations
 
+import json
+
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -115,3 +117,22 @@ def _matcher(where: Predicate | str | Sequence[str]) -> Callable[[str, nn.Parame
         return lambda name, p, o: bool(where(name, p, o))
     names = frozenset(where)
     return lambda name, _p, _o: name in names
+
+
+def export_metadata(job: str, specs: Sequence[m.StageSpec], groups: Sequence[m.GroupSpec] = ()) -> dict[str, str]:
+    """The safetensors metadata of an export (values are strings): the job's name, its parameter
+    groups with the tensors in each (``<stage>.<param>`` names, as the file's) and its frozen
+    tensors, so that the optimizer settings travel with the weights."""
+    members: dict[int, list[str]] = {}
+    frozen: list[str] = []
+    for i, spec in enumerate(specs):
+        for p in spec.params:
+            if p.frozen:
+                frozen.append(f"{i}.{p.name}")
+            elif p.group:
+                members.setdefault(p.group, []).append(f"{i}.{p.name}")
+    described = [
+        {"name": g.name, "weight_decay": g.weight_decay, "lr_scale": g.lr_scale, "params": members.get(k + 1, [])}
+        for k, g in enumerate(groups)
+    ]
+    return {"job": job, "param_groups": json.dumps(described), "frozen": json.dumps(frozen)}

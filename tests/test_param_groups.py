@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+import models
 from conftest import ServerThread, start_server
 from rawwire import RawPeer, RawSession
 from wstream.client import connection as connection_module
@@ -526,3 +527,24 @@ def test_a_snapshot_keeps_the_groups_frozen_flags_and_optimizer_state(tmp_path: 
             assert_close(job.state_dict(), reference(start, 8))  # the moments came back too
     finally:
         assert srv.stop() == 0
+
+
+def test_an_export_carries_the_groups_and_the_frozen_parameters(client: Client, tmp_path: Path) -> None:
+    """The optimizer settings travel with the weights: the safetensors metadata names each group's
+    settings and tensors, and the frozen tensors."""
+    from safetensors import safe_open
+
+    stages = models.mixed()
+    stages[0][0].bias.requires_grad_(False)
+    job = client.create_job("exported", stages, optimizer=AdamW(weight_decay=0.1), token="t",
+                            param_groups=[no_decay(), ParamGroup("up", where=r"up\.weight", lr_scale=0.5)])
+    job.export(tmp_path / "w.safetensors")
+    with safe_open(str(tmp_path / "w.safetensors"), "pt") as f:
+        meta = f.metadata()
+        names = set(f.keys())
+    groups = {g["name"]: g for g in json.loads(meta["param_groups"])}
+    assert groups["up"] == {"name": "up", "weight_decay": None, "lr_scale": 0.5, "params": ["1.up.weight", "3.up.weight"]}
+    assert groups["no_decay"]["weight_decay"] == 0.0 and "1.norm.weight" in groups["no_decay"]["params"]
+    assert json.loads(meta["frozen"]) == ["0.0.bias"]
+    assert set(groups["no_decay"]["params"]) | set(groups["up"]["params"]) | {"0.0.bias"} <= names
+    assert meta["job"] == "exported"
