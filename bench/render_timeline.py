@@ -26,6 +26,7 @@ COLORS = {
     "copy": "#54a24b",
     "ring": "#f2f2f2",
     "push": "#b279a2",
+    "commit": "#7f3c8d",
     "gather": "#ff9da6",
     "queue": "#bab0ac",
     "optimizer": "#eeca3b",
