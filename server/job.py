@@ -327,9 +327,11 @@ class Job:
         out: list[Outgoing] = []
         if worker_id in self.contributors:
             out += self._discard_open_step(worker_id, end_session, reason)
-        else:
-            for d, wid in [c for c in self.waiting_commit if c[1] == worker_id]:
-                self.waiting_commit.remove((d, wid))
+        else:  # its held commits are answered: its session is gone, so it will never see the step
+            gone = SessionExpiredError(f"job {self.name!r}: worker {worker_id} detached ({reason}) before its step committed")
+            mine = [d for d, wid in self.waiting_commit if wid == worker_id]
+            self.waiting_commit = [c for c in self.waiting_commit if c[1] != worker_id]
+            out += [Outgoing.error(d.identity, d.request_id, gone) for d in mine]
             out += self._check_complete(self.stages, submit)
         self.worker_table.free(w)
         if self.worker_table.started and not self.worker_table.expected(self.open_step):

@@ -227,3 +227,27 @@ def test_found_by_fuzzing_deep_nesting_waiting_fetches_and_abandoned_creation(tm
         peer.close()
         assert srv.stop() == 0
     assert "Traceback" not in srv.log()
+
+
+def test_found_by_fuzzing_a_held_commit_is_answered_when_its_worker_leaves(server: ServerProcess) -> None:
+    """A ``commit`` held until its step commits gets an answer when its worker leaves having pushed
+    nothing of the open step (the step goes on without it): ``session_expired``, not silence."""
+    with Client(server.address, timeout=30) as c:
+        c.create_job("held-commit", [nn.Linear(4, 4), nn.Linear(4, 2)], optimizer=AdamW(), token="t")
+    peer = RawPeer(server.address)
+    try:
+        s = _attach_worker(peer, "held-commit", "t", shm=True)
+        for step in (0, 1):  # the open step and the next one are held
+            peer.sock.send_multipart([s.header("commit", id=100 + step, step=step)])
+        assert not peer.sock.poll(200), "a commit of a step nobody pushed was answered"
+        reply, _ = s.request("leave")
+        held = [reply]
+        while len(held) < 3 and peer.sock.poll(20_000):
+            held.append(msgpack.unpackb(peer.sock.recv_multipart()[0]))
+        assert len(held) == 3, f"the held commits got no reply when their worker left: {held}"
+        by_id = {r["id"]: r for r in held}
+        assert by_id[7]["op"] == "ok", held
+        for rid in (100, 101):
+            assert by_id[rid]["op"] == "error" and by_id[rid]["code"] == "session_expired", held
+    finally:
+        peer.close()

@@ -1,9 +1,9 @@
 """Fuzz every request op of the wire protocol against a live server while a real job trains.
 
-The ops and the types of their fields are read from ``wstream.protocol.messages`` at run time (the
-``Request`` union, each record's ``frames`` and ``msgspec.inspect.type_info``), so an op or a field
-added later is fuzzed without editing this file. Hypothesis builds one request per example, of one
-of these kinds:
+The ops (20 in protocol 4) and the types of their fields are read from ``wstream.protocol.messages``
+at run time (the ``Request`` union, each record's ``frames`` and ``msgspec.inspect.type_info``), so an
+op or a field added later is fuzzed without editing this file. Hypothesis builds one request per
+example, of one of these kinds:
 
 * ``valid``: every field of its declared type and within its declared bounds, random values;
 * ``wrong_type``: one or two fields (``v``, ``op`` and ``id`` included) of another msgpack type;
@@ -19,8 +19,8 @@ of these kinds:
   data frames sized for B's stages;
 * ``stateful``: a nearly valid request for the live state of a job (its current step, real stage
   indices, sizes, slots and sessions, fresh nonces, right or wrong attach proofs, own or other job
-  names), so that pushes are accepted, updates run, fetches wait, and attaches, joins, leaves and
-  drops succeed;
+  names), so that pushes are gathered, steps commit, fetches and commits wait, and attaches, joins,
+  leaves, schedule changes and drops succeed;
 * ``replay``: a signed request that was accepted earlier, sent again byte for byte.
 
 Protocol 2 (NOTE [Signed requests] in ``wstream.protocol.auth``): every header that carries a
@@ -35,13 +35,25 @@ data frames sent. Sessions come only from the public client API (``client.create
 replies to fuzzed ``create_job`` and ``attach`` requests (their keys derived as the protocol
 says), or are random.
 
+The fuzz targets follow protocol 4's step commit point (NOTE [The step commit point] in
+``wstream.server.job``): a push is only gathered, and a step commits, on every stage at once, when
+every stage holds its worker's gradient; each stage's version then moves to the next step as its
+update ends. A target's only worker is an idle :class:`Trainer` whose pushes the fuzzer makes by
+hand: :meth:`Fuzzer.advance` commits one whole step (a push of every stage, then ``commit``), and
+every stage of a target is always at the same step. A fuzzed ``leave`` of that worker after a
+fuzzed push of it was gathered discards the open step (the fuzzer then makes a new worker).
+
 The oracle, for every case:
 
-* an answer comes within ``DEADLINE_S``, except where the specification lets a request wait (a
-  ``fetch`` by a joined worker of the step after the stage's current one); such a request is
-  answered later with ``weights`` of exactly that step (the run ends by advancing those stages),
-  or, when its job is dropped meanwhile, with ``unknown_job`` (before the drop's ``ok``); a worker
-  that already has ``MAX_WAITING_FETCHES`` fetches waiting gets ``bad_state`` at once instead;
+* an answer comes within ``DEADLINE_S``, except where the specification lets a request wait: a
+  ``fetch`` by a joined worker of the step after the stage's current one, answered later with
+  ``weights`` of exactly that stage and step (as the stage's update ends); a ``commit`` by a joined
+  worker of the open step or the next one, held until that step commits and answered with
+  ``committed`` of that step, or with ``session_expired`` when the worker's session ends first (it
+  leaves: the server must answer it then). The run ends by committing steps of the targets until
+  nothing waits. Either is answered ``unknown_job`` when its job is dropped meanwhile (before the
+  drop's ``ok``). A worker that already has ``MAX_WAITING_FETCHES`` fetches waiting gets
+  ``bad_state`` at once instead;
 * a header that the protocol's own decoder refuses, or data frames of a count the op does not take
   (or other than its ``nframes``), get the decoder's error code (``bad_message``, ``unknown_op``,
   ``version_mismatch``), and a header it accepts never gets one of those;
@@ -51,16 +63,20 @@ The oracle, for every case:
   another job); an ``attach``/``admin_attach``/``create_job`` with a nonce that is not fresh gets
   ``auth_failed``, and one with a fresh nonce is not refused for its nonce;
 * ``shutdown`` and ``admin_attach`` never succeed (the server has no admin secret), and the server
-  is still running after every ``shutdown``; ``drop_job``/``save`` naming another job never succeed;
+  is still running after every ``shutdown``; ``drop_job``/``save``/``set_schedule`` naming another
+  job never succeed (a ``set_schedule`` of a target's own is fine: targets are not compared with a
+  reference; the job trained beside the fuzzer has a token and sessions the fuzzer never learns);
 * the answer is an ``error`` with a known code other than ``internal`` and a message, or a known
   reply that decodes under the reply schema and echoes the request id.
 
-After all cases: the server answers, its log has no traceback, "internal error" or ERROR line, its
-RSS grew by at most ``RSS_BOUND`` from the end of the warm-up to the end, and the job trained beside
-the fuzzer (steps interleaved with the cases) has the weights plain PyTorch gives.
+After all cases: every waiting request got its answer, the server answers, its log has no
+traceback, "internal error" or ERROR line, its RSS grew by at most ``RSS_BOUND`` from the end of the
+warm-up to the end, and the job trained beside the fuzzer (steps interleaved with the cases) has the
+weights plain PyTorch gives.
 
 ``WSTREAM_FUZZ_CASES`` (default 1000) sets the number of cases; ``WSTREAM_FUZZ_SEED`` replaces the
-fixed derandomized sequence with a seeded random one. With ``-s`` a summary line is printed.
+fixed derandomized sequence with a seeded random one. With ``-s`` a summary is printed
+(``WSTREAM_FUZZ_DEBUG=1``: with every outcome counted).
 """
 
 from __future__ import annotations
@@ -105,6 +121,7 @@ from wstream.protocol import (
 from wstream.protocol import messages as m
 from wstream.protocol.auth import SessionSigner, admin_proof, attach_proof, secret_key, session_key
 from wstream.protocol.layout import build_stage_spec
+from wstream.protocol.lr_schedules import Constant, InverseSqrt, MultiStep, Piecewise, Warmup, WarmupCosine
 from wstream.protocol.messages import CHUNK_BYTES, MAX_HEADER_BYTES
 from wstream.server import job as server_job
 from wstream.server.config import ServerConfig
@@ -147,6 +164,8 @@ AUTH_LAYER = re.compile(r"not signed|bad mac|replayed|too old|seq must be")
 """The messages of the checks every signed request passes before its handler."""
 NONCE_OPS = (m.CreateJob, m.Attach, m.AdminAttach)
 """Requests that use up a ``hello`` nonce."""
+STEP_OPS = [op for op in ("push", "commit", "fetch", "leave", "join", "set_schedule") if op in REQUESTS]
+"""The ops whose stateful cases move a target's steps and sessions (drawn more often)."""
 
 I64_MIN, U64_MAX = -(2**63), 2**64 - 1
 EXTREME_INTS = [
@@ -164,6 +183,9 @@ another live session's key."""
 def test_derived_op_list_is_complete() -> None:
     assert {"fetch", "push", "pull", "create_job", "add_stage", "join", "status"} <= set(OPS), OPS
     assert {"hello", "attach", "admin_attach", "shutdown", "drop_job", "save"} <= set(OPS), OPS
+    assert {"commit", "set_schedule", "leave", "heartbeat", "seal", "describe", "timeline"} <= set(OPS), OPS
+    assert len(OPS) >= 20, OPS  # protocol 4 has 20
+    assert {"committed", "ok", "master", "joined", "attached"} <= REPLY_OPS
     assert set(OPS) == set(m.REQUEST_TYPES), "the Request union and REQUEST_TYPES (what servers decode) differ"
     assert TAG_FIELD == "op" and all(f.name != "op" for fs in FIELDS.values() for f in fs)
     assert {"error", "weights", "pushed", "challenge"} <= REPLY_OPS
@@ -319,6 +341,20 @@ class Values:
         return st.fixed_dictionaries(fixed, optional=optional)
 
 
+SCHEDULES = [
+    msgspec.to_builtins(s)
+    for s in (
+        Constant(),
+        WarmupCosine(warmup_steps=2, total_steps=10, min_lr_ratio=0.1),
+        InverseSqrt(warmup_steps=0, timescale=1),
+        MultiStep(milestones=[0, 1, 2**62], gamma=1e100),
+        Piecewise(steps=[0, 3], factors=[1e300, 0.0]),
+        Warmup(steps=1, then=Constant()),
+    )
+]
+"""Valid schedules for ``set_schedule`` (some with huge factors: a target's lr may overflow to inf)."""
+
+
 def layout_specs() -> st.SearchStrategy[dict[str, Any]]:
     """Stage specs that pass validation (small, so that their weights can be sent)."""
     shapes = st.lists(st.integers(1, 9), min_size=0, max_size=3).map(tuple)
@@ -448,8 +484,9 @@ def try_decode(wire: bytes) -> m.Message | None:
 # ---- the jobs the fuzzer aims at ----------------------------------------------------------------------
 @dataclass(eq=False)
 class Target:
-    """A job of the fuzzer's own, sealed, with one idle worker (a Trainer) so that its step moves
-    only when a fuzzed push is accepted."""
+    """A job of the fuzzer's own, sealed, with one idle worker (a Trainer) whose pushes the fuzzer
+    makes, so that its step moves only when the fuzzer commits one (:meth:`Fuzzer.advance`) or
+    fuzzed pushes of that worker have gathered every stage of it."""
 
     name: str
     token: str
@@ -461,6 +498,7 @@ class Target:
     worker: bytes = b""
     gen: int = 0
     numels: list[int] = field(default_factory=list)
+    gathered: set[int] = field(default_factory=set)  # stages of the open step a fuzzed push of the worker filled
 
 
 @dataclass(eq=False)
@@ -476,6 +514,12 @@ class FuzzJob:
 
 @dataclass
 class Waiting:
+    """A request the specification lets wait, and the answer it must get: a ``fetch`` of
+    (``stage``, ``step``) gets ``weights`` of exactly that stage and step once the stage's update
+    to ``step`` ends; a ``commit`` of ``step`` (``stage`` -1) gets ``committed`` of that step when
+    the step commits, or ``session_expired`` when its worker's session ends first. Either gets
+    ``unknown_job`` when its job is dropped meanwhile."""
+
     target: str
     gen: int
     stage: int
@@ -483,6 +527,12 @@ class Waiting:
     case: str
     session: bytes = b""  # the worker's
     before: int = 0  # fetches of that worker already waiting when it was sent
+    kind: str = "fetch"  # or "commit"
+
+    @property
+    def expects(self) -> str:
+        """The reply op that answers it when nothing ends it first."""
+        return "weights" if self.kind == "fetch" else "committed"
 
 
 class Fuzzer:
@@ -504,7 +554,8 @@ class Fuzzer:
             self._create(t)
         self.fuzz_job: FuzzJob | None = None
         self.waiting: dict[int, Waiting] = {}
-        self.dropped_answers: list[Waiting] = []  # waiting fetches answered unknown_job: their job must be gone
+        self.dropped_answers: list[Waiting] = []  # waiting requests answered unknown_job: their job must be gone
+        self.expired_answers: list[Waiting] = []  # held commits answered session_expired: their session must be gone
         self.spent: collections.deque[bytes] = collections.deque(maxlen=8)  # nonces used up
         self.replayable: collections.OrderedDict[bytes, tuple[bytes, list[bytes], str | None]] = collections.OrderedDict()
         self.next_reserved = RESERVED_IDS
@@ -514,7 +565,9 @@ class Fuzzer:
         self.ops: collections.Counter[str] = collections.Counter()
         self.outcomes: collections.Counter[str] = collections.Counter()
         self.auth: collections.Counter[str] = collections.Counter()
-        self.deferred_answered = 0
+        self.deferred_answered = 0  # waiting fetches answered with their weights
+        self.commits_answered = 0  # held commits answered with committed
+        self.steps_committed = 0  # steps the fuzzer committed on its targets (advance)
         self.seconds: collections.Counter[str] = collections.Counter()
         self.slowest: list[tuple[float, str, str]] = []
         own = {n for t in self.targets.values() for n in t.numels}
@@ -565,9 +618,16 @@ class Fuzzer:
         return reply.nonce
 
     def version(self, t: Target, stage: int) -> int:
+        """The version of ``stage`` of ``t``, once its update (if one runs) ended: ``pull`` waits for it."""
         reply, _ = self.request(m.Pull(session=t.plain, stage=stage))
         assert isinstance(reply, m.Master), reply
         return reply.version
+
+    def open_step(self, t: Target) -> int:
+        """The step ``t`` gathers: every stage is at it (a step commits on every stage or on none)."""
+        versions = [self.version(t, stage) for stage in range(len(t.numels))]
+        assert len(set(versions)) == 1, f"the stages of {t.name} are at steps {versions}: a step was applied in part"
+        return versions[0]
 
     def _attach(self, name: str, token: str) -> bytes:
         """A new session of job ``name`` through the client API; the fuzzer keeps its signer."""
@@ -595,6 +655,7 @@ class Fuzzer:
                 quiet.setLevel(level)
         t.trainer = t.job.trainer(shm=t.shm, prefetch=0)
         t.worker = t.trainer.session
+        t.gathered = set()  # (the old worker's pushes were discarded with the open step)
         self.signers[t.worker] = t.trainer.connection.sc.signer  # shared with its heartbeat thread
 
     def _kill(self, *sessions: bytes) -> None:
@@ -694,7 +755,8 @@ class Fuzzer:
         return None
 
     def waiting_of(self, session: bytes) -> int:
-        return sum(1 for w in self.waiting.values() if w.session == session)
+        """The fetches of ``session`` waiting now (the server caps those; held commits are not counted)."""
+        return sum(1 for w in self.waiting.values() if w.session == session and w.kind == "fetch")
     # ---- drawing a case -------------------------------------------------------------------------------
     KINDS = [
         "valid", "valid", "wrong_type", "missing_extra", "extreme", "big", "raw", "truncated",
@@ -709,7 +771,8 @@ class Fuzzer:
             return Case(kind, None, raw=data.draw(st.binary(max_size=300)))
         if kind == "replay":
             return Case(kind, None, replay_k=data.draw(st.integers(0, 7)))
-        if kind == "stateful":
+        if kind == "stateful":  # (half of them one of the ops that move a target's steps and sessions)
+            op = data.draw(st.one_of(st.just(op), st.sampled_from(STEP_OPS)), label="stateful op")
             case = self.draw_stateful(data, op)
             case.sign = data.draw(st.sampled_from(["sign", sign]), label="stateful sign")  # (mostly signed)
             return case
@@ -869,6 +932,8 @@ class Fuzzer:
                     "keep": st.sampled_from([-1] * 6 + list(range(16))),  # >= 0: a detail left as drawn
                     "no_frames": st.integers(0, 7),
                     "cuts": st.lists(st.integers(0, 2**22), max_size=3),
+                    "lr": st.sampled_from([0.01, 1e-3, 0.0, 1e30]),  # set_schedule
+                    "schedule": st.sampled_from(["drawn", None, *SCHEDULES]),
                 }
             ),
             label="state",
@@ -913,10 +978,13 @@ class Fuzzer:
             "proof": ProofRef("not-" + job.token if d["wrong_token"] else job.token, admin=op == "admin_attach"),
             "job": {"none": None, "own": job.name, "train": "train", "other": others[0]}[d["job"]],
             "nframes": NFRAMES,
+            "lr": d["lr"],
         }
         for i, (key, value) in enumerate(want.items()):
             if key in fields and d["keep"] != i:
                 header[key] = value
+        if "schedule" in fields and d["schedule"] != "drawn":
+            header["schedule"] = d["schedule"]
         case = Case("stateful", op, header)
         nbytes = (find_int(header, "numel") or 0) * 4
         if REQUESTS[op].frames[1] == 0 or (op == "push" and shm and d["no_frames"]):
@@ -1002,11 +1070,20 @@ class Fuzzer:
         return signed
 
     def may_wait(self, msg: m.Message) -> Waiting | None:
-        """The deferral the specification allows: a joined worker fetching the next step."""
-        if not isinstance(msg, m.Fetch):
+        """The deferrals the specification allows: a joined worker fetching the step after its
+        stage's current one, or committing the job's open step or the next one (held until that
+        step commits; NOTE [The step commit point] in server/job.py)."""
+        if not isinstance(msg, (m.Fetch, m.Commit)):
             return None
         owner, role = self.owner(msg.session)
-        if not isinstance(owner, Target) or role != "worker" or msg.stage >= len(owner.numels):
+        if not isinstance(owner, Target) or role != "worker":
+            return None
+        if isinstance(msg, m.Commit):
+            open_step = self.open_step(owner)
+            if not open_step <= msg.step <= open_step + 1:
+                return None  # answered at once: from the kept outcomes of committed steps, or stale_step
+            return Waiting(owner.name, owner.gen, -1, msg.step, "", msg.session, kind="commit")
+        if msg.stage >= len(owner.numels):
             return None
         version = self.version(owner, msg.stage)
         if msg.step != version + 1:
@@ -1055,8 +1132,8 @@ class Fuzzer:
 
     def flood(self, case: Case) -> None:
         """Fill the case's worker up to the cap on waiting fetches (each will wait): the case itself
-        is then one fetch too many. The fetches are spread over the stages, so that no update
-        answers more than ``MAX_WAITING_FETCHES / stages`` of them at once (see ``advance``)."""
+        is then one fetch too many. The fetches are spread over the stages, so that each stage's
+        update answers its share of them (the step the case is followed by answers them all)."""
         ref = case.header["session"]
         t = self.targets["fz-shm"]
         assert MAX_WAITING_FETCHES is not None and self.session_of(ref) == t.worker
@@ -1127,7 +1204,7 @@ class Fuzzer:
         large = len(wire) + sum(len(f) for f in case.frames) > 2**16
         self.sock.send_multipart([wire, *case.frames], copy=not large)
         if waiting is not None:
-            self.outcomes["deferred"] += 1
+            self.outcomes["deferred" if waiting.kind == "fetch" else "held commits"] += 1
             return
         sent = time.perf_counter()
         got = self.receive(time.monotonic() + DEADLINE_S)
@@ -1171,8 +1248,10 @@ class Fuzzer:
             except WstreamError as exc:
                 raise AssertionError(f"reply does not decode ({exc}): {reply!r} for {where}") from None
             assert not isinstance(msg, (m.Shutdown, m.AdminAttach)), f"without an admin secret: {reply!r} for {where}"
-            if isinstance(msg, (m.DropJob, m.Save)) and msg.job is not None:
+            if isinstance(msg, (m.DropJob, m.Save, m.SetSchedule)) and msg.job is not None:
                 assert owner is not None and msg.job == owner.name, f"another job's {case.op}: {reply!r} for {where}"
+            if isinstance(msg, m.SessionMessage):  # (the job trained beside the fuzzer is out of its reach)
+                assert owner is not None, f"accepted for a session the fuzzer does not know: {reply!r} for {where}"
         if isinstance(msg, m.Shutdown):
             assert self.server.proc.poll() is None, f"the server stopped after {where}\n{self.server.log()[-3000:]}"
         if msg is not None:
@@ -1191,12 +1270,14 @@ class Fuzzer:
             if case.kind == "cross_job":  # sized for job B, sent with a session of another job
                 assert getattr(msg, "numel", None) not in self.train_numels, f"accepted: {reply!r} for {where}"
             self.after_success(msg, reply)
-        if case.kind == "flood":  # the updates answer every waiting fetch: the worker may wait again
-            for stage in range(len(self.targets["fz-shm"].numels)):
-                self.advance(self.targets["fz-shm"], stage)
+        if case.kind == "flood":  # the step's updates answer every waiting fetch: the worker may wait again
+            self.advance(self.targets["fz-shm"])
         for w in self.dropped_answers:  # answered unknown_job: their job must be gone now
-            assert self.targets[w.target].gen != w.gen, f"a waiting fetch got unknown_job, its job is alive: {w.case}"
+            assert self.targets[w.target].gen != w.gen, f"a waiting {w.kind} got unknown_job, its job is alive: {w.case}"
         self.dropped_answers.clear()
+        for w in self.expired_answers:  # answered session_expired: their worker's session must be gone now
+            assert w.session not in self.live(), f"a held commit got session_expired, its session is alive: {w.case}"
+        self.expired_answers.clear()
         self.check_creation_timeout()
 
     def receive(self, deadline: float, until: Any = None) -> tuple[Any, list[bytes]] | None:
@@ -1212,22 +1293,38 @@ class Fuzzer:
             reply = msgpack.unpackb(frames[0], strict_map_key=False)
             rid = reply.get("id") if isinstance(reply, dict) else None
             if rid in self.waiting:
-                self.settle(rid, reply)
+                self.settle(rid, reply, frames[0])
             else:
                 return reply, frames
 
-    def settle(self, rid: int, reply: dict[str, Any]) -> None:
+    def settle(self, rid: int, reply: dict[str, Any], header: bytes) -> None:
+        """Check the late answer of a waiting request (see :class:`Waiting`)."""
         w = self.waiting.pop(rid)
-        if reply.get("op") == "error" and reply.get("code") == UNKNOWN_JOB:
+        what = f"a waiting fetch of stage {w.stage} step {w.step}" if w.kind == "fetch" else f"a held commit of step {w.step}"
+        assert isinstance(reply, dict), f"{what} got {reply!r}: {w.case}"
+        error = reply.get("code") if reply.get("op") == "error" else None
+        if error == UNKNOWN_JOB:
             self.dropped_answers.append(w)  # checked once the case that dropped the job is done
             self.outcomes["dropped with their job"] += 1
             return
-        if MAX_WAITING_FETCHES is None and reply.get("op") == "error" and reply.get("code") == BAD_STATE:
+        if w.kind == "commit" and error == SESSION_EXPIRED:
+            self.expired_answers.append(w)  # checked once the case that ended the session is done
+            self.outcomes["commits ended with their session"] += 1
+            return
+        if w.kind == "fetch" and MAX_WAITING_FETCHES is None and error == BAD_STATE:
             self.outcomes["capped"] += 1  # (a server with a cap this file does not know of)
             return
-        self.deferred_answered += 1
-        ok = reply.get("op") == "weights" and reply.get("stage") == w.stage and reply.get("step") == w.step
-        assert ok, f"a waiting fetch of stage {w.stage} step {w.step} got {reply!r}: {w.case}"
+        ok = reply.get("op") == w.expects and reply.get("step") == w.step
+        if w.kind == "fetch":
+            ok = ok and reply.get("stage") == w.stage
+            self.deferred_answered += 1
+        else:
+            self.commits_answered += 1
+        assert ok, f"{what} got {reply!r}: {w.case}"
+        try:
+            decode_reply(header)
+        except WstreamError as exc:
+            raise AssertionError(f"the answer to {what} does not decode ({exc}): {reply!r}: {w.case}") from None
 
     def after_success(self, msg: m.Message, reply: dict[str, Any]) -> None:
         """Keep the fuzzer's jobs and sessions in step with what an accepted request changed."""
@@ -1267,7 +1364,7 @@ class Fuzzer:
         elif isinstance(owner, Target):
             if isinstance(msg, m.DropJob):
                 left = [w.case for w in self.waiting.values() if w.target == owner.name and w.gen == owner.gen]
-                assert not left, f"{len(left)} waiting fetches got no reply before the drop's ok; the first:\n{left[0]}"
+                assert not left, f"{len(left)} waiting requests got no reply before the drop's ok; the first:\n{left[0]}"
                 self._kill_job(owner)
                 self._create(owner)
             elif isinstance(msg, m.Join):  # a second worker would hold every step back: leave again
@@ -1279,8 +1376,16 @@ class Fuzzer:
                     assert isinstance(reply2, m.Ok), reply2
                     self._kill(owner.plain)
                     owner.plain = self._attach(owner.name, owner.token)
+            elif isinstance(msg, m.Push):  # only a joined session pushes: the worker
+                assert role == "worker" and reply["stage"] == msg.stage and reply["step"] == msg.step, (role, reply)
+                assert msg.stage not in owner.gathered, f"a second push of stage {msg.stage} gathered: {reply!r}"
+                owner.gathered.add(msg.stage)
+                if len(owner.gathered) == len(owner.numels):  # the step committed
+                    owner.gathered.clear()
+                    self.outcomes["steps committed by fuzzed pushes"] += 1
             elif isinstance(msg, m.Leave):
                 if role == "worker":
+                    self.outcomes["steps discarded (the worker left)" if owner.gathered else "worker left"] += 1
                     self._kill(session)
                     self._new_trainer(owner)
                 elif role == "extra":
@@ -1290,43 +1395,64 @@ class Fuzzer:
                     self._kill(session)
                     owner.plain = self._attach(owner.name, owner.token)
 
-    def advance(self, t: Target, stage: int) -> None:
-        """Make one update of ``stage`` of ``t`` (push a gradient as its worker); every fetch
-        waiting for the new step must then be answered with its weights."""
-        version = self.version(t, stage)
-        numel = t.numels[stage]
-        frames = [] if t.shm else [b"\x00" * (numel * 4)]
-        reply, _ = self.request(m.Push(session=t.worker, stage=stage, step=version, slot=0, numel=numel), frames)
-        assert isinstance(reply, m.Pushed), f"{reply!r} to the push that advances stage {stage} of {t.name}"
-        self.answered(t, stage, version + 1)
+    def advance(self, t: Target) -> None:
+        """Commit one whole step of ``t`` as its worker: push every stage of the open step (a stage
+        that a fuzzed push of the worker's gathered already counts as pushed: pushed again first,
+        it must be refused as such; the step commits at the last push of the others), then
+        ``commit`` it, which must answer ``committed``; every request waiting for the step
+        (fetches of the next one, as each stage's update ends, and held commits of it) must then
+        be answered."""
+        step = self.open_step(t)
+        assert len(t.gathered) < len(t.numels), t.gathered  # (else the step committed)
+        for stage in sorted(range(len(t.numels)), key=lambda i: i not in t.gathered):
+            numel = t.numels[stage]
+            frames = [] if t.shm else [b"\x00" * (numel * 4)]
+            reply, _ = self.request(m.Push(session=t.worker, stage=stage, step=step, slot=0, numel=numel), frames)
+            where = f"the push of stage {stage} step {step} of {t.name} (gathered by fuzzed pushes: {sorted(t.gathered)})"
+            if stage in t.gathered:
+                refused = isinstance(reply, m.Error) and reply.code == ErrorCode.BAD_GRADIENT.value
+                assert refused and "already pushed" in reply.message, f"{reply!r} to {where}"  # type: ignore[union-attr]
+                self.outcomes["pushed by a fuzzed push"] += 1
+                continue
+            assert isinstance(reply, m.Pushed) and reply.step == step, f"{reply!r} to {where}"
+        t.gathered.clear()
+        reply, _ = self.request(m.Commit(session=t.worker, step=step))
+        assert isinstance(reply, m.Committed) and reply.step == step, f"{reply!r} to the commit of step {step} of {t.name}"
+        self.steps_committed += 1
+        self.answered(t, step + 1)
 
-    def answered(self, t: Target, stage: int, version: int) -> None:
-        """Wait for the answers to the fetches of ``stage`` of ``t`` that are due at ``version``."""
+    def answered(self, t: Target, step: int) -> None:
+        """Wait for the answers to the requests of ``t`` that are due once its stages are at
+        ``step``: fetches of ``step`` or before, commits of the steps before it."""
 
         def due() -> list[Waiting]:
-            return [x for x in self.waiting.values() if x.target == t.name and x.stage == stage and x.step <= version]
+            return [
+                x for x in self.waiting.values()
+                if x.target == t.name and (x.step <= step if x.kind == "fetch" else x.step < step)
+            ]  # fmt: skip
 
         if due():  # answers that are due may still be on their way
             got = self.receive(time.monotonic() + DEADLINE_S, until=lambda: not due())
-            assert got is None, f"an unexpected reply {got[0]!r} while deferred fetches were answered"
-            assert not due(), f"stage {stage} of {t.name} is at step {version}; never answered:\n" + "\n".join(
+            assert got is None, f"an unexpected reply {got[0]!r} while waiting requests were answered"
+            assert not due(), f"every stage of {t.name} is at step {step}; never answered:\n" + "\n".join(
                 x.case for x in due()[:5]
             )
 
     def finish_waiting(self) -> None:
-        """Advance every stage that has waiting fetches (push a gradient as its worker): each must
-        then be answered with the weights of its step."""
+        """Commit steps of the targets that have waiting requests (as their worker) until none is
+        left: each must be answered (a fetch with the weights of its step, a commit with its step)."""
         for _ in range(10_000):
             if not self.waiting:
                 return
             w = next(iter(self.waiting.values()))
             t = self.targets[w.target]
-            version = self.version(t, w.stage)
-            if w.step <= version:
-                self.answered(t, w.stage, version)
+            step = self.open_step(t)
+            if (w.step <= step) if w.kind == "fetch" else (w.step < step):
+                self.answered(t, step)
             else:
-                self.advance(t, w.stage)
-        raise AssertionError(f"deferred fetches still waiting: {list(self.waiting.values())}")
+                self.advance(t)
+        raise AssertionError(f"requests still waiting: {list(self.waiting.values())}")
+
 
 class Where:
     """Names a case in an assertion message (built only when one fails)."""
@@ -1387,6 +1513,8 @@ def test_fuzz_every_op_while_a_job_trains(server: ServerProcess) -> None:
     reference_thread = threading.Thread(target=reference, name="fuzz-reference")
     reference_thread.start()
     fz = Fuzzer(server, job.specs)  # (its own client, sockets and two small jobs)
+    # the job compared with plain PyTorch is out of the fuzzer's reach: no session, no token of it
+    assert "train-token" not in {t.token for t in fz.targets.values()} and job.session not in fz.signers
     trainer_thread = threading.Thread(target=train, name="fuzz-train")
     trainer_thread.start()
     marks = landmarks(fz)
@@ -1423,8 +1551,12 @@ def test_fuzz_every_op_while_a_job_trains(server: ServerProcess) -> None:
             fz.seconds["draw"] += t_run - t_draw
             fz.seconds[case.kind] += time.perf_counter() - t_run
             n = fz.count
-            if n % every == 0:
+            if n % every == 0:  # a step of the trained job, and one of each target (answering what waits for it)
                 gate.release()
+                t_advance = time.perf_counter()
+                for t in fz.targets.values():
+                    fz.advance(t)
+                fz.seconds["advance"] += time.perf_counter() - t_advance
             if n == warmup:
                 fz._drop_fuzz_job()
                 rss["warm"] = server_rss(server)
@@ -1456,7 +1588,11 @@ def test_fuzz_every_op_while_a_job_trains(server: ServerProcess) -> None:
             f"\nfuzz: {fz.count} cases over {len(ops)} ops in {elapsed:.1f} s; "
             f"server RSS {rss['warm'] / 2**20:.1f} MiB after {warmup} cases -> {rss['end'] / 2**20:.1f} MiB "
             f"({growth / 2**20:+.1f} MiB); {fz.outcomes['deferred']} deferred fetches: {fz.deferred_answered} answered, "
-            f"{fz.outcomes['dropped with their job']} refused when their job was dropped, {fz.outcomes['capped']} over the cap"
+            f"{fz.outcomes['capped']} over the cap; {fz.outcomes['held commits']} held commits: {fz.commits_answered} "
+            f"committed, {fz.outcomes['commits ended with their session']} ended with their worker's session; "
+            f"{fz.outcomes['dropped with their job']} waiting requests refused when their job was dropped"
+            f"\n  steps committed by the fuzzer: {fz.steps_committed} ({fz.outcomes['pushed by a fuzzed push']} of their "
+            f"stages gathered by a fuzzed push already); set_schedule accepted: {fz.outcomes['set_schedule:ok']}"
             f"\n  auth: {dict(sorted(fz.auth.items()))}; unsealed jobs timed out: {fz.outcomes['creation timed out']}"
             f"\n  training steps began after cases {step_at} (the fuzz ended after {fuzz_end})"
             f"\n  kinds: {dict(sorted(fz.kinds.items()))}"
@@ -1464,6 +1600,7 @@ def test_fuzz_every_op_while_a_job_trains(server: ServerProcess) -> None:
             f"\n  seconds: { {k: round(v, 2) for k, v in sorted(fz.seconds.items())} }"
             f"\n  slowest replies: {[(round(t, 3), k, o) for t, k, o in fz.slowest]}"
             f"\n  accepted: {dict(sorted((k, v) for k, v in fz.outcomes.items() if ':' in k and k.split(':')[1] not in WIRE_CODES))}"
+            + (f"\n  outcomes: {dict(sorted(fz.outcomes.items()))}" if os.environ.get("WSTREAM_FUZZ_DEBUG") else "")
         )
         assert set(ops) == set(OPS), f"ops never fuzzed: {set(OPS) - set(ops)}"
         assert growth <= RSS_BOUND, f"server RSS grew by {growth / 2**20:.1f} MiB over the fuzz (bound {RSS_BOUND / 2**20:.0f} MiB)"
@@ -1483,16 +1620,27 @@ def test_fuzz_every_op_while_a_job_trains(server: ServerProcess) -> None:
 
 def landmarks(fz: Fuzzer) -> list[Case]:
     """Fixed cases too big to leave to chance, run first (part of the warm-up), and requests that
-    wait (every target's worker fetching the step after the current one: answered at the end)."""
+    wait: every target's worker fetching the step after the current one, and committing the open
+    step (fz-shm: answered by the step that follows the flood) or the next one (fz-frames); answered
+    at the end, or when a fuzzed ``leave`` of the worker ends its session (the commits). fz-frames's
+    worker also pushes stage 0 of its open step: that step is then committed by the fuzzer with a
+    stage pushed already, or discarded by a fuzzed ``leave`` of the worker."""
     status = {"v": PROTOCOL_VERSION, TAG_FIELD: "status", "id": 1}
     big = MAX_HEADER_BYTES + 1
     waits = []
     for k, t in enumerate(fz.targets.values()):
         worker = SessionRef(2 * k + 1, live=True)
         assert fz.session_of(worker) == t.worker
+        step = fz.open_step(t)
         for stage in range(len(t.numels)):
             fetch = {"v": PROTOCOL_VERSION, TAG_FIELD: "fetch", "id": 2, "session": worker, "stage": stage}
-            waits.append(Case("landmark", "fetch", {**fetch, "step": fz.version(t, stage) + 1}))
+            waits.append(Case("landmark", "fetch", {**fetch, "step": step + 1}))
+        commit = {"v": PROTOCOL_VERSION, TAG_FIELD: "commit", "id": 5, "session": worker, "step": step + k}
+        waits.append(Case("landmark", "commit", commit))
+        if not t.shm:
+            push = {"v": PROTOCOL_VERSION, TAG_FIELD: "push", "id": 6, "session": worker, "stage": 0, "step": step,
+                    "slot": 0, "numel": t.numels[0], "nframes": NFRAMES}  # fmt: skip
+            waits.append(Case("landmark", "push", push, frames=[b"\x00" * (4 * t.numels[0])]))
     if MAX_WAITING_FETCHES is not None:  # fz-shm's worker: as many waiting fetches as allowed, and one more
         assert fz.session_of(SessionRef(1, live=True)) == fz.targets["fz-shm"].worker
         fetch = {"v": PROTOCOL_VERSION, TAG_FIELD: "fetch", "id": 4, "session": SessionRef(1, live=True), "stage": 0}
