@@ -364,6 +364,31 @@ def layout_specs() -> st.SearchStrategy[dict[str, Any]]:
     )
 
 
+STATE = st.fixed_dictionaries(
+    {
+        "target": st.integers(0, 2),
+        "session": st.sampled_from(["worker"] * 6 + ["plain", "extra"]),
+        "stage": st.integers(0, 8),
+        "index": st.sampled_from([0, 0, 0, 1, -1]),
+        "step": st.sampled_from([0, 0, 1, 1, -1, 2]),
+        "slot": st.sampled_from([0, 0, 1, 2]),
+        "numel": st.integers(1, 64),
+        "ghost": st.sampled_from([False, False, False, False, True]),  # name no job
+        "new_name": st.sampled_from(["new", "new", "new", "taken"]),
+        "spec": layout_specs(),
+        "optimizer": st.sampled_from([{"kind": "adamw", "lr": 0.01}, {"kind": "sgd", "momentum": 0.9}]),
+        "wrong_token": st.sampled_from([False, False, False, False, True]),  # attach proof of another token
+        "job": st.sampled_from(["none", "own", "none", "own", "train", "other"]),
+        "keep": st.sampled_from([-1] * 6 + list(range(16))),  # >= 0: a detail left as drawn
+        "no_frames": st.integers(0, 7),
+        "cuts": st.lists(st.integers(0, 2**22), max_size=3),
+        "lr": st.sampled_from([0.01, 1e-3, 0.0, 1e30]),  # set_schedule
+        "schedule": st.sampled_from(["drawn", None, *SCHEDULES]),
+    }
+)
+"""The details of a ``stateful`` case, drawn whatever the state (see ``Fuzzer.draw_stateful``)."""
+
+
 def find_int(obj: Any, key: str) -> int | None:
     """The first integer at ``key`` anywhere in a header (the size its data frames should have)."""
     if isinstance(obj, dict):
@@ -913,31 +938,7 @@ class Fuzzer:
         Every draw is made whatever the state (hypothesis replays choice sequences and needs them
         to be the same for the same earlier choices); the state only interprets them."""
         header = {TAG_FIELD: op, **data.draw(self.header_of[op], label="header")}
-        d = data.draw(
-            st.fixed_dictionaries(
-                {
-                    "target": st.integers(0, 2),
-                    "session": st.sampled_from(["worker"] * 6 + ["plain", "extra"]),
-                    "stage": st.integers(0, 8),
-                    "index": st.sampled_from([0, 0, 0, 1, -1]),
-                    "step": st.sampled_from([0, 0, 1, 1, -1, 2]),
-                    "slot": st.sampled_from([0, 0, 1, 2]),
-                    "numel": st.integers(1, 64),
-                    "ghost": st.sampled_from([False, False, False, False, True]),  # name no job
-                    "new_name": st.sampled_from(["new", "new", "new", "taken"]),
-                    "spec": layout_specs(),
-                    "optimizer": st.sampled_from([{"kind": "adamw", "lr": 0.01}, {"kind": "sgd", "momentum": 0.9}]),
-                    "wrong_token": st.sampled_from([False, False, False, False, True]),  # attach proof of another token
-                    "job": st.sampled_from(["none", "own", "none", "own", "train", "other"]),
-                    "keep": st.sampled_from([-1] * 6 + list(range(16))),  # >= 0: a detail left as drawn
-                    "no_frames": st.integers(0, 7),
-                    "cuts": st.lists(st.integers(0, 2**22), max_size=3),
-                    "lr": st.sampled_from([0.01, 1e-3, 0.0, 1e30]),  # set_schedule
-                    "schedule": st.sampled_from(["drawn", None, *SCHEDULES]),
-                }
-            ),
-            label="state",
-        )
+        d = data.draw(STATE, label="state")
         names = sorted(self.targets) + (["fuzz_job"] if self.fuzz_job is not None else [])
         which = names[d["target"] % len(names)]
         if op in ("add_stage", "seal") and self.fuzz_job is not None and d["target"] != 1:
