@@ -87,7 +87,33 @@ class Constant(_Schedule, tag="constant"):
         return 1.0
 
 
-class WarmupCosine(_Schedule, tag="warmup_cosine"):
+class _WarmupToFloor(_Schedule):
+    """A linear warmup from 0, then a decay from 1 to ``min_lr_ratio`` at ``total_steps``: the
+    fields, checks and floor of :class:`WarmupCosine` and :class:`WarmupLinear`, which differ only
+    in the shape of the decay (``_decay``: 1 at the end of the warmup, 0 at ``total_steps``)."""
+
+    warmup_steps: Count
+    total_steps: Count
+    """The step at which the factor reaches ``min_lr_ratio`` (warmup included)."""
+    min_lr_ratio: float = 0.0
+    """The floor, as a fraction of the base lr, in [0, 1]."""
+
+    def __post_init__(self) -> None:
+        _check_warmup_total(self.warmup_steps, self.total_steps)
+        _check_real("min_lr_ratio", self.min_lr_ratio, high=1.0)
+
+    def factor(self, step: int) -> float:
+        """The multiplier of the base lr at 0-based optimizer step ``step``."""
+        _check_count("step", step)
+        if step < self.warmup_steps:
+            return _warmup(step, self.warmup_steps)
+        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * self._decay(step)
+
+    def _decay(self, step: int) -> float:
+        raise NotImplementedError
+
+
+class WarmupCosine(_WarmupToFloor, tag="warmup_cosine"):
     """Linear warmup from 0, then half a cosine from 1 down to ``min_lr_ratio`` at ``total_steps``.
 
     HF ``get_cosine_with_min_lr_schedule_with_warmup(num_cycles=0.5, min_lr_rate=min_lr_ratio)``:
@@ -100,26 +126,12 @@ class WarmupCosine(_Schedule, tag="warmup_cosine"):
     per-group lr multiplier then scales the floor with the rest of the curve.
     """
 
-    warmup_steps: Count
-    total_steps: Count
-    """The step at which the factor reaches ``min_lr_ratio`` (warmup included)."""
-    min_lr_ratio: float = 0.0
-    """The floor, as a fraction of the base lr, in [0, 1]."""
-
-    def __post_init__(self) -> None:
-        _check_warmup_total(self.warmup_steps, self.total_steps)
-        _check_real("min_lr_ratio", self.min_lr_ratio, high=1.0)
-
-    def factor(self, step: int) -> float:
-        """The multiplier of the base lr at 0-based optimizer step ``step``."""
-        _check_count("step", step)
-        if step < self.warmup_steps:
-            return _warmup(step, self.warmup_steps)
+    def _decay(self, step: int) -> float:
         progress = min(1.0, float(step - self.warmup_steps) / float(max(1, self.total_steps - self.warmup_steps)))
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-class WarmupLinear(_Schedule, tag="warmup_linear"):
+class WarmupLinear(_WarmupToFloor, tag="warmup_linear"):
     """Linear warmup from 0, then a straight line from 1 down to ``min_lr_ratio`` at ``total_steps``.
 
     HF ``get_linear_schedule_with_warmup``: step < warmup: ``step / max(1, warmup)``; else
@@ -130,23 +142,8 @@ class WarmupLinear(_Schedule, tag="warmup_linear"):
     The floor is a ratio of the base lr, for the reason given under ``WarmupCosine``.
     """
 
-    warmup_steps: Count
-    total_steps: Count
-    """The step at which the factor reaches ``min_lr_ratio`` (warmup included)."""
-    min_lr_ratio: float = 0.0
-    """The floor, as a fraction of the base lr, in [0, 1]."""
-
-    def __post_init__(self) -> None:
-        _check_warmup_total(self.warmup_steps, self.total_steps)
-        _check_real("min_lr_ratio", self.min_lr_ratio, high=1.0)
-
-    def factor(self, step: int) -> float:
-        """The multiplier of the base lr at 0-based optimizer step ``step``."""
-        _check_count("step", step)
-        if step < self.warmup_steps:
-            return _warmup(step, self.warmup_steps)
-        linear = max(0.0, float(self.total_steps - step) / float(max(1, self.total_steps - self.warmup_steps)))
-        return self.min_lr_ratio + (1.0 - self.min_lr_ratio) * linear
+    def _decay(self, step: int) -> float:
+        return max(0.0, float(self.total_steps - step) / float(max(1, self.total_steps - self.warmup_steps)))
 
 
 class InverseSqrt(_Schedule, tag="inverse_sqrt"):
