@@ -6,9 +6,10 @@ stage (so it recomputes each stage once in backward, like wstream's current sche
 `torch.optim.AdamW(fused=True)`. wstream streams every stage from a server process (shared
 memory), with the optimizer running there, stage by stage, during backward.
 The two alternate step by step (plain, wstream, plain, ...) and the medians are compared, so
-drift of a shared machine hits both alike. Ratio = wstream / plain median step time (target <= 1.15).
+drift of a shared machine hits both alike. Ratio = wstream / plain median step time (target <= 1.15). Each mode of the optimizer (``--modes``:
+commit, the default, and delayed) trains a job of its own, alternated with the others.
 
-    python bench/train_step.py [--stages 8] [--width 1024] [--batch 256] [--steps 6]
+    python bench/train_step.py [--stages 8] [--width 1024] [--batch 256] [--steps 10] [--modes commit,delayed]
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import copy
 import statistics
 import time
+from contextlib import ExitStack
 
 import torch
 from torch import nn
@@ -49,7 +51,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--server-threads", type=int, default=None, help="torch threads of the server's optimizer")
+    p.add_argument(
+        "--modes", default="commit,delayed",
+        help="where the updates run, each a job of its own, alternated with plain PyTorch: commit (default: "
+        "after the step's commit point, overlapping the next forward), delayed (during the whole next step)",
+    )
     args = parse_args(p, smoke=dict(stages=2, width=64, batch=8, steps=1))
+    modes = args.modes.split(",")
+    if not modes or not set(modes) <= {"commit", "delayed"}:
+        raise SystemExit(f"--modes takes commit and/or delayed, got {args.modes!r}")
     print(f"machine: {machine()}")
     torch.manual_seed(0)
     stages = [Block(args.width) for _ in range(args.stages)]
@@ -80,30 +90,38 @@ def main() -> None:
         return loss.item()
 
     plain_times: list[float] = []
-    ws_times: list[float] = []
+    ws_times: dict[str, list[float]] = {mode: [] for mode in modes}
     extra = ("--torch-threads", str(args.server_threads)) if args.server_threads else ()
-    with server("--memory-limit", "16GiB", *extra) as address, Client(address) as client:
-        job = client.create_job("step", stages, optimizer=AdamW(lr=1e-4), token="b")
-        with job.trainer(prefetch=args.prefetch) as trainer:
-            plain_step(*data[0])  # warm-up both
+    with server("--memory-limit", "16GiB", *extra) as address, Client(address) as client, ExitStack() as trainers:
+        by_mode = {}
+        for mode in modes:
+            job = client.create_job(
+                f"step-{mode}", copy.deepcopy(stages), optimizer=AdamW(lr=1e-4), token="b", delayed_update=mode == "delayed"
+            )
+            by_mode[mode] = trainers.enter_context(job.trainer(prefetch=args.prefetch))
+        plain_step(*data[0])  # warm-up every side
+        for trainer in by_mode.values():
             trainer.step(*data[0], loss_fn)
-            for x, y in data[1:]:
+        for x, y in data[1:]:
+            t0 = time.perf_counter()
+            plain_step(x, y)
+            plain_times.append(time.perf_counter() - t0)
+            for mode, trainer in by_mode.items():
                 t0 = time.perf_counter()
-                plain_step(x, y)
-                t1 = time.perf_counter()
                 trainer.step(x, y, loss_fn)
-                t2 = time.perf_counter()
-                plain_times.append(t1 - t0)
-                ws_times.append(t2 - t1)
-            st = trainer.stats()
+                ws_times[mode].append(time.perf_counter() - t0)
+        for trainer in by_mode.values():
+            trainer.flush()
+        stats = {mode: trainer.stats() for mode, trainer in by_mode.items()}
     t_plain = statistics.median(plain_times)
-    t_ws = statistics.median(ws_times)
     print(f"plain PyTorch (checkpoint per stage + fused AdamW): {t_plain * 1e3:7.1f} ms/step")
-    print(f"wstream (streamed weights, server-side AdamW):      {t_ws * 1e3:7.1f} ms/step   ratio {t_ws / t_plain:.2f}")
-    print(
-        f"  worker waited {st.fetch_wait_s / st.steps * 1e3:.1f} ms/step for weights, "
-        f"{st.push_wait_s / st.steps * 1e3:.1f} ms/step for gradient slots and the last updates"
-    )
+    for mode in modes:
+        t_ws, st = statistics.median(ws_times[mode]), stats[mode]
+        print(f"wstream, {mode:7} (streamed weights, server-side AdamW): {t_ws * 1e3:7.1f} ms/step   ratio {t_ws / t_plain:.2f}")
+        print(
+            f"  worker waited {st.fetch_wait_s / st.steps * 1e3:.1f} ms/step for weights, "
+            f"{st.push_wait_s / st.steps * 1e3:.1f} ms/step for gradient slots and the step's commit"
+        )
 
 
 if __name__ == "__main__":
