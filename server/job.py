@@ -68,6 +68,7 @@ import msgspec
 import torch
 
 from wstream.protocol import (
+    InternalError,
     LayoutError,
     NotReadyError,
     SessionExpiredError,
@@ -544,9 +545,12 @@ class Job:
             end = task.started_ns + int(task.seconds * 1e9)
             self.timeline.add(f"queued {st.index}", "queue", "update queue", task.submitted_ns, task.started_ns, st.index, st.version)
             self.timeline.add(f"update {st.index}", "optimizer", task.thread, task.started_ns, end, st.index, st.version)
-        if error is not None:  # the stage stays at its version: fetches of the next step keep waiting
+        if error is not None:  # a bug: the stage stays at its version, and who waits for it is told
             log.error("job %r stage %d: the update of step %d failed: %r", self.name, st.index, st.version, error)
-            return []
+            failed = InternalError(f"the update of stage {st.index} step {st.version} failed: {error!r} (a bug in wstream)")
+            waiting = [*st.waiting_fetch, *st.waiting_pull]
+            st.waiting_fetch, st.waiting_pull = [], []
+            return [Outgoing.error(d.identity, d.request_id, failed) for d in waiting]
         self._set_version(st, st.version + 1)
         if task.apply:
             self.counters.optimizer.observe(task.seconds)
