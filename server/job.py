@@ -550,6 +550,9 @@ class Job:
             failed = InternalError(f"the update of stage {st.index} step {st.version} failed: {error!r} (a bug in wstream)")
             waiting = [*st.waiting_fetch, *st.waiting_pull]
             st.waiting_fetch, st.waiting_pull = [], []
+            for d in waiting:
+                if d.worker is not None:
+                    d.worker.waiting -= 1
             return [Outgoing.error(d.identity, d.request_id, failed) for d in waiting]
         self._set_version(st, st.version + 1)
         if task.apply:
