@@ -5,11 +5,12 @@ same batches. Plain PyTorch keeps only stage boundaries with `torch.utils.checkp
 stage (so it recomputes each stage once in backward, like wstream's current schedule) and steps
 `torch.optim.AdamW(fused=True)`. wstream streams every stage from a server process (shared
 memory), with the optimizer running there, stage by stage, during backward.
-The two alternate step by step (plain, wstream, plain, ...) and the medians are compared, so
-drift of a shared machine hits both alike. Ratio = wstream / plain median step time (target <= 1.15). Each mode of the optimizer (``--modes``:
+The sides alternate in blocks of a few steps (plain, wstream, plain, ...), each block timed until
+its work is done (wstream's updates included), and the medians of the blocks' step times are
+compared, so drift of a shared machine hits all alike. Ratio = wstream / plain median step time (target <= 1.15). Each mode of the optimizer (``--modes``:
 commit, the default, and delayed) trains a job of its own, alternated with the others.
 
-    python bench/train_step.py [--stages 8] [--width 1024] [--batch 256] [--steps 10] [--modes commit,delayed]
+    python bench/train_step.py [--stages 8] [--width 1024] [--batch 256] [--steps 12] [--block 3] [--modes commit,delayed]
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def main() -> None:
     p.add_argument("--stages", type=int, default=8)
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--batch", type=int, default=256)
-    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--steps", type=int, default=12)
+    p.add_argument("--block", type=int, default=3, help="steps each side runs before the next side's turn")
     p.add_argument("--prefetch", type=int, default=2)
     p.add_argument("--server-threads", type=int, default=None, help="torch threads of the server's optimizer")
     p.add_argument(
@@ -56,7 +58,7 @@ def main() -> None:
         help="where the updates run, each a job of its own, alternated with plain PyTorch: commit (default: "
         "after the step's commit point, overlapping the next forward), delayed (during the whole next step)",
     )
-    args = parse_args(p, smoke=dict(stages=2, width=64, batch=8, steps=1))
+    args = parse_args(p, smoke=dict(stages=2, width=64, batch=8, steps=1, block=1))
     modes = args.modes.split(",")
     if not modes or not set(modes) <= {"commit", "delayed"}:
         raise SystemExit(f"--modes takes commit and/or delayed, got {args.modes!r}")
@@ -89,6 +91,10 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return loss.item()
 
+    # Sides run in blocks of --block steps, alternated (plain, commit, delayed, plain, ...). A
+    # block ends when its work is done: wstream's updates run after step() returns (overlapping the
+    # next step), so each wstream block ends by waiting for its server to finish them (a pull of
+    # the stage updated last), rather than letting them run into the next side's time.
     plain_times: list[float] = []
     ws_times: dict[str, list[float]] = {mode: [] for mode in modes}
     extra = ("--torch-threads", str(args.server_threads)) if args.server_threads else ()
@@ -98,21 +104,25 @@ def main() -> None:
             job = client.create_job(
                 f"step-{mode}", copy.deepcopy(stages), optimizer=AdamW(lr=1e-4), token="b", delayed_update=mode == "delayed"
             )
-            by_mode[mode] = trainers.enter_context(job.trainer(prefetch=args.prefetch))
+            by_mode[mode] = (job, trainers.enter_context(job.trainer(prefetch=args.prefetch)))
         plain_step(*data[0])  # warm-up every side
-        for trainer in by_mode.values():
+        for _, trainer in by_mode.values():
             trainer.step(*data[0], loss_fn)
-        for x, y in data[1:]:
+        batches = data[1:]
+        for start in range(0, len(batches), args.block):
+            block = batches[start : start + args.block]
             t0 = time.perf_counter()
-            plain_step(x, y)
-            plain_times.append(time.perf_counter() - t0)
-            for mode, trainer in by_mode.items():
+            for x, y in block:
+                plain_step(x, y)
+            plain_times.append((time.perf_counter() - t0) / len(block))
+            for mode, (job, trainer) in by_mode.items():
                 t0 = time.perf_counter()
-                trainer.step(x, y, loss_fn)
-                ws_times[mode].append(time.perf_counter() - t0)
-        for trainer in by_mode.values():
-            trainer.flush()
-        stats = {mode: trainer.stats() for mode, trainer in by_mode.items()}
+                for x, y in block:
+                    trainer.step(x, y, loss_fn)
+                trainer.flush()
+                job.pull_stage(0 if mode == "delayed" else args.stages - 1)  # the updates are done
+                ws_times[mode].append((time.perf_counter() - t0) / len(block))
+        stats = {mode: trainer.stats() for mode, (_, trainer) in by_mode.items()}
     t_plain = statistics.median(plain_times)
     print(f"plain PyTorch (checkpoint per stage + fused AdamW): {t_plain * 1e3:7.1f} ms/step")
     for mode in modes:
