@@ -157,9 +157,12 @@ class SnapshotScheduler:
 
     def forget(self, job: Job, gone: WstreamError) -> None:
         """``job`` is dropped: stop its snapshot, answer its waiters with ``gone``, delete its files."""
-        if job.snapshot is not None:
+        waiters = self._waiters.pop(job.name, [])
+        if job.snapshot is not None:  # its waiters too: a cancelled write ends with no one to answer
             job.snapshot.cancel()
-        for w in self._waiters.pop(job.name, []):
+            waiters += job.snapshot.waiters
+            job.snapshot.waiters = []
+        for w in waiters:
             self.outbox.error(w.identity, w.request_id, gone)
         if self.store is not None:  # after any write in progress: the writer runs one task at a time
             self._writer.submit(self.store.delete_job, job.name)
