@@ -55,7 +55,9 @@ class Client:
     """A connection to a ``wstream-server``.
 
     ``timeout`` bounds ordinary requests; ``wait_timeout`` bounds waits that depend on other workers
-    (weights of the next step, acknowledgement of an update), which can legitimately take longer.
+    (their gradients of a step, the weights of the next step), which can legitimately take longer;
+    such a wait is logged every ``wait_report`` seconds with what the job waits for (e.g. "waiting
+    for 1 of 2 workers to join"), and ends with :class:`WaitTimeoutError` naming it.
     ``admin_secret``: the server's admin secret (``--admin-secret-file``), for :meth:`drop_job`,
     :meth:`save_job` and :meth:`shutdown`; it is never sent, only proven.
     ``server_public_key``: for a server with CURVE encryption (``--curve-secret-key``), its public
@@ -73,6 +75,7 @@ class Client:
         admin_secret: str | None = None,
         timeout: float = 60.0,
         wait_timeout: float = 600.0,
+        wait_report: float = 30.0,
         server_public_key: KeySource | None = None,
         client_secret_key: str | os.PathLike[str] | None = None,
     ) -> None:
@@ -81,6 +84,7 @@ class Client:
         self.address = address
         self.timeout_s = timeout
         self.wait_timeout_s = wait_timeout
+        self.wait_report_s = wait_report
         self.curve: ClientKeys | None = (
             curve_keys(server_public_key, client_secret_key) if uses_curve(address) else None
         )
@@ -422,6 +426,7 @@ class Job:
             curve=client.curve,
             timeout_s=client.timeout_s,
             wait_timeout_s=client.wait_timeout_s,
+            wait_report_s=client.wait_report_s,
             job=self.name,
             token=self._token,
             register=client._trainers.add,

@@ -35,8 +35,13 @@ from .options import Transport
 from .prefetch import Prefetcher, WeightRing
 from .push import GradientPusher
 from .streaming import TORCH_DTYPES, HeartbeatThread, StreamContext
+from .waiting import job_waiting
 
 log = logging.getLogger(__name__)
+
+_JOINED_HERE: dict[tuple[str, str], set[int]] = {}
+"""The workers this process has joined, by (server address, job): a second trainer of a job in
+one process is named at once (its steps wait for the first trainer's gradients)."""
 
 
 class WorkerConnection:
@@ -108,6 +113,7 @@ class WorkerConnection:
         self.worker_id = joined.worker
         self.joined_step = joined.step
         """The job's step when this worker joined (the trainer trains it next)."""
+        self._say_what_it_waits_for()
         max_numel = max(s.numel for s in attached.stages)
         if self.shm and joined.grad_slots:
             ring = map_segment(joined.grad_path, joined.grad_slot_bytes * joined.grad_slots)
@@ -161,6 +167,28 @@ class WorkerConnection:
             self.sc, interval_s=max(0.05, attached.lease_s / 3), timeout_s=min(ep.timeout_s, max(1.0, attached.lease_s))
         )
 
+    def _say_what_it_waits_for(self) -> None:
+        """At once on joining: whether the job waits for more workers, and whether this process
+        already has a worker of the job (stepped from one thread, the two would wait for each other)."""
+        ep = self.endpoint
+        here = _JOINED_HERE.setdefault((ep.address, ep.job), set())
+        if here and not self.reader:
+            log.warning(
+                "job %r already has a trainer in this process (worker %s); this one is worker %d. A step commits "
+                "only when every worker's gradients are in, so two trainers of one job stepped one after the "
+                "other from one thread wait for each other (until wait_timeout). Use one trainer per job and "
+                "process (data parallel: one process per rank), or close the first trainer before making another.",
+                ep.job, ", ".join(map(str, sorted(here))), self.worker_id,
+            )
+        if not self.reader:
+            here.add(self.worker_id)
+        waiting = job_waiting(ep)
+        if waiting is not None:
+            log.info("job %r: worker %d joined; %s", ep.job, self.worker_id, waiting)
+
+    def _forget_joined(self) -> None:
+        _JOINED_HERE.get((self.endpoint.address, self.endpoint.job), set()).discard(self.worker_id)
+
     def stage_bytes(self) -> list[int]:
         """Each weight stage's size in the published dtype."""
         return [n * self.sc.published_dtype.itemsize for n in self.sc.numels]
@@ -175,6 +203,7 @@ class WorkerConnection:
         self.prefetcher.close()
         self.pusher.close()
         self.release_host_memory()
+        self._forget_joined()
         old_session, old_signer = self.session, self.sc.signer
         self.chan.close()
         with contextlib.suppress(WstreamError):  # if the server is alive, drop the old worker at once
@@ -208,6 +237,7 @@ class WorkerConnection:
     def shut_down(self) -> None:
         """Leave the job, stop the threads and close the sockets, without waiting for pushes."""
         self.closed = True
+        self._forget_joined()
         self.heartbeat.close()
         self.prefetcher.close()
         try:

@@ -40,6 +40,9 @@ class WorkerEndpoint:
     """Bound of an ordinary request (the client's ``timeout``)."""
     wait_timeout_s: float
     """Bound of a wait on other workers (the client's ``wait_timeout``)."""
+    wait_report_s: float
+    """A wait on other workers that lasts longer is reported, what it waits for in words, and again
+    at this period (the client's ``wait_report``)."""
     job: str
     """The job's name."""
     token: str

@@ -27,6 +27,7 @@ from wstream.protocol.frames import copy_frames_into, frames_nbytes
 from .channel import Channel, raise_or_narrow
 from .device import DONE, CopyEngine, CopyTicket, ReceiveRing
 from .streaming import TRACE_MIN_WAIT_NS, StreamContext, StreamStats
+from .waiting import WaitWatch, recv_watched
 
 
 class WeightRing:
@@ -197,6 +198,7 @@ class Prefetcher:
         sent_at: dict[int, tuple[float, int]] = {}  # request id -> (send time, ring waits then)
         sent_ns: dict[int, int] = {}  # request id -> send time, for the timeline
         nxt = 0
+        watch = WaitWatch(sc.endpoint, f"for the weights of step {step} (the updates of the step before)")
         while nxt < len(order) or sent:
             while nxt < len(order) and len(sent) < ahead:
                 before = time.monotonic_ns()
@@ -207,7 +209,8 @@ class Prefetcher:
                 nxt += 1
             rid, stage = sent[0]
             while rid not in replies:
-                reply, data = chan.recv(timeout_s=sc.endpoint.wait_timeout_s, stop=stop)
+                reply, data = recv_watched(chan, watch, stop)
+                watch.progress()
                 replies[reply.id] = (reply, data)
                 self._record_latency(reply, sent_at.pop(reply.id, None))
                 start = sent_ns.pop(reply.id, None)

@@ -12,15 +12,16 @@ from dataclasses import dataclass
 import torch
 import zmq
 
-from wstream.protocol import ServerUnavailable, StageSpec
+from wstream.protocol import StageSpec, WstreamError
 from wstream.protocol import messages as m
 from wstream.protocol.frames import tensor_frames
 from wstream.protocol.layout import grad_layout
 from wstream.protocol.wake import WakePipe
 
-from .channel import Channel, no_answer, raise_or_narrow
+from .channel import Channel, raise_or_narrow
 from .device import DONE, CopyTicket, GradientStager
 from .streaming import StreamContext, StreamStats
+from .waiting import POLL_SLICE_S, WaitWatch
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +53,8 @@ class GradientPusher:
     owns this pusher's socket: it sends each push, in order, once its copy is complete, and reads
     the replies. The compute thread only waits for a free slot or, at the end of a step, for the
     acknowledgements; a reply that does not come within the client's ``wait_timeout`` while it
-    waits is :class:`ServerUnavailable`, and an error reply is raised there too.
+    waits is :class:`WaitTimeoutError` (naming what the job waits for; ``client/waiting.py``), and
+    an error reply is raised there too.
 
     ``slots`` are host fp32 views: the worker's shared-memory gradient ring, or (``shm=False``) its
     own buffers whose bytes go out as data frames (a slot is busy until its reply, so a buffer is
@@ -104,7 +106,9 @@ class GradientPusher:
     def drain(self) -> None:
         """Wait until every push and commit is answered: for a commit, the step committed (its
         updates are queued; the next step's fetches wait for them)."""
-        self._wait_until(lambda: not self._outstanding and not self._unsent, "wait commit")
+        self._wait_until(
+            lambda: not self._outstanding and not self._unsent, "wait commit", "for the step to commit (every worker's gradients)"
+        )
 
     def wait_stage(self, stage: int) -> None:
         """Wait until no push of ``stage`` is unacknowledged (its gradient was gathered)."""
@@ -114,36 +118,42 @@ class GradientPusher:
                 u.message.stage != stage for u in self._unsent
             )
 
-        self._wait_until(done, f"wait update {stage}")
+        self._wait_until(done, f"wait update {stage}", f"for stage {stage}'s gradient to be taken")
 
     def _acquire(self, stage: int) -> int:
-        self._wait_until(lambda: bool(self._free), f"wait grad slot {stage}")
+        self._wait_until(lambda: bool(self._free), f"wait grad slot {stage}", "for a free gradient slot")
         with self._cond:
             return self._free.pop()
 
-    def _wait_until(self, done: Callable[[], bool], what: str) -> None:
+    def _wait_until(self, done: Callable[[], bool], what: str, why: str) -> None:
         """Wait (with the lock's condition) until ``done()``; raise what the sender thread met, an
-        abort, or :class:`ServerUnavailable` after ``wait_timeout`` without any reply."""
+        abort, or, after ``wait_timeout`` without any reply, :class:`WaitTimeoutError` naming what
+        the job waits for (:class:`ServerUnavailable` if the server does not say). ``what`` labels
+        the wait in a timeline, ``why`` in the reports."""
         with self._cond:
             if self._error is None and done():
                 return
         t0, t0_ns = time.perf_counter(), time.monotonic_ns()
-        limit = self._sc.endpoint.wait_timeout_s
-        with self._cond:
-            seen, deadline = self._replies, time.monotonic() + limit
-            while True:
+        watch = WaitWatch(self._sc.endpoint, why)
+        seen = self._replies
+        while True:
+            with self._cond:
                 if self._error is not None:
                     raise self._error
                 if done():
                     break
                 if self._sc.abort.is_set():
                     self._sc.raise_aborted()
-                if self._replies != seen:
-                    seen, deadline = self._replies, time.monotonic() + limit
-                elif time.monotonic() > deadline:
-                    self._error = ServerUnavailable(no_answer(self._sc.endpoint.address, limit, self._sc.endpoint.curve))
-                    raise self._error
-                self._cond.wait(0.1)
+                if self._replies != seen:  # progress: a long backlog of pushes is not a stall
+                    seen = self._replies
+                    watch.progress()
+                self._cond.wait(POLL_SLICE_S)
+            try:
+                watch.tick()  # outside the lock: it may ask the server
+            except WstreamError as exc:  # every later wait fails with it too
+                with self._cond:
+                    self._error = exc
+                raise
         self.stats.push_wait_s += time.perf_counter() - t0
         if self._sc.tracer is not None:
             self._sc.tracer.add(what, "wait", "compute", t0_ns)

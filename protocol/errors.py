@@ -25,6 +25,7 @@ class ErrorCode(str, enum.Enum):
     NOT_READY = "not_ready"  # job still uploading
     BAD_STATE = "bad_state"  # op not valid now (upload twice, train before join, ...)
     UNAVAILABLE = "unavailable"  # client side: the server did not answer in time
+    WAIT_TIMEOUT = "wait_timeout"  # client side: other workers did not do their part in time
     INTERNAL = "internal"  # a bug in wstream: please report
 
 
@@ -103,6 +104,13 @@ class ServerUnavailable(WstreamError):
     """The server did not answer within the deadline; the connection is now unusable."""
 
     code = ErrorCode.UNAVAILABLE
+
+
+class WaitTimeoutError(WstreamError):
+    """A wait on other workers (their gradients, their joining) outlasted the client's
+    ``wait_timeout``; the message says what the job waited for. The server did answer."""
+
+    code = ErrorCode.WAIT_TIMEOUT
 
 
 class InternalError(WstreamError):

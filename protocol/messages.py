@@ -354,7 +354,9 @@ class DropJob(SessionMessage, tag="drop_job"):
 
 
 class Status(Message, tag="status"):
-    pass
+    """The server's status; ``job``: only that job's line (an unknown name gives no line)."""
+
+    job: JobName | None = None
 
 
 class Save(SessionMessage, tag="save"):
@@ -522,6 +524,10 @@ class JobInfo(Struct, frozen=True, kw_only=True):
     """Steps committed without an update because their gradient norm was not finite."""
     discarded_steps: int = 0
     """Step attempts thrown away because a worker that had pushed part of them left."""
+    waiting: str | None = None
+    """What the job's open step waits for on its workers, in words ("waiting for 1 of 2 workers to
+    join ..." or "step 7: waiting for the gradients of worker 3 ..."); None when nothing waits on a
+    worker. Workers quote it when a wait of theirs lasts."""
 
 
 class Layout(Message, tag="layout"):

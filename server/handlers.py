@@ -391,7 +391,7 @@ class Handlers:
             uptime_s=time.monotonic() - self.started,
             memory_limit=self.memory.limit,
             memory_used=self.memory.used,
-            jobs=[job_info(j) for j in self.jobs.values()],
+            jobs=[job_info(j) for j in self.jobs.values() if msg.job in (None, j.name)],  # type: ignore[attr-defined]
         )
         return Outgoing(identity, reply)
 

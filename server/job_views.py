@@ -73,4 +73,38 @@ def job_info(job: Job) -> m.JobInfo:
         lr=job.last_commit.lr if job.last_commit else None,
         skipped_steps=job.skipped_steps,
         discarded_steps=job.discarded_steps,
+        waiting=waiting_for(job, now),
     )
+
+
+def waiting_for(job: Job, now: float) -> str | None:
+    """What the job's open step waits for on its workers, in words; None when nothing does (no
+    worker, a step not begun by anyone, or every gradient in and the commit under way)."""
+    table = job.worker_table
+    pushers = sorted(w.id for w in table.all.values() if not w.reader)
+    if not job.ready or not pushers:
+        return None
+    if not table.started:
+        size = table.world_size or 0
+        return (
+            f"waiting for {size - len(pushers)} of {size} workers to join (world_size={size}); "
+            f"present: {_workers(pushers)}"
+        )
+    if not job.contributors and not job.waiting_commit:
+        return None  # nobody has begun the open step
+    trained = [st for st in job.stages if st.trained]
+    lagging = []
+    for wid in sorted(table.expected(job.open_step)):
+        missing = sum(wid not in st.gathered and wid not in st.pending for st in trained)
+        if missing:
+            idle = now - table.all[wid].last_seen
+            lagging.append(
+                f"the gradients of worker {wid} ({missing} of {len(trained)} stages missing; heard from {idle:.1f} s ago)"
+            )
+    if not lagging:
+        return None
+    return f"step {job.open_step}: waiting for " + ", ".join(lagging)
+
+
+def _workers(ids: list[int]) -> str:
+    return ("worker " if len(ids) == 1 else "workers ") + ", ".join(map(str, ids))

@@ -93,7 +93,9 @@ class SessionTable:
                 "or signed for another session)"
             )
         s.replay.check(msg.seq)
-        self._last_seen[msg.session] = time.monotonic()
+        now = self._last_seen[msg.session] = time.monotonic()
+        if s.worker is not None and s.job is not None and s.worker in s.job.worker_table.all:
+            s.job.worker_table.all[s.worker].last_seen = now  # status's idle_s
 
     def end(self, sid: bytes) -> Session | None:
         """Forget session ``sid``; returns it (if it was open) so its worker can be detached."""

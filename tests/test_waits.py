@@ -1,0 +1,93 @@
+"""A worker that waits on other workers says what it waits for, at once and then periodically,
+and gives up after the client's ``wait_timeout`` with an error naming the cause (issue 16).
+
+Both cases used to wait 600 s with no word, then raise ``ServerUnavailable`` although the server
+answered all along."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from wstream.client import AdamW, Client, WaitTimeoutError
+
+WAIT = dict(wait_timeout=2.0, wait_report=0.4)
+"""Short enough for a test: the waits below can never end by themselves."""
+
+
+def model() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Linear(4, 4), nn.Linear(4, 2)]
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(3, 4), torch.randn(3, 2)
+
+
+def messages(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == level and r.name.startswith("wstream.client")]
+
+
+def test_a_second_trainer_of_a_job_in_one_process_is_named_at_once_and_its_wait_ends(
+    server, caplog: pytest.LogCaptureFixture
+) -> None:
+    x, y = data()
+    with Client(server.address, timeout=30, **WAIT) as client:
+        job = client.create_job("twice", model(), token="t", optimizer=AdamW(lr=1e-2))
+        first = job.trainer(prefetch=0)
+        first.step(x, y, nn.functional.mse_loss)
+        with caplog.at_level(logging.INFO, logger="wstream.client"):
+            second = job.trainer(prefetch=0)
+            joined = messages(caplog, logging.WARNING)
+            assert any("already has a trainer in this process" in s and f"worker {first.connection.worker_id}" in s for s in joined), joined
+            with pytest.raises(WaitTimeoutError) as err:
+                second.step(x, y, nn.functional.mse_loss)
+        reports = [s for s in messages(caplog, logging.WARNING) if "still waiting" in s]
+        assert len(reports) >= 2, reports  # periodically, not once
+        cause = f"the gradients of worker {first.connection.worker_id}"
+        assert all(cause in s for s in reports), reports
+        assert cause in str(err.value) and "'twice'" in str(err.value), err.value
+        assert "2 s" in str(err.value), err.value  # it names the timeout it gave up after
+        second.close()
+        first.close()
+
+
+def test_world_size_two_with_one_worker_says_whom_it_waits_for(server, caplog: pytest.LogCaptureFixture) -> None:
+    x, y = data()
+    with Client(server.address, timeout=30, **WAIT) as client:
+        job = client.create_job("pair", model(), token="t", optimizer=AdamW(lr=1e-2))
+        with caplog.at_level(logging.INFO, logger="wstream.client"):
+            trainer = job.trainer(world_size=2, prefetch=0)
+            at_join = messages(caplog, logging.INFO) + messages(caplog, logging.WARNING)
+            want = "waiting for 1 of 2 workers to join"
+            assert any(want in s and "present: worker 0" in s for s in at_join), at_join
+            with pytest.raises(WaitTimeoutError) as err:
+                trainer.step(x, y, nn.functional.mse_loss)
+        reports = [s for s in messages(caplog, logging.WARNING) if "still waiting" in s]
+        assert len(reports) >= 2 and all(want in s for s in reports), reports
+        assert want in str(err.value), err.value
+        trainer.close()
+
+
+def test_status_says_what_each_job_waits_for(server) -> None:
+    """The server's side of it: ``status`` names what a job's open step waits for."""
+    x, y = data()
+    with Client(server.address, timeout=30, **WAIT) as client:
+        job = client.create_job("quiet", model(), token="t", optimizer=AdamW(lr=1e-2))
+        assert job_info(client, "quiet").waiting is None  # no worker yet: nothing waits
+        with job.trainer(world_size=2, prefetch=0):
+            waiting = job_info(client, "quiet").waiting
+            assert waiting is not None and "1 of 2 workers to join" in waiting, waiting
+        lone = client.create_job("lone", model(), token="t", optimizer=AdamW(lr=1e-2))
+        with lone.trainer(prefetch=0) as trainer:
+            trainer.step(x, y, nn.functional.mse_loss)
+            assert job_info(client, "lone").waiting is None  # a lone worker's step committed
+
+
+def job_info(client: Client, name: str):
+    (info,) = [j for j in client.status().jobs if j.name == name]
+    return info
