@@ -90,7 +90,9 @@ import re
 import threading
 import time
 import typing
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -105,7 +107,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import models
-from conftest import ServerProcess
+from conftest import ServerProcess, start_server
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import AdamW, Client, Trainer
 from wstream.client import Job as ClientJob
@@ -123,6 +125,7 @@ from wstream.protocol.auth import SessionSigner, admin_proof, attach_proof, secr
 from wstream.protocol.layout import build_stage_spec
 from wstream.protocol.lr_schedules import Constant, InverseSqrt, MultiStep, Piecewise, Warmup, WarmupCosine
 from wstream.protocol.messages import CHUNK_BYTES, MAX_HEADER_BYTES
+from wstream.protocol.shm import segment_paths
 from wstream.server import job as server_job
 from wstream.server.config import ServerConfig
 
@@ -1484,8 +1487,22 @@ def server_rss(server: ServerProcess) -> int:
     return psutil.Process(server.proc.pid).memory_info().rss
 
 
-@pytest.mark.server_process  # measures the server process's memory and raw wire input
-def test_fuzz_every_op_while_a_job_trains(server: ServerProcess) -> None:
+@pytest.fixture
+def store_server(tmp_path: Path) -> Iterator[ServerProcess]:
+    """A server process (its memory is measured) with a store that snapshots every job at every
+    step, so that seals and saves wait for snapshots, and drops land during snapshot writes."""
+    srv = start_server(
+        tmp_path, "--memory-limit", "4GiB", "--store", str(tmp_path / "store"), "--snapshot-every", "1",
+        "--keep-snapshots", "1",
+    )
+    yield srv
+    rc = srv.stop()
+    assert rc == 0, f"server exited with {rc}\n{srv.log()[-5000:]}"
+    assert not segment_paths(srv.proc.pid), f"server left shared-memory segments\n{srv.log()[-5000:]}"
+
+
+def test_fuzz_every_op_while_a_job_trains(store_server: ServerProcess) -> None:
+    server = store_server
     stages = models.mixed(seed=21)
     start = copy.deepcopy(stages)
     train_client = Client(server.address, timeout=30)
