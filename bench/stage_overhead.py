@@ -1,0 +1,95 @@
+"""Per-stage overhead: deep chains of small stages through wstream vs plain PyTorch (issue 17).
+
+Each chain is ``n`` stages of ``Linear(W, W) + GELU``. Plain PyTorch keeps only stage boundaries
+(``torch.utils.checkpoint`` on every stage, so each stage is recomputed once in backward) and steps
+``torch.optim.AdamW(fused=True)``; wstream streams every stage from a server subprocess on the same
+machine (shared memory) with its default settings and the ``store_all`` plan (the same
+recomputation: keep every stage input, recompute each stage once in backward). Both train the same
+batches; the sides alternate step by step after a warm-up step each, and each wstream step is timed
+until its updates are done. Printed per chain: the median step times, their ratio, and the
+overhead per stage, ``(wstream - plain) / n``.
+
+    python bench/stage_overhead.py [--chains 100x48,1000x48,10000x48,60x256,30x1024] [--batch 16] [--steps 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from common import machine, parse_args, server
+from wstream.client import AdamW, Client
+
+
+def chain(n: int, width: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n)]
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def measure(client: Client, n: int, width: int, batch: int, steps: int) -> tuple[float, float]:
+    """Median seconds per step of plain PyTorch and of wstream on the chain ``n x width``."""
+    stages = chain(n, width)
+    ref = nn.Sequential(*copy.deepcopy(stages))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
+    data = [(torch.randn(batch, width), torch.randn(batch, width)) for _ in range(steps + 1)]
+
+    def plain_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        h = x
+        for stage in ref:
+            h = checkpoint(stage, h, use_reentrant=False)
+        loss_fn(h, y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    job = client.create_job(f"chain-{n}x{width}", stages, optimizer=AdamW(lr=1e-4), token="b", progress=False)
+    plain, streamed = [], []
+    with job.trainer(schedule="store_all") as trainer:
+        plain_step(*data[0])
+        trainer.step(*data[0], loss_fn)
+        for x, y in data[1:]:
+            t0 = time.perf_counter()
+            plain_step(x, y)
+            plain.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            trainer.step(x, y, loss_fn)
+            trainer.flush()
+            job.pull_stage(n - 1)  # its update is the last to run: the step's work is done
+            streamed.append(time.perf_counter() - t0)
+    job.drop()
+    return statistics.median(plain), statistics.median(streamed)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--chains", default="100x48,1000x48,10000x48,60x256,30x1024", help="N x WIDTH, comma-separated")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=3, help="timed steps of each side (after one warm-up step)")
+    p.add_argument("--server-arg", action="append", default=[], help="an extra wstream-server argument (repeat)")
+    args = parse_args(p, smoke=dict(chains="4x16", steps=1))
+    chains = [tuple(int(v) for v in c.split("x")) for c in args.chains.split(",")]
+    print(f"machine: {machine()}")
+    print(f"wstream-server arguments: {args.server_arg or 'defaults'}; batch {args.batch}; {args.steps} timed steps")
+    print(f"{'chain':>12} {'plain ms/step':>14} {'wstream ms/step':>16} {'ratio':>7} {'overhead/stage':>15}")
+    with server("--memory-limit", "16GiB", *args.server_arg) as address, Client(address, timeout=120) as client:
+        for n, width in chains:
+            t_plain, t_ws = measure(client, n, width, args.batch, args.steps)
+            per_stage_us = (t_ws - t_plain) / n * 1e6
+            print(
+                f"{f'{n}x{width}':>12} {t_plain * 1e3:14.1f} {t_ws * 1e3:16.1f} {t_ws / t_plain:7.2f} "
+                f"{per_stage_us:12.0f} us",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
