@@ -424,6 +424,8 @@ class Job:
             wait_timeout_s=client.wait_timeout_s,
             job=self.name,
             token=self._token,
+            stages=tuple(self.specs),
+            base_stages=tuple(self.base_stages),
             register=client._trainers.add,
             unregister=client._trainers.discard,
         )
