@@ -300,14 +300,14 @@ def create_job_from_pretrained(
     name: str,
     folder: str | os.PathLike[str],
     *,
-    token: str,
+    token: str | None = None,
     blocks_per_stage: int = 1,
     attn_implementation: str = "sdpa",
     **options: Any,
 ) -> Job:
     """Create job ``name`` from the model in ``folder``, uploading one stage at a time (see
     :func:`stages_from_pretrained`). ``options`` go to ``Client.create_job`` (``optimizer``,
-    ``dtype``, ``progress``, ...)."""
+    ``dtype``, ``progress``, ...); ``token`` too (default ``$WSTREAM_TOKEN``)."""
     stages = stages_from_pretrained(folder, blocks_per_stage=blocks_per_stage, attn_implementation=attn_implementation)
     job = client.create_job(name, stages, token=token, **options)
     log.info("job %r created from %s: %d stages, %d positions", name, folder, job.num_stages, len(job.positions or ()))
@@ -319,12 +319,12 @@ def attach_job_from_pretrained(
     name: str,
     source: Source,
     *,
-    token: str,
+    token: str | None = None,
     blocks_per_stage: int = 1,
     attn_implementation: str = "sdpa",
 ) -> Job:
     """Attach another worker to a job made by :func:`create_job_from_pretrained` (same
-    ``blocks_per_stage``); only the config is read, no weights."""
+    ``blocks_per_stage``); only the config is read, no weights. ``token``: default ``$WSTREAM_TOKEN``."""
     stages = stages_from_pretrained(
         source, blocks_per_stage=blocks_per_stage, attn_implementation=attn_implementation, weights=False
     )
