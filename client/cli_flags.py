@@ -40,7 +40,7 @@ def add_connection_flags(
     nor ``$WSTREAM_SERVER`` gives one; ``timeout`` the default of ``--timeout``."""
     g = parser.add_argument_group("connection")
     g.add_argument(
-        "--server",
+        "--server", metavar="ADDR",
         default=server_address(None, default_server),
         help=f"{server_help} (default: ${ENV_SERVER}, else {default_server})",
     )
@@ -54,7 +54,7 @@ def add_connection_flags(
         help=f"this client's secret CURVE certificate, for a server with --curve-authorized-keys "
         f"(default: ${ENV_CLIENT_KEY})",
     )
-    g.add_argument("--timeout", type=float, default=timeout, help="seconds to wait for an answer (default: %(default)g)")
+    g.add_argument("--timeout", metavar="SECONDS", type=float, default=timeout, help="seconds to wait for an answer (default: %(default)g)")
     if token:
         g.add_argument("--token-file", metavar="FILE", help=f"file holding the job's token (default: ${ENV_TOKEN})")
     if admin:

@@ -50,7 +50,7 @@ def test_every_command_that_connects_takes_the_same_flags_and_names_their_enviro
 ) -> None:
     for command in COMMANDS:
         text = help_of([command, *(["JOB"] if command in JOB_COMMANDS else [])], capsys)
-        for flag in ("--server SERVER", "--server-key FILE", "--client-key FILE", "--timeout"):
+        for flag in ("--server ADDR", "--server-key FILE", "--client-key FILE", "--timeout SECONDS"):
             assert flag in text, (command, flag, text)
         assert "(default: $WSTREAM_SERVER, else tcp://127.0.0.1:5555)" in text, (command, text)
         assert "(default: $WSTREAM_SERVER_KEY)" in text and "(default: $WSTREAM_CLIENT_KEY)" in text, (command, text)
@@ -67,7 +67,7 @@ def test_the_examples_take_the_same_connection_flags(script: str) -> None:
     proc = subprocess.run([sys.executable, str(EXAMPLES / script), "--help"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     text = flat(proc.stdout)
-    for flag in ("--server SERVER", "--server-key FILE", "--client-key FILE", "--token-file FILE", "--timeout"):
+    for flag in ("--server ADDR", "--server-key FILE", "--client-key FILE", "--token-file FILE", "--timeout SECONDS"):
         assert flag in text, (script, flag, text)
     assert "(default: $WSTREAM_SERVER, else " in text and "$WSTREAM_TOKEN" in text and "$WSTREAM_SERVER_KEY" in text
 
