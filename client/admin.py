@@ -15,21 +15,16 @@ from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY, write_keypair
 from wstream.protocol import messages as m
 from wstream.protocol.lr_schedules import Schedule
 
-from .client import Client
-
-
-def _client(args: argparse.Namespace, **kw: Any) -> Client:
-    """A client of ``--server`` with the command's CURVE keys (default: the environment's)."""
-    return Client(args.server, server_public_key=args.server_key, client_secret_key=args.client_key, **kw)
+from .cli_flags import add_connection_flags, admin_secret_from_args, client_from_args, token_from_args
 
 
 def _status(args: argparse.Namespace) -> int:
-    with _client(args, timeout=args.timeout) as client:
+    with client_from_args(args) as client:
         st = client.status()
     if args.json:
         print(json.dumps(msgspec.to_builtins(st), indent=2))
         return 0
-    print(format_status(st, args.server))
+    print(format_status(st, client.address))
     return 0
 
 
@@ -81,7 +76,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _jobs(args: argparse.Namespace) -> int:
-    with Client(args.server, timeout=args.timeout) as client:
+    with client_from_args(args) as client:
         st = client.status()
     if args.json:
         print(json.dumps([{"name": j.name, "step": j.step, "ready": j.ready} for j in st.jobs], indent=2))
@@ -92,36 +87,23 @@ def _jobs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _token(args: argparse.Namespace) -> str:
-    if args.token_file:
-        with open(args.token_file) as f:
-            return f.read().strip()
-    token = os.environ.get("WSTREAM_TOKEN")
-    if not token:
-        raise SystemExit("wstream: give the job's token with --token-file FILE or $WSTREAM_TOKEN")
-    return token
-
-
-def _admin_secret(args: argparse.Namespace) -> str | None:
-    if not args.admin_secret_file:
-        return None
-    with open(args.admin_secret_file) as f:
-        return f.read().strip()
+def _token(args: argparse.Namespace) -> str | None:
+    """The job's token for a command run without the admin secret (None with it: not used)."""
+    return None if admin_secret_from_args(args) is not None else token_from_args(args)
 
 
 def _save(args: argparse.Namespace) -> int:
-    secret = _admin_secret(args)
-    with _client(args, admin_secret=secret, timeout=args.timeout, wait_timeout=args.wait) as client:
-        token = None if secret is not None else _token(args)
+    token = _token(args)
+    with client_from_args(args, wait_timeout=args.wait) as client:
         step, path = client.save_job(args.job, token=token, timeout=args.wait)
     print(f"job {args.job!r}: snapshot of step {step} written to {path}")
     return 0
 
 
 def _drop(args: argparse.Namespace) -> int:
-    secret = _admin_secret(args)
-    with _client(args, admin_secret=secret, timeout=args.timeout) as client:
-        client.drop_job(args.job, token=None if secret is not None else _token(args))
+    token = _token(args)
+    with client_from_args(args) as client:
+        client.drop_job(args.job, token=token)
     print(f"job {args.job!r} dropped")
     return 0
 
@@ -137,9 +119,9 @@ def _schedule(args: argparse.Namespace) -> int:
             raise ValueError(f"--schedule {args.schedule!r}: {exc}") from None
         except msgspec.DecodeError as exc:
             raise ValueError(f"--schedule must be a JSON object such as {_SCHEDULE_EXAMPLE}: {exc}") from None
-    secret = _admin_secret(args)
-    with _client(args, admin_secret=secret, timeout=args.timeout) as client:
-        client.set_schedule(args.job, schedule, lr=args.lr, token=None if secret is not None else _token(args))
+    token = _token(args)
+    with client_from_args(args) as client:
+        client.set_schedule(args.job, schedule, lr=args.lr, token=token)
     changes = ([f"lr {args.lr:g}"] if args.lr is not None else []) + ([f"schedule {schedule!r}"] if schedule else [])
     print(f"job {args.job!r}: {', '.join(changes)} from its next step on")
     return 0
@@ -149,12 +131,9 @@ _SCHEDULE_EXAMPLE = '\'{"kind": "warmup_cosine", "warmup_steps": 100, "total_ste
 
 
 def _shutdown(args: argparse.Namespace) -> int:
-    secret = _admin_secret(args)
-    if secret is None:
-        raise SystemExit("wstream: shutdown needs the server's admin secret: --admin-secret-file FILE")
-    with _client(args, admin_secret=secret, timeout=args.timeout) as client:
+    with client_from_args(args) as client:  # --admin-secret-file is required
         client.shutdown()
-    print(f"server {args.server} is shutting down")
+    print(f"server {client.address} is shutting down")
     return 0
 
 
@@ -164,12 +143,12 @@ def _export(args: argparse.Namespace) -> int:
         raise ValueError(f"cannot write {args.out}: the directory {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"cannot write {args.out}: the directory {folder} is not writable")
-    secret = _admin_secret(args)
-    with _client(args, timeout=args.timeout, admin_secret=secret) as client:
-        if secret is not None:  # any job, no token needed
+    token = _token(args)
+    with client_from_args(args) as client:
+        if token is None:  # the admin secret: any job, no token needed
             client.export_job(args.job, args.out)
         else:
-            client.attach_job(args.job, token=_token(args)).export(args.out)
+            client.attach_job(args.job, token=token).export(args.out)
     print(f"job {args.job!r}: weights written to {args.out}")
     return 0
 
@@ -186,32 +165,12 @@ def _keys(args: argparse.Namespace) -> int:
     return 0
 
 
-def _connection(c: argparse.ArgumentParser, timeout: float) -> None:
-    """The options every command that talks to a server has."""
-    c.add_argument("--server", default="tcp://127.0.0.1:5555", help="server endpoint (default %(default)s)")
-    c.add_argument(
-        "--server-key", metavar="FILE",
-        help=f"the server's public CURVE certificate, for a server with --curve-secret-key "
-        f"(default ${ENV_SERVER_KEY})",
-    )
-    c.add_argument(
-        "--client-key", metavar="FILE",
-        help=f"this client's secret CURVE certificate, for a server with --curve-authorized-keys "
-        f"(default ${ENV_CLIENT_KEY})",
-    )
-    c.add_argument("--timeout", type=float, default=timeout, help="seconds to wait for an answer")
-
-
-_ADMIN_HELP = "file holding the server's admin secret (needed where the server has one; the job token is not used then)"
-
-
-def _job_command(sub: Any, name: str, help: str, *, admin: bool = False) -> argparse.ArgumentParser:
+def _job_command(sub: Any, name: str, help: str) -> argparse.ArgumentParser:
+    """A command on one job: its name, then the connection flags with the job's token or the
+    server's admin secret."""
     c = sub.add_parser(name, help=help)
     c.add_argument("job", help="the job's name")
-    _connection(c, timeout=10.0)
-    c.add_argument("--token-file", help="file holding the job's token (default: $WSTREAM_TOKEN)")
-    if admin:
-        c.add_argument("--admin-secret-file", help=_ADMIN_HELP)
+    add_connection_flags(c, timeout=10.0, token=True, admin=True)
     return c
 
 
@@ -220,29 +179,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=version_line("wstream"))
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("status", help="jobs, workers, steps and memory of a server")
-    _connection(s, timeout=5.0)
+    add_connection_flags(s, timeout=5.0)
     s.add_argument("--json", action="store_true", help="print the raw status as JSON")
     s.set_defaults(func=_status)
     j = sub.add_parser("jobs", help="the jobs of a server: one line each, name and step")
-    j.add_argument("--server", default="tcp://127.0.0.1:5555", help="server endpoint (default %(default)s)")
+    add_connection_flags(j, timeout=5.0)
     j.add_argument("--json", action="store_true", help="a JSON list of {name, step, ready}")
-    j.add_argument("--timeout", type=float, default=5.0, help="seconds to wait for an answer")
     j.set_defaults(func=_jobs)
-    c = _job_command(sub, "save", "snapshot a job on the server's store now (its next consistent step)", admin=True)
+    c = _job_command(sub, "save", "snapshot a job on the server's store now (its next consistent step)")
     c.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the snapshot to be durable")
     c.set_defaults(func=_save)
-    c = _job_command(sub, "export", "write a job's current weights to a plain safetensors file", admin=True)
+    c = _job_command(sub, "export", "write a job's current weights to a plain safetensors file")
     c.add_argument("--out", required=True, help="the .safetensors file to write")
     c.set_defaults(func=_export)
-    c = _job_command(sub, "schedule", "change a live job's base learning rate and/or its schedule", admin=True)
+    c = _job_command(sub, "schedule", "change a live job's base learning rate and/or its schedule")
     c.add_argument("--lr", type=float, help="the new base learning rate")
     c.add_argument("--schedule", help=f"the new schedule as JSON, e.g. {_SCHEDULE_EXAMPLE}")
     c.set_defaults(func=_schedule)
-    c = _job_command(sub, "drop", "delete a job from the server (and its snapshots)", admin=True)
+    c = _job_command(sub, "drop", "delete a job from the server (and its snapshots)")
     c.set_defaults(func=_drop)
     d = sub.add_parser("shutdown", help="stop the server cleanly, as SIGTERM does (needs the admin secret)")
-    _connection(d, timeout=10.0)
-    d.add_argument("--admin-secret-file", required=True, help="file holding the server's admin secret")
+    add_connection_flags(d, timeout=10.0, admin="required")
     d.set_defaults(func=_shutdown)
     k = sub.add_parser("keys", help="write a CURVE keypair (NAME.key public, NAME.key_secret mode 0600) into DIR")
     k.add_argument("dir", help="directory to write into (created, mode 0700, if missing)")

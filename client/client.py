@@ -41,6 +41,7 @@ from .channel import (
 )
 from .chain import Chain, layout_on, progress_bar, walk_chain
 from .endpoint import Closeable, WorkerEndpoint
+from .env import job_token, server_address
 from .groups import GroupAssigner, ParamGroup, export_metadata
 from .job_options import job_options, options_difference
 from .options import Checkpointing, Parallelism, Precision, Transport, trainer_options
@@ -54,6 +55,9 @@ R = TypeVar("R", bound=m.Message)
 class Client:
     """A connection to a ``wstream-server``.
 
+    ``address``: the server's ZeroMQ endpoint; default ``$WSTREAM_SERVER``, else
+    ``tcp://127.0.0.1:5555``. The job's ``token`` of :meth:`create_job`, :meth:`attach_job` and
+    the job operations likewise defaults to ``$WSTREAM_TOKEN``. An argument given wins.
     ``timeout`` bounds ordinary requests; ``wait_timeout`` bounds waits that depend on other workers
     (their gradients of a step, the weights of the next step), which can legitimately take longer;
     such a wait is logged every ``wait_report`` seconds with what the job waits for (e.g. "waiting
@@ -70,7 +74,7 @@ class Client:
 
     def __init__(
         self,
-        address: str,
+        address: str | None = None,
         *,
         admin_secret: str | None = None,
         timeout: float = 60.0,
@@ -79,6 +83,7 @@ class Client:
         server_public_key: KeySource | None = None,
         client_secret_key: str | os.PathLike[str] | None = None,
     ) -> None:
+        address = server_address(address)
         if "://" not in address:
             raise ValueError(f"{address!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555 or ipc:///path")
         self.address = address
@@ -108,7 +113,7 @@ class Client:
         name: str,
         stages: Iterable[nn.Module | Tied],
         *,
-        token: str,
+        token: str | None = None,
         options: m.JobOptions | None = None,
         base_token: str | None = None,
         exist_ok: bool = False,
@@ -144,7 +149,9 @@ class Client:
         place (its memory is freed; it stays usable as the job's skeleton), so a model larger than
         this process's memory can be created stage by stage from a generator.
         ``progress``: a progress bar of the upload on stderr (None: only when stderr is a terminal).
+        ``token``: the job's secret (workers attach with it); default ``$WSTREAM_TOKEN``.
         """
+        token = job_token(token)
         options = job_options(options, option_fields)
         groups = GroupAssigner(param_groups)
         if options.param_groups and options.param_groups != groups.specs:
@@ -217,7 +224,7 @@ class Client:
         self,
         name: str,
         *,
-        token: str,
+        token: str | None = None,
         stages: Iterable[nn.Module | Tied] | None = None,
         param_groups: Sequence[ParamGroup] | None = None,
     ) -> Job:
@@ -228,7 +235,8 @@ class Client:
         A worker trains with the job's parameter groups whatever it is given, so
         ``param_groups`` is optional: without it the layouts are compared ignoring the groups;
         with it (the creator's list) the groups' settings and each parameter's group must be the
-        job's too."""
+        job's too. ``token``: default ``$WSTREAM_TOKEN``."""
+        token = job_token(token)
         attached, signer = attach_session(self._chan, name, token)
         self._keys.add(signer)
         groups = None if param_groups is None else GroupAssigner(param_groups)
@@ -273,18 +281,18 @@ class Client:
         raise AssertionError("unreachable")
 
     def drop_job(self, name: str, *, token: str | None = None) -> None:
-        """Delete job ``name`` from the server: with the admin secret, or with the job's ``token``
-        where the server has no admin secret."""
-        if self._admin_secret is None and token is not None:
-            self.attach_job(name, token=token).drop()
+        """Delete job ``name`` from the server: with this client's admin secret, else with the job's
+        ``token`` (default ``$WSTREAM_TOKEN``; a server with an admin secret refuses it)."""
+        if self._admin_secret is None:
+            self.attach_job(name, token=self._job_token(token)).drop()
             return
         self._admin_request(lambda sid: m.DropJob(session=sid, job=name), m.Ok)
 
     def save_job(self, name: str, *, token: str | None = None, timeout: float | None = None) -> tuple[int, str]:
-        """Snapshot job ``name`` (as :meth:`Job.save`): with the admin secret, or with the job's
-        ``token`` where the server has no admin secret."""
-        if self._admin_secret is None and token is not None:
-            return self.attach_job(name, token=token).save(timeout=timeout)
+        """Snapshot job ``name`` (as :meth:`Job.save`): with this client's admin secret, else with
+        the job's ``token`` (default ``$WSTREAM_TOKEN``; a server with an admin secret refuses it)."""
+        if self._admin_secret is None:
+            return self.attach_job(name, token=self._job_token(token)).save(timeout=timeout)
         reply = self._admin_request(
             lambda sid: m.Save(session=sid, job=name), m.Saved, timeout_s=timeout or self.wait_timeout_s
         )
@@ -294,12 +302,17 @@ class Client:
         self, name: str, schedule: Schedule | None = None, *, lr: float | None = None, token: str | None = None
     ) -> None:
         """Change job ``name``'s base ``lr`` and/or learning-rate ``schedule`` from its next step
-        on (as :meth:`Job.set_schedule`): with the admin secret, or with the job's ``token`` where
-        the server has no admin secret."""
-        if self._admin_secret is None and token is not None:
-            self.attach_job(name, token=token).set_schedule(schedule, lr=lr)
+        on (as :meth:`Job.set_schedule`): with this client's admin secret, else with the job's
+        ``token`` (default ``$WSTREAM_TOKEN``; a server with an admin secret refuses it)."""
+        if self._admin_secret is None:
+            self.attach_job(name, token=self._job_token(token)).set_schedule(schedule, lr=lr)
             return
         self._admin_request(lambda sid: m.SetSchedule(session=sid, job=name, lr=lr, schedule=schedule), m.Ok)
+
+    @staticmethod
+    def _job_token(token: str | None) -> str:
+        """The token of a job operation made without the admin secret."""
+        return job_token(token, how="token= (or the server's admin secret: Client(admin_secret=...))")
 
     def export_job(self, name: str, path: str | os.PathLike[str], *, progress: bool | None = None) -> int:
         """Write job ``name``'s fp32 weights to a safetensors file, with the admin secret (no job
@@ -429,6 +442,8 @@ class Job:
             wait_report_s=client.wait_report_s,
             job=self.name,
             token=self._token,
+            stages=tuple(self.specs),
+            base_stages=tuple(self.base_stages),
             register=client._trainers.add,
             unregister=client._trainers.discard,
         )

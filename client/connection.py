@@ -16,8 +16,9 @@ import time
 
 import torch
 
-from wstream.protocol import ServerUnavailable, SessionExpiredError, StateError, WstreamError
+from wstream.protocol import LayoutError, ServerUnavailable, SessionExpiredError, StateError, WstreamError
 from wstream.protocol import messages as m
+from wstream.protocol.layout import describe_mismatch
 from wstream.protocol.shm import map_segment
 
 from .channel import attach_session
@@ -79,6 +80,7 @@ class WorkerConnection:
         ep, transport = self.endpoint, self.transport
         shm, zero_copy = transport.shm, transport.zero_copy
         attached, signer = attach_session(self.chan, ep.job, ep.token)
+        self._check_layout(attached)
         self.session = attached.session
         self.chan.signer = signer
         published = None
@@ -188,6 +190,21 @@ class WorkerConnection:
 
     def _forget_joined(self) -> None:
         _JOINED_HERE.get((self.endpoint.address, self.endpoint.job), set()).discard(self.worker_id)
+
+    def _check_layout(self, attached: m.Attached) -> None:
+        """Refuse to join a job whose layout is not the one the trainer's stages were made for
+        (the job was dropped and created again under its name): the worker would read its weights
+        at the wrong offsets and push gradients of the wrong size."""
+        ep = self.endpoint
+        mismatch = describe_mismatch(list(attached.stages), list(ep.stages))
+        if mismatch is None:
+            base = describe_mismatch(list(attached.base_stages), list(ep.base_stages))
+            mismatch = None if base is None else f"its frozen base: {base}"
+        if mismatch is not None:
+            raise LayoutError(
+                f"job {ep.job!r} on the server does not have the layout this trainer was made for (was it dropped "
+                f"and created again?): {mismatch}; attach to it again with stages of its layout"
+            )
 
     def stage_bytes(self) -> list[int]:
         """Each weight stage's size in the published dtype."""

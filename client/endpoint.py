@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import zmq
 
+from wstream.protocol import StageSpec
 from wstream.protocol.curve import ClientKeys
 
 from .channel import Channel, Signer
@@ -47,6 +48,12 @@ class WorkerEndpoint:
     """The job's name."""
     token: str
     """The job's token (it proves the worker's sessions)."""
+    stages: tuple[StageSpec, ...]
+    """The job's layout as the trainer's stages were made for it; the layout the server sends at
+    each attach (a reconnect's too) must be this one, else the worker refuses to join (a job
+    dropped and created again under its name with other shapes)."""
+    base_stages: tuple[StageSpec, ...] = ()
+    """Its frozen base's layout (empty without a base), checked the same way."""
     register: Callable[[Closeable], None]
     """Called with a trainer once it has joined: the client closes it on ``close()``."""
     unregister: Callable[[Closeable], None]

@@ -73,9 +73,91 @@ INDEX_FILE = "model.safetensors.index.json"
 IGNORE_INDEX = -100
 
 
+# ---- where a model is: a local folder or the hub ---------------------------------------------------
+# NOTE [Local folders before the hub]
+# ``transformers`` takes a name that is not a folder for a hub repo id and asks the hub, retrying
+# for about 25 s without network, so a mistyped folder used to end in a connection error. Here:
+#   1. Weights are read from a local folder only (:class:`Checkpoint`), so creating a job, and
+#      exporting next to a source folder, check the folder first and name it when it is missing.
+#   2. A config alone (``attach_job_from_pretrained``) may come from the hub, but only for a name
+#      that can be nothing else: not a path object, not absolute or starting with ``.`` or ``~``,
+#      a valid ``namespace/name`` id, and not under a folder that exists here ("models/gtp2"
+#      where ./models exists is a typo of a local folder).
+#   3. ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) as set when called (``huggingface_hub``
+#      reads it once, at import): the hub is not asked; a hub id must be in the local cache.
+
+_TRUE = {"1", "ON", "YES", "TRUE"}
+
+
+def hub_offline() -> bool:
+    """Whether ``$HF_HUB_OFFLINE`` or ``$TRANSFORMERS_OFFLINE`` is set now (or was when
+    ``huggingface_hub`` was imported)."""
+    from huggingface_hub import constants
+
+    now = any(os.environ.get(name, "").strip().upper() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+    return now or bool(constants.HF_HUB_OFFLINE)
+
+
+def looks_local(source: str | os.PathLike[str]) -> bool:
+    """Whether ``source`` can only mean a folder on this machine, not a hub repo id (NOTE above, 2)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(source, str):
+        return True
+    if os.path.isabs(source) or source.startswith((".", "~")):
+        return True
+    head, sep, _ = source.replace(os.sep, "/").partition("/")
+    if sep and os.path.isdir(head):
+        return True
+    try:
+        validate_repo_id(source)
+    except HFValidationError:
+        return True
+    return False
+
+
+def local_folder(source: str | os.PathLike[str]) -> Path:
+    """``source`` as a ``save_pretrained`` folder on this machine (``~`` expanded): it must exist
+    and hold ``config.json``; ``FileNotFoundError`` names it otherwise, without asking the hub."""
+    folder = Path(os.path.expanduser(os.fspath(source)))
+    if not folder.is_dir():
+        if looks_local(source):
+            raise FileNotFoundError(
+                f"{os.fspath(source)}: no such folder (a save_pretrained folder, with config.json and safetensors "
+                "weights, was expected)"
+            )
+        raise FileNotFoundError(
+            f"{os.fspath(source)}: no such folder; wstream reads a local save_pretrained folder (config.json and "
+            f"safetensors weights), not the hub: download the model first "
+            f"(huggingface_hub.snapshot_download({os.fspath(source)!r}) returns its folder) and give that folder"
+        )
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{os.fspath(source)} is a folder without config.json: not a save_pretrained folder")
+    return folder
+
+
+def _config_location(source: str | os.PathLike[str]) -> tuple[str, bool]:
+    """Where :func:`load_config` reads ``source``'s config: a local folder (checked), or a hub id;
+    and whether the hub may not be asked (offline: its cache only)."""
+    if looks_local(source) or Path(os.path.expanduser(os.fspath(source))).is_dir():
+        return os.fspath(local_folder(source)), True
+    name = os.fspath(source)
+    if not hub_offline():
+        return name, False
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(name, "config.json"), str):
+        raise FileNotFoundError(
+            f"{name} is not a local folder and HF_HUB_OFFLINE is set: the hub is not asked, and its cache "
+            f"({constants.HF_HUB_CACHE}) holds no config of {name}"
+        )
+    return name, True
+
+
 # ---- configs and the chain -----------------------------------------------------------------------
 def load_config(source: Source, *, attn_implementation: str = "sdpa") -> PretrainedConfig:
-    """A copy of ``source``'s config (read from ``config.json`` for a folder) that runs with
+    """A copy of ``source``'s config (read from ``config.json`` for a folder, or a hub repo id's
+    when ``source`` can only be one: NOTE [Local folders before the hub]) that runs with
     ``attn_implementation`` ("sdpa" or "eager", explicit so results do not depend on what is
     installed)."""
     if attn_implementation not in ATTN_IMPLEMENTATIONS:
@@ -83,7 +165,8 @@ def load_config(source: Source, *, attn_implementation: str = "sdpa") -> Pretrai
     if isinstance(source, PretrainedConfig):
         config = copy.deepcopy(source)
     else:
-        config = AutoConfig.from_pretrained(os.fspath(source))
+        where, local_only = _config_location(source)
+        config = AutoConfig.from_pretrained(where, local_files_only=local_only)
     config._attn_implementation = attn_implementation
     return config
 
@@ -130,22 +213,30 @@ def stages_from_pretrained(
     """The stages of the causal LM in ``source``, one at a time, for ``Client.create_job`` (or,
     without weights, ``Client.attach_job``).
 
-    ``source``: a ``save_pretrained`` folder or a config. ``weights`` (default: when ``source`` is
-    a folder): each stage is built on the meta device, then materialized on the CPU and filled
-    from the folder's safetensors files, reading only its own tensors, so one stage is in memory
-    at a time (``create_job`` moves it to meta after uploading it). Without, the modules stay on
-    the meta device: the layout a worker passes to ``attach_job``.
-    ``blocks_per_stage``: decoder blocks per stage (fewer, larger transfers).
+    ``source``: a ``save_pretrained`` folder or a config (without weights, also a hub repo id).
+    ``weights`` (default: when ``source`` is a folder): each stage is built on the meta device,
+    then materialized on the CPU and filled from the folder's safetensors files, reading only its
+    own tensors, so one stage is in memory at a time (``create_job`` moves it to meta after
+    uploading it). Without, the modules stay on the meta device: the layout a worker passes to
+    ``attach_job``. ``blocks_per_stage``: decoder blocks per stage (fewer, larger transfers).
+
+    The folder and config are checked when this is called (a missing folder is named at once);
+    the stages are built as they are iterated.
     """
-    config = load_config(source, attn_implementation=attn_implementation)
     if weights is None:
         weights = not isinstance(source, PretrainedConfig)
     if not weights:
-        yield from _skeletons(config, blocks_per_stage)
-        return
+        config = load_config(source, attn_implementation=attn_implementation)
+        return _skeletons(config, blocks_per_stage)
     if isinstance(source, PretrainedConfig):
         raise ValueError("weights=True needs a folder with safetensors weights, not a config")
-    checkpoint = Checkpoint(Path(source))
+    folder = local_folder(source)
+    config = load_config(folder, attn_implementation=attn_implementation)
+    return _filled(config, blocks_per_stage, Checkpoint(folder))
+
+
+def _filled(config: PretrainedConfig, blocks_per_stage: int, checkpoint: Checkpoint) -> Iterator[nn.Module | Tied]:
+    """The chain's stages materialized on the CPU and filled from ``checkpoint``, one at a time."""
     for item in _skeletons(config, blocks_per_stage):
         if isinstance(item, Tied):
             yield item
@@ -209,14 +300,14 @@ def create_job_from_pretrained(
     name: str,
     folder: str | os.PathLike[str],
     *,
-    token: str,
+    token: str | None = None,
     blocks_per_stage: int = 1,
     attn_implementation: str = "sdpa",
     **options: Any,
 ) -> Job:
     """Create job ``name`` from the model in ``folder``, uploading one stage at a time (see
     :func:`stages_from_pretrained`). ``options`` go to ``Client.create_job`` (``optimizer``,
-    ``dtype``, ``progress``, ...)."""
+    ``dtype``, ``progress``, ...); ``token`` too (default ``$WSTREAM_TOKEN``)."""
     stages = stages_from_pretrained(folder, blocks_per_stage=blocks_per_stage, attn_implementation=attn_implementation)
     job = client.create_job(name, stages, token=token, **options)
     log.info("job %r created from %s: %d stages, %d positions", name, folder, job.num_stages, len(job.positions or ()))
@@ -228,12 +319,12 @@ def attach_job_from_pretrained(
     name: str,
     source: Source,
     *,
-    token: str,
+    token: str | None = None,
     blocks_per_stage: int = 1,
     attn_implementation: str = "sdpa",
 ) -> Job:
     """Attach another worker to a job made by :func:`create_job_from_pretrained` (same
-    ``blocks_per_stage``); only the config is read, no weights."""
+    ``blocks_per_stage``); only the config is read, no weights. ``token``: default ``$WSTREAM_TOKEN``."""
     stages = stages_from_pretrained(
         source, blocks_per_stage=blocks_per_stage, attn_implementation=attn_implementation, weights=False
     )
@@ -270,6 +361,8 @@ def export_pretrained(
     stale = sorted(p.name for p in out.glob("model*.safetensors*"))
     if stale:
         raise FileExistsError(f"{out} already holds weights ({', '.join(stale[:3])}); export into an empty folder")
+    if not isinstance(config, PretrainedConfig):  # its other files are copied: a local folder
+        config = local_folder(config)
     cfg = copy.deepcopy(config) if isinstance(config, PretrainedConfig) else load_config(config)
     architecture = _check_names(job, cfg)
     out.mkdir(parents=True, exist_ok=True)

@@ -38,10 +38,15 @@ def job_options(options: m.JobOptions | None, fields: dict[str, Any]) -> m.JobOp
     """``options``, or a :class:`JobOptions` of the keyword ``fields``; an unknown field is named."""
     if options is not None and fields:
         raise TypeError(f"give options= or its fields as keywords ({', '.join(sorted(fields))}), not both")
-    if options is not None:
-        return options
-    known = set(m.JobOptions.__struct_fields__)
-    unknown = sorted(set(fields) - known)
-    if unknown:
-        raise TypeError(f"create_job() got unknown option(s) {unknown}; a job's options are {sorted(known)}")
-    return m.JobOptions(**fields)
+    if options is None:
+        known = set(m.JobOptions.__struct_fields__)
+        unknown = sorted(set(fields) - known)
+        if unknown:
+            raise TypeError(f"create_job() got unknown option(s) {unknown}; a job's options are {sorted(known)}")
+        options = m.JobOptions(**fields)
+    if options.dtype not in m.DTYPE_ITEMSIZE:  # the server refuses it too, less readably
+        raise ValueError(
+            f"dtype {options.dtype!r}: a job computes in float32, bfloat16 or float16 (the server keeps an fp32 "
+            "master of its weights either way)"
+        )
+    return options

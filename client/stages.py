@@ -41,6 +41,11 @@ from wstream.protocol.layout import build_stage_spec, grad_layout, numel_of, val
 
 from .groups import GroupAssigner
 
+MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+"""The parameter dtypes a stage may have: each is exact in the server's fp32 master. A float64 one
+is refused rather than trained in float32 without a word (the master, the optimizer state and the
+published weights would all need a 64-bit path, which is not built)."""
+
 Boundary = tuple[Any, ...]
 """What flows between stages: the positional arguments of the next stage."""
 
@@ -64,6 +69,12 @@ def spec_of(
             continue
         if not p.is_floating_point():
             raise LayoutError(f"stage {index}: parameter {name!r} has dtype {p.dtype}; only floating point is streamed")
+        if p.dtype not in MODEL_DTYPES:
+            dtype = str(p.dtype).removeprefix("torch.")
+            raise LayoutError(
+                f"stage {index}: parameter {name!r} is {dtype}; wstream trains float32, bfloat16 or float16: "
+                "call model.float() first"
+            )
         frozen = not p.requires_grad
         group = 0
         if groups is not None and not frozen:

@@ -17,7 +17,9 @@ import copy
 import torch
 from torch import nn
 
-from wstream.client import AdamW, Client, local_server
+from wstream.client import AdamW, local_server
+from wstream.client.cli_flags import add_connection_flags, client_from_args, key_options, token_from_args
+from wstream.client.local import default_address
 
 
 class Block(nn.Module):
@@ -35,7 +37,9 @@ class Block(nn.Module):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--server", default=None, help="server address (default: start one for this program)")
+    add_connection_flags(
+        p, default_server=default_address(), server_help="server endpoint, started for this program if none answers", token=True
+    )
     p.add_argument("--steps", type=int, default=5)
     args = p.parse_args()
     torch.manual_seed(0)
@@ -47,10 +51,11 @@ def main() -> None:
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return nn.functional.mse_loss(out, y)
 
-    with local_server(args.server) as address, Client(address) as client:
+    with local_server(args.server, **key_options(args)), client_from_args(args) as client:
         # 2. the job: weights and optimizer state move to the server, stage by stage; the local
         #    modules become meta-device skeletons (their memory is freed)
-        job = client.create_job("concepts", stages, optimizer=AdamW(lr=1e-3), token="a-secret")
+        token = token_from_args(args, default="a-secret")
+        job = client.create_job("concepts", stages, optimizer=AdamW(lr=1e-3), token=token)
         print(f"job {job.name!r}: {job.num_stages} stages, {job.num_params:,} parameters on the server")
         # 3. a worker, with a checkpoint plan: Revolve keeping 2 stage inputs
         with job.trainer(schedule="revolve", slots=2) as trainer:

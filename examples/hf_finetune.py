@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from wstream.client import AdamW, Client, local_server
+from wstream.client import AdamW, local_server
+from wstream.client.cli_flags import add_connection_flags, client_from_args, key_options, token_from_args
 from wstream.client.hf import causal_lm_loss, create_job_from_pretrained, export_pretrained
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -60,7 +61,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", type=Path, help="a save_pretrained folder (default: a tiny random GPT-2)")
     p.add_argument("--out", type=Path, help="where to export (default: a temporary folder)")
-    p.add_argument("--server", default=DEFAULT_SERVER, help="server endpoint (started if none answers)")
+    add_connection_flags(p, default_server=DEFAULT_SERVER, server_help="server endpoint, started if none answers", token=True)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=8)
@@ -75,10 +76,10 @@ def main() -> None:
     config = transformers.AutoConfig.from_pretrained(model)
     ids = torch.tensor(encoder(model, config.vocab_size)(TEXT.read_text()))
     name = f"hf-demo-{os.getpid()}"
-    with local_server(args.server, announce=print):
-        with Client(args.server) as client:
+    with local_server(args.server, announce=print, **key_options(args)):
+        with client_from_args(args) as client:
             job = create_job_from_pretrained(
-                client, name, model, token="demo", blocks_per_stage=args.blocks_per_stage,
+                client, name, model, token=token_from_args(args, default="demo"), blocks_per_stage=args.blocks_per_stage,
                 optimizer=AdamW(lr=args.lr, weight_decay=0.01),
             )
             print(f"job {name!r} from {model}: {job.num_stages} stages, positions {job.positions}, {job.num_params:,} parameters")

@@ -22,7 +22,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from wstream.client import AdamW, Client, WarmupCosine, local_server, no_decay
+from wstream.client import AdamW, WarmupCosine, local_server, no_decay
+from wstream.client.cli_flags import add_connection_flags, client_from_args, key_options, token_from_args
 from wstream.client.models import GPTConfig, gpt_stages, lm_loss
 from wstream.protocol import format_bytes
 
@@ -52,7 +53,7 @@ def sample(model: nn.Module, stoi: dict[str, int], itos: list[str], prompt: str,
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--server", default=DEFAULT_SERVER, help="server endpoint (started if none answers)")
+    add_connection_flags(p, default_server=DEFAULT_SERVER, server_help="server endpoint, started if none answers", token=True)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--embd", type=int, default=128)
@@ -84,8 +85,8 @@ def main() -> None:
     cfg = GPTConfig(vocab_size=len(itos), block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.embd)
 
     job_name = f"gpt-demo-{os.getpid()}"
-    with local_server(args.server, announce=print):
-        with Client(args.server) as client:
+    with local_server(args.server, announce=print, **key_options(args)):
+        with client_from_args(args) as client:
             torch.manual_seed(args.seed)
             # the GPT recipe: warmup + cosine decay to a tenth, the global gradient norm clipped to 1,
             # no weight decay on biases, norms and embeddings
@@ -102,7 +103,7 @@ def main() -> None:
                 gpt_stages(cfg),
                 optimizer=recipe,
                 param_groups=[no_decay()],
-                token="demo",
+                token=token_from_args(args, default="demo"),
                 progress=True,
                 delayed_update=args.delayed_update,
                 delay_after=args.delay_after,

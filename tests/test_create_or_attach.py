@@ -41,3 +41,30 @@ def test_exist_ok_attaches_to_the_same_job_and_refuses_another(client: Client) -
 def test_exist_ok_creates_a_job_that_is_not_there(client: Client) -> None:
     job = client.create_job("fresh", models.mixed(seed=3), token="t", exist_ok=True)
     assert [j.name for j in client.status().jobs] == ["fresh"] and job.num_stages == 5
+
+
+def chain(width: int) -> list[nn.Module]:
+    """Three stages whose middle one is ``width`` wide."""
+    return [nn.Linear(4, 4), nn.Linear(4, width), nn.Linear(width, 2)]
+
+
+def test_a_stage_of_another_shape_is_refused_naming_the_stage_and_parameter(client: Client) -> None:
+    created = client.create_job("shaped", chain(4), token="t", optimizer=AdamW(lr=1e-2))
+    with torch.device("meta"):
+        handle = client.attach_job("shaped", token="t", stages=chain(4))
+    with pytest.raises(LayoutError, match=r"stage 1: parameter 'weight' has shape \[6, 4\], the job has \[4, 4\]"):
+        client.attach_job("shaped", token="t", stages=chain(6))
+
+    # the job is made again under its name with stage 1 wider: the handle's trainer joins the new
+    # job and is refused there, naming what differs (its pushes used to fail on a size instead)
+    created.drop()
+    client.create_job("shaped", chain(6), token="t", optimizer=AdamW(lr=1e-2))
+    with pytest.raises(LayoutError) as refused:
+        handle.trainer()
+    assert "job 'shaped' on the server does not have the layout this trainer was made for" in str(refused.value)
+    assert "stage 1: parameter 'weight' has shape [4, 4], the job has [6, 4]" in str(refused.value)
+    assert [len(j.workers) for j in client.status().jobs] == [0]  # nothing left joined
+    with torch.device("meta"):
+        right = client.attach_job("shaped", token="t", stages=chain(6))
+    with right.trainer() as trainer:
+        trainer.step(torch.randn(3, 4), torch.randn(3, 2), nn.functional.mse_loss)

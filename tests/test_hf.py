@@ -243,3 +243,54 @@ def test_a_bare_model_checkpoint_is_read_without_its_prefix(tmp_path: Path) -> N
     want = {f"transformer.{name}": p for name, p in bare.state_dict().items()}
     assert got.keys() == want.keys()
     assert largest_difference(got, want) == 0.0
+
+
+@pytest.fixture
+def no_hub(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request to the Hugging Face hub fails the test at once. (Without network the hub is asked
+    again and again for about 25 s before transformers gives up.) ``pytest.fail`` raises a
+    ``BaseException``, which transformers' ``except Exception`` around the download lets through."""
+    import transformers.utils.hub as hub
+
+    def refuse(*args: object, **kw: object) -> None:
+        pytest.fail(f"the hub was asked for {args}")
+
+    monkeypatch.setattr(hub, "hf_hub_download", refuse)
+    monkeypatch.setattr(hub, "snapshot_download", refuse)
+
+
+def test_a_mistyped_folder_is_named_without_asking_the_hub(
+    client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_hub: None
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    save_model("gpt2", tmp_path / "models" / "tiny-gpt2")
+    # "models/tiny-gtp2" has the form of a hub id (namespace/name) but "models" is a folder here
+    for typo in (tmp_path / "models" / "no-such", "models/tiny-gtp2", "./tiny-gpt2", "~/no-such-model-here", "no such"):
+        with pytest.raises(FileNotFoundError, match=f"{typo}: no such folder") as missing:
+            create_job_from_pretrained(client, "typo", typo, token="t")
+        assert "config.json" in str(missing.value)
+        with pytest.raises(FileNotFoundError, match=f"{typo}: no such folder"):
+            attach_job_from_pretrained(client, "typo", typo, token="t")
+    # create reads the weights from a local folder: a hub id is named as such, not looked up
+    with pytest.raises(FileNotFoundError, match="openai/gpt-x: no such folder; .* reads a local save_pretrained folder"):
+        create_job_from_pretrained(client, "typo", "openai/gpt-x", token="t")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="empty is a folder without config.json"):
+        create_job_from_pretrained(client, "typo", tmp_path / "empty", token="t")
+    assert client.status().jobs == []  # refused before asking the server for a job
+    job = create_job_from_pretrained(client, "right", "models/tiny-gpt2", token="t")
+    assert job.num_stages == 3
+
+
+def test_offline_a_hub_id_that_is_not_cached_is_refused_without_asking_the_hub(
+    client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_hub: None
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(FileNotFoundError, match="someone/some-model is not a local folder and HF_HUB_OFFLINE is set"):
+        attach_job_from_pretrained(client, "j", "someone/some-model", token="t")
+    # a local folder needs no hub, offline or not
+    save_model("gpt2", tmp_path / "tiny")
+    job = create_job_from_pretrained(client, "offline", "tiny", token="t")
+    assert attach_job_from_pretrained(client, "offline", "./tiny", token="t").specs == job.specs

@@ -3,12 +3,18 @@ bfloat16 by the worker, end to end, and trains close to the same job in fp32."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+from torch import nn
 
 import models
+from conftest import ServerThread
+from rawwire import RawPeer, RawSession
 from test_equivalence import reference_train
-from wstream.client import AdamW, Client
+from wstream.client import AdamW, Client, LayoutError, JobOptions
+from wstream.protocol.auth import secret_key, session_key
 
 STEPS = 8
 
@@ -47,3 +53,43 @@ def test_bfloat16_job_computes_in_bfloat16_and_trains_close_to_float32(client: C
     stray = ((d16 - d32).norm() / d32.norm()).item()
     assert w16[next(iter(w16))].dtype == torch.float32  # the fp32 master is what state_dict reads
     assert stray < 0.06, f"bf16 updates differ from fp32's by {stray:.1%} of their size"
+
+
+def test_a_float64_model_is_refused_naming_the_stage_and_parameter(client: Client) -> None:
+    """The server keeps an fp32 master: a float64 model would be trained in float32 with no word."""
+    stages = [nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 4)).double(), nn.Linear(4, 2)]
+    with pytest.raises(
+        LayoutError,
+        match=r"stage 1: parameter '0.weight' is float64; wstream trains float32, bfloat16 or float16: "
+        r"call model.float\(\) first",
+    ):
+        client.create_job("f64", stages, token="t")
+    for options in ({"dtype": "float64"}, {"options": JobOptions(dtype="float64")}):  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="dtype 'float64': a job computes in float32, bfloat16 or float16"):
+            client.create_job("f64", [nn.Linear(4, 4)], token="t", **options)  # type: ignore[arg-type]
+    assert client.status().jobs == []
+    # a 16-bit model is taken: its weights are exact in the fp32 master
+    job = client.create_job("bf16", [nn.Linear(4, 4).to(torch.bfloat16)], token="t", dtype="bfloat16")
+    assert job.options.dtype == "bfloat16"
+
+
+def test_the_server_refuses_float64_on_the_wire(server: ServerThread) -> None:
+    """Below the client: a float64 compute dtype, and float64 weights for a stage."""
+    peer = RawPeer(server.address)
+    try:
+        nonce, mine = peer.nonce(), os.urandom(32)
+        reply, _ = peer.request("create_job", name="raw", token="t", options={"dtype": "float64"}, nonce=nonce, client_nonce=mine)
+        assert reply["op"] == "error" and reply["code"] == "bad_message" and "$.options.dtype" in reply["message"], reply
+
+        nonce, mine = peer.nonce(), os.urandom(32)
+        reply, _ = peer.request("create_job", name="raw", token="t", options={}, nonce=nonce, client_nonce=mine)
+        assert reply["op"] == "attached", reply
+        session = RawSession(peer, reply["session"], session_key(secret_key("t"), nonce, mine))
+        spec = {"name": "0", "numel": 16, "params": [["w", [4, 4], 0, 0, False]]}
+        reply, _ = session.request("add_stage", torch.zeros(16, dtype=torch.float64).numpy().tobytes(), index=0, spec=spec)
+        assert reply["op"] == "error" and reply["code"] == "bad_layout", reply
+        assert "got 128 bytes of weights, the layout needs 64 (16 float32 elements)" in reply["message"]
+        reply, _ = session.request("drop_job")
+        assert reply["op"] == "ok", reply
+    finally:
+        peer.close()
