@@ -15,7 +15,7 @@ from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY, write_keypair
 from wstream.protocol import messages as m
 from wstream.protocol.lr_schedules import Schedule
 
-from .client import Client
+from .client import ENV_ADMIN_SECRET_FILE, Client, admin_secret_from_env, read_secret_file
 
 
 def _client(args: argparse.Namespace, **kw: Any) -> Client:
@@ -103,10 +103,13 @@ def _token(args: argparse.Namespace) -> str:
 
 
 def _admin_secret(args: argparse.Namespace) -> str | None:
-    if not args.admin_secret_file:
-        return None
-    with open(args.admin_secret_file) as f:
-        return f.read().strip()
+    """The admin secret of ``--admin-secret-file``, else of ``$WSTREAM_ADMIN_SECRET_FILE``, else None."""
+    try:
+        if args.admin_secret_file:
+            return read_secret_file(args.admin_secret_file, "the admin secret")
+        return admin_secret_from_env()
+    except ValueError as exc:
+        raise SystemExit(f"wstream: {exc}") from None
 
 
 def _save(args: argparse.Namespace) -> int:
@@ -151,7 +154,7 @@ _SCHEDULE_EXAMPLE = '\'{"kind": "warmup_cosine", "warmup_steps": 100, "total_ste
 def _shutdown(args: argparse.Namespace) -> int:
     secret = _admin_secret(args)
     if secret is None:
-        raise SystemExit("wstream: shutdown needs the server's admin secret: --admin-secret-file FILE")
+        raise SystemExit(f"wstream: shutdown needs the server's admin secret: --admin-secret-file FILE or ${ENV_ADMIN_SECRET_FILE}")
     with _client(args, admin_secret=secret, timeout=args.timeout) as client:
         client.shutdown()
     print(f"server {args.server} is shutting down")
@@ -202,7 +205,10 @@ def _connection(c: argparse.ArgumentParser, timeout: float) -> None:
     c.add_argument("--timeout", type=float, default=timeout, help="seconds to wait for an answer")
 
 
-_ADMIN_HELP = "file holding the server's admin secret (needed where the server has one; the job token is not used then)"
+_ADMIN_HELP = (
+    f"file holding the server's admin secret (default ${ENV_ADMIN_SECRET_FILE}; needed where the server has one; "
+    "the job token is not used then)"
+)
 
 
 def _job_command(sub: Any, name: str, help: str, *, admin: bool = False) -> argparse.ArgumentParser:
@@ -242,7 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(func=_drop)
     d = sub.add_parser("shutdown", help="stop the server cleanly, as SIGTERM does (needs the admin secret)")
     _connection(d, timeout=10.0)
-    d.add_argument("--admin-secret-file", required=True, help="file holding the server's admin secret")
+    d.add_argument("--admin-secret-file", help=f"file holding the server's admin secret (default ${ENV_ADMIN_SECRET_FILE})")
     d.set_defaults(func=_shutdown)
     k = sub.add_parser("keys", help="write a CURVE keypair (NAME.key public, NAME.key_secret mode 0600) into DIR")
     k.add_argument("dir", help="directory to write into (created, mode 0700, if missing)")
