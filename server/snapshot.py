@@ -82,6 +82,15 @@ def _write_file(path: Path, data: bytes | memoryview) -> None:
         os.close(fd)
 
 
+def _probe(directory: Path) -> None:
+    """Create, write, fsync and remove a file in ``directory``: what a snapshot will need."""
+    path = directory / f".wstream-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        _write_file(path, b"wstream store probe\n")
+    finally:
+        path.unlink(missing_ok=True)
+
+
 _FLAT_OPTIONS = ("optimizer", "dtype", "double_buffer", "delayed_update", "delay_after", "frozen", "base")
 """The keys a manifest written before protocol 3 holds the job's options under, at its top level."""
 
@@ -206,11 +215,24 @@ class SnapshotStore:
             raise ValueError(f"keep must be >= 1 snapshot per job, got {keep}")
         self.root = Path(root)
         self.keep = keep
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise OSError(f"cannot create the store directory {root}: {exc.strerror or exc}") from None
         try:  # one server per store: another's drop would delete this one's live files
             self._lock = OwnerLock(self.root / LOCK_FILE)
         except HeldElsewhere as exc:
             raise OSError(f"store {root} is in use by {holder(exc.pid)}") from None
+        except OSError as exc:
+            raise OSError(f"the store {root} is not writable: {exc.strerror or exc} (its lock file {LOCK_FILE})") from None
+        try:  # found now rather than at the first snapshot, after hours of training
+            _probe(self.root)
+        except OSError as exc:
+            self._lock.release()
+            raise OSError(
+                f"the store {root} is not writable: {exc.strerror or exc} (a probe file could not be written, "
+                "so no snapshot could be)"
+            ) from None
 
     def close(self) -> None:
         """Give the store up (another server may open it from now on)."""
