@@ -154,7 +154,9 @@ _SCHEDULE_EXAMPLE = '\'{"kind": "warmup_cosine", "warmup_steps": 100, "total_ste
 def _shutdown(args: argparse.Namespace) -> int:
     secret = _admin_secret(args)
     if secret is None:
-        raise SystemExit(f"wstream: shutdown needs the server's admin secret: --admin-secret-file FILE or ${ENV_ADMIN_SECRET_FILE}")
+        raise SystemExit(
+            f"wstream: shutdown needs the server's admin secret: --admin-secret-file FILE or ${ENV_ADMIN_SECRET_FILE}"
+        )
     with _client(args, admin_secret=secret, timeout=args.timeout) as client:
         client.shutdown()
     print(f"server {args.server} is shutting down")
