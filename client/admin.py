@@ -16,6 +16,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.lr_schedules import Schedule
 
 from .cli_flags import add_connection_flags, admin_secret_from_args, client_from_args, token_from_args
+from .client import ENV_ADMIN_SECRET_FILE
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -131,7 +132,9 @@ _SCHEDULE_EXAMPLE = '\'{"kind": "warmup_cosine", "warmup_steps": 100, "total_ste
 
 
 def _shutdown(args: argparse.Namespace) -> int:
-    with client_from_args(args) as client:  # --admin-secret-file is required
+    if admin_secret_from_args(args) is None:
+        raise ValueError(f"shutdown needs the server's admin secret: --admin-secret-file FILE or ${ENV_ADMIN_SECRET_FILE}")
+    with client_from_args(args) as client:
         client.shutdown()
     print(f"server {client.address} is shutting down")
     return 0

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY
 
-from .client import Client
+from .client import ENV_ADMIN_SECRET_FILE, Client, admin_secret_from_env
 from .env import DEFAULT_SERVER, ENV_SERVER, ENV_TOKEN, job_token, server_address
 
 
@@ -58,9 +58,10 @@ def add_connection_flags(
     if token:
         g.add_argument("--token-file", metavar="FILE", help=f"file holding the job's token (default: ${ENV_TOKEN})")
     if admin:
+        needed = "needed" if admin == "required" else "where the server has one; the job token is not used then"
         g.add_argument(
-            "--admin-secret-file", metavar="FILE", required=admin == "required",
-            help="file holding the server's admin secret (where the server has one; the job token is not used then)",
+            "--admin-secret-file", metavar="FILE",
+            help=f"file holding the server's admin secret ({needed}; default: ${ENV_ADMIN_SECRET_FILE})",
         )
 
 
@@ -89,9 +90,12 @@ def token_from_args(args: argparse.Namespace, default: str | None = None) -> str
 
 
 def admin_secret_from_args(args: argparse.Namespace) -> str | None:
-    """The admin secret in ``--admin-secret-file``, or None where the flag is absent or unset."""
-    path = getattr(args, "admin_secret_file", None)
-    return _read_secret(path, "--admin-secret-file") if path else None
+    """The admin secret in ``--admin-secret-file``, else in the file ``$WSTREAM_ADMIN_SECRET_FILE``
+    names, else None (also for a command without the flag)."""
+    if not hasattr(args, "admin_secret_file"):
+        return None
+    path = args.admin_secret_file
+    return _read_secret(path, "--admin-secret-file") if path else admin_secret_from_env()
 
 
 def _read_secret(path: str, flag: str) -> str:

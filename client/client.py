@@ -26,7 +26,7 @@ from wstream.protocol.frames import copy_frames_into, tensor_frames
 from wstream.protocol.layout import describe_mismatch, numel_of, without_groups
 from wstream.protocol.lr_schedules import Schedule
 
-from wstream.protocol.auth import SessionSigner, base_proof, secret_key, session_key
+from wstream.protocol.auth import SessionSigner, base_proof, create_proof, secret_key, session_key
 from wstream.protocol.curve import ClientKeys, KeySource, uses_curve
 
 from .channel import (
@@ -52,6 +52,28 @@ log = logging.getLogger(__name__)
 
 R = TypeVar("R", bound=m.Message)
 
+ENV_ADMIN_SECRET_FILE = "WSTREAM_ADMIN_SECRET_FILE"
+"""A file holding the server's admin secret, for clients given none (``Client``, ``wstream``)."""
+
+
+def read_secret_file(path: str | os.PathLike[str], what: str) -> str:
+    """The secret in file ``path`` (its one line, stripped); ValueError naming ``what`` otherwise."""
+    try:
+        with open(path) as f:
+            secret = f.read().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read {what} from {os.fspath(path)}: {exc.strerror or exc}") from None
+    if not secret:
+        raise ValueError(f"{what} file {os.fspath(path)} is empty")
+    return secret
+
+
+def admin_secret_from_env() -> str | None:
+    """The admin secret in the file ``$WSTREAM_ADMIN_SECRET_FILE`` names, or None when it is unset."""
+    path = os.environ.get(ENV_ADMIN_SECRET_FILE)
+    return read_secret_file(path, f"the admin secret (${ENV_ADMIN_SECRET_FILE})") if path else None
+
+
 class Client:
     """A connection to a ``wstream-server``.
 
@@ -62,8 +84,10 @@ class Client:
     (their gradients of a step, the weights of the next step), which can legitimately take longer;
     such a wait is logged every ``wait_report`` seconds with what the job waits for (e.g. "waiting
     for 1 of 2 workers to join"), and ends with :class:`WaitTimeoutError` naming it.
-    ``admin_secret``: the server's admin secret (``--admin-secret-file``), for :meth:`drop_job`,
-    :meth:`save_job` and :meth:`shutdown`; it is never sent, only proven.
+    ``admin_secret``: the server's admin secret (``--admin-secret-file``), for :meth:`create_job`
+    on a server that has one (it refuses creation without), :meth:`drop_job`, :meth:`save_job` and
+    :meth:`shutdown`; it is never sent, only proven. Default: the file ``$WSTREAM_ADMIN_SECRET_FILE``
+    names, if set.
     ``server_public_key``: for a server with CURVE encryption (``--curve-secret-key``), its public
     certificate file (``NAME.key``) or z85 public key; default ``$WSTREAM_SERVER_KEY``, else no
     encryption. ``client_secret_key``: this client's secret certificate file, for a server that
@@ -86,6 +110,8 @@ class Client:
         address = server_address(address)
         if "://" not in address:
             raise ValueError(f"{address!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555 or ipc:///path")
+        self._given_admin_secret = admin_secret
+        self._env_admin_secret: tuple[str | None] | None = None  # read from the environment when first needed
         self.address = address
         self.timeout_s = timeout
         self.wait_timeout_s = wait_timeout
@@ -97,10 +123,18 @@ class Client:
         self.ctx: zmq.Context[Any] = zmq.Context()
         self._keys = Keyring()
         self._chan = self.channel(signer=self._keys)
-        self._admin_secret = admin_secret
         self._admin: SessionSigner | None = None
         self._trainers: weakref.WeakSet[Closeable] = weakref.WeakSet()
         self._closed = False
+
+    def _admin_secret(self) -> str | None:
+        """The admin secret given, else the one ``$WSTREAM_ADMIN_SECRET_FILE`` names (read when first
+        needed, so that a client that never needs it never reads it), else None."""
+        if self._given_admin_secret is not None:
+            return self._given_admin_secret
+        if self._env_admin_secret is None:
+            self._env_admin_secret = (admin_secret_from_env(),)
+        return self._env_admin_secret[0]
 
     def channel(self, timeout_s: float | None = None, signer: Signer | None = None) -> Channel:
         """A new channel to the server (its own socket, with this client's CURVE keys), for one
@@ -145,6 +179,9 @@ class Client:
         attach to it instead, without uploading anything, if ``token`` opens it and its layout and
         options are the ones given here; otherwise ``LayoutError`` names the first difference.
 
+        On a server with an admin secret, creating needs it: give the client ``admin_secret`` (or
+        ``$WSTREAM_ADMIN_SECRET_FILE``), else ``AuthError``; ``exist_ok`` attaches without it.
+
         Each module's parameters are uploaded and the module is then moved to the meta device in
         place (its memory is freed; it stays usable as the job's skeleton), so a model larger than
         this process's memory can be created stage by stage from a generator.
@@ -169,8 +206,11 @@ class Client:
             total = sum(p.numel() for s in stages if not isinstance(s, Tied) for p in s.parameters() if own(p))
         nonce, mine = challenge(self._chan), client_nonce()
         proof = base_proof(secret_key(base_token), base, nonce, mine) if base and base_token else None
+        secret = self._admin_secret()
+        admin = None if secret is None else create_proof(secret_key(secret), name, nonce, mine)
         request = m.CreateJob(
-            name=name, token=token, nonce=nonce, client_nonce=mine, options=options, total_numel=total, base_proof=proof
+            name=name, token=token, nonce=nonce, client_nonce=mine, options=options, total_numel=total,
+            base_proof=proof, admin_proof=admin,
         )
         try:
             created, _ = self._chan.request(request, m.Attached)
@@ -265,11 +305,12 @@ class Client:
     def _admin_request(self, make: Callable[[bytes], m.Message], reply_type: type[R], **kw: Any) -> R:
         """Send an admin request in this client's admin session (opened on first use, and again
         once if the server forgot it, e.g. after a restart)."""
-        if self._admin_secret is None:
+        secret = self._admin_secret()
+        if secret is None:
             raise StateError("this operation needs the server's admin secret: Client(address, admin_secret=...)")
         for attempt in (0, 1):
             if self._admin is None:
-                self._admin = admin_session(self._chan, self._admin_secret)
+                self._admin = admin_session(self._chan, secret)
                 self._keys.add(self._admin)
             try:
                 reply, _ = self._chan.request(make(self._admin.session), reply_type, **kw)
@@ -281,17 +322,17 @@ class Client:
         raise AssertionError("unreachable")
 
     def drop_job(self, name: str, *, token: str | None = None) -> None:
-        """Delete job ``name`` from the server: with this client's admin secret, else with the job's
+        """Delete job ``name`` from the server: with the admin secret, else with the job's
         ``token`` (default ``$WSTREAM_TOKEN``; a server with an admin secret refuses it)."""
-        if self._admin_secret is None:
+        if self._admin_secret() is None:
             self.attach_job(name, token=self._job_token(token)).drop()
             return
         self._admin_request(lambda sid: m.DropJob(session=sid, job=name), m.Ok)
 
     def save_job(self, name: str, *, token: str | None = None, timeout: float | None = None) -> tuple[int, str]:
-        """Snapshot job ``name`` (as :meth:`Job.save`): with this client's admin secret, else with
+        """Snapshot job ``name`` (as :meth:`Job.save`): with the admin secret, else with
         the job's ``token`` (default ``$WSTREAM_TOKEN``; a server with an admin secret refuses it)."""
-        if self._admin_secret is None:
+        if self._admin_secret() is None:
             return self.attach_job(name, token=self._job_token(token)).save(timeout=timeout)
         reply = self._admin_request(
             lambda sid: m.Save(session=sid, job=name), m.Saved, timeout_s=timeout or self.wait_timeout_s
@@ -302,9 +343,9 @@ class Client:
         self, name: str, schedule: Schedule | None = None, *, lr: float | None = None, token: str | None = None
     ) -> None:
         """Change job ``name``'s base ``lr`` and/or learning-rate ``schedule`` from its next step
-        on (as :meth:`Job.set_schedule`): with this client's admin secret, else with the job's
+        on (as :meth:`Job.set_schedule`): with the admin secret, else with the job's
         ``token`` (default ``$WSTREAM_TOKEN``; a server with an admin secret refuses it)."""
-        if self._admin_secret is None:
+        if self._admin_secret() is None:
             self.attach_job(name, token=self._job_token(token)).set_schedule(schedule, lr=lr)
             return
         self._admin_request(lambda sid: m.SetSchedule(session=sid, job=name, lr=lr, schedule=schedule), m.Ok)

@@ -1,9 +1,9 @@
 """The wire protocol by hand: plain pyzmq and msgpack, no wstream code on this side of the socket.
 
 A job is created with the wstream client (the only use of the library here); then a DEALER socket
-speaks protocol 4 directly (``protocol/README.md``): ``status``; ``hello`` for a nonce; ``attach``
-with an HMAC proof of the job's token, computed with ``hmac``/``hashlib``; and a bad message, which
-gets an ``error`` reply while the server goes on.
+speaks protocol 5 directly (``protocol/README.md``): ``status``; ``hello`` for a nonce; ``attach``
+with a proof of the job's token, computed with ``hmac``/``hashlib``; and a bad message, which gets
+an ``error`` reply while the server goes on.
 
     python examples/raw_protocol.py
 """
@@ -21,8 +21,23 @@ from torch import nn
 
 from wstream.client import Client, local_server
 
-VERSION = 4
-ATTACH_LABEL = b"wstream/attach/2\0"
+VERSION = 5
+ATTACH_LABEL = b"wstream/attach/5\0"
+
+
+def client_key(token: str) -> bytes:
+    """HKDF-SHA256 (RFC 5869) of SHA-256(token): the key proofs are made with. The server keeps only
+    SHA-256 of it, the verifier, from which this key cannot be computed."""
+    prk = hmac.new(b"wstream/key/5", hashlib.sha256(token.encode()).digest(), hashlib.sha256).digest()
+    return hmac.new(prk, b"wstream/client-key/5" + b"\x01", hashlib.sha256).digest()
+
+
+def attach_proof(key: bytes, name: str, nonce: bytes, client_nonce: bytes) -> bytes:
+    """key XOR HMAC(verifier, label + name + 0 + nonces): the server, which has the verifier, takes
+    the HMAC off and checks that the SHA-256 of what is left is the verifier."""
+    mask = hmac.new(hashlib.sha256(key).digest(), ATTACH_LABEL + name.encode() + b"\0" + nonce + client_nonce,
+                    hashlib.sha256).digest()
+    return bytes(a ^ b for a, b in zip(key, mask))
 
 
 def request(sock: zmq.Socket, op: str, request_id: int, **fields: object) -> dict:
@@ -45,15 +60,14 @@ def main() -> None:
             print(f"status -> {status['op']}: protocol {status['protocol']}, jobs {[j['name'] for j in status['jobs']]}")
             challenge = request(sock, "hello", 2)
             nonce, client_nonce = challenge["nonce"], os.urandom(16)
-            key = hashlib.sha256(token.encode()).digest()  # the server keeps only this digest
-            proof = hmac.new(key, ATTACH_LABEL + b"raw\0" + nonce + client_nonce, hashlib.sha256).digest()
+            proof = attach_proof(client_key(token), "raw", nonce, client_nonce)
             attached = request(sock, "attach", 3, name="raw", nonce=nonce, client_nonce=client_nonce, proof=proof)
             print(
                 f"attach -> {attached['op']}: session {attached['session'].hex()[:12]}..., "
                 f"stages {[[(name, shape) for name, shape, *_rest in s['params']] for s in attached['stages']]}, step {attached['step']}"
             )
-            wrong = hmac.new(hashlib.sha256(b"guess").digest(), ATTACH_LABEL + b"raw\0" + nonce, hashlib.sha256).digest()
             nonce2 = request(sock, "hello", 4)["nonce"]
+            wrong = attach_proof(client_key("guess"), "raw", nonce2, client_nonce)
             refused = request(sock, "attach", 5, name="raw", nonce=nonce2, client_nonce=client_nonce, proof=wrong)
             print(f"attach with a wrong proof -> {refused['op']} {refused['code']}: {refused['message']}")
             bad = request(sock, "fetch", 6, session=b"x" * 16, stage=0, step=-1)

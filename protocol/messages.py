@@ -15,7 +15,7 @@ from msgspec import Meta, Struct
 
 from .lr_schedules import Constant, Schedule
 
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 """Carried in every header; a server answers any other value with ``version_mismatch``.
 docs/protocol.md lists what changed in each version."""
 
@@ -250,8 +250,10 @@ class CreateJob(Message, tag="create_job"):
     options: JobOptions
     total_numel: Numel | None = None
     base_proof: Proof | None = None
-    """With ``options.base``: ``HMAC-SHA256(SHA-256(base token), "wstream/base/2\0" + base + "\0" +
-    nonce + client_nonce)``."""
+    """With ``options.base``: :func:`wstream.protocol.auth.base_proof` with the base's token."""
+    admin_proof: Proof | None = None
+    """On a server with an admin secret (required there): :func:`wstream.protocol.auth.create_proof`
+    with the admin secret, over ``name`` and the two nonces. Ignored by a server without one."""
 
 
 class AddStage(SessionMessage, tag="add_stage"):

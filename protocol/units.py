@@ -33,7 +33,7 @@ def parse_size(text: str | int) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(
             f"cannot read {text!r} as a size: write a number with an optional unit "
-            "(B, K, M, G, T, KiB, MiB, GiB, TiB), for example '8GiB'"
+            "(B, K, M, G, T, KiB, MiB, GiB, TiB), e.g. 64GiB, 500M, 1.5T"
         )
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 

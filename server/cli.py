@@ -8,9 +8,17 @@ import sys
 
 from wstream.protocol import format_bytes, parse_size, version_line
 
-from .config import ServerConfig, default_memory_limit
-from .config_file import apply_config_file, default_of
+from .config import ConfigError, ServerConfig, default_memory_limit
+from .config_file import apply_config_file, default_of, setting_names
 from .service import Server
+
+
+def size_arg(text: str) -> int:
+    """A flag's byte size ("64GiB"); a wrong one makes argparse name the flag, the value and the forms."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--memory-limit",
-        type=parse_size,
+        type=size_arg,
         default=None,
         metavar="SIZE",
         help=f"bytes all jobs may hold, e.g. 64GiB (default 80%% of RAM: {format_bytes(default_memory_limit())})",
@@ -53,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="address of the metrics endpoint (default %(default)s; it has no authentication)")
     p.add_argument("--metrics-stage-limit", type=int, default=default_of("metrics_stage_limit"), metavar="N",
                    help="export per-stage series for jobs of at most N stages (default %(default)s)")
-    p.add_argument("--snapshot-buffer", type=parse_size, default=default_of("snapshot_buffer"), metavar="SIZE",
+    p.add_argument("--snapshot-buffer", type=size_arg, default=default_of("snapshot_buffer"), metavar="SIZE",
                    help="stage copies a snapshot may hold while the disk catches up (default 512MiB)")
     p.add_argument("--max-sessions-per-job", type=int, default=default_of("max_sessions_per_job"), metavar="N",
                    help="non-worker sessions kept per job, oldest evicted beyond (default %(default)s)")
@@ -62,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admin-secret-file", metavar="FILE",
         help="file (mode 0600) holding the admin secret: needed to drop or save jobs and to shut down over the wire",
+    )
+    p.add_argument(
+        "--insecure", action="store_true",
+        help="listen beyond this host (tcp on a non-loopback address) without --admin-secret-file, where "
+        "anyone who reaches the server may create jobs; without it such a server refuses to start",
     )
     p.add_argument(
         "--curve-secret-key", metavar="FILE", dest="curve_secret_key_file",
@@ -95,6 +108,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "snapshot_every": args.snapshot_every,
         "keep_snapshots": args.keep_snapshots,
         "admin_secret_file": args.admin_secret_file,
+        "insecure": args.insecure,
         "nonce_ttl_s": args.nonce_ttl,
         "curve_secret_key_file": args.curve_secret_key_file,
         "curve_authorized_keys_dir": args.curve_authorized_keys_dir,
@@ -107,10 +121,22 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     return ServerConfig(**kwargs)  # type: ignore[arg-type]
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def load_config(argv: list[str] | None) -> tuple[ServerConfig, argparse.Namespace]:
+    """The settings ``wstream-server ARGV`` runs with, and its parsed arguments. A setting that
+    cannot be used is a ValueError naming its flag and config key (and the config file it came
+    from); argparse exits by itself for a flag it cannot parse."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from_file = apply_config_file(args, argv, build_parser)
     try:
-        apply_config_file(args, argv, build_parser)
+        return config_from_args(args), args
+    except ConfigError as exc:
+        raise ValueError(exc.render(setting_names(parser, from_file, args.config))) from None
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config, args = load_config(argv)
     except ValueError as exc:
         print(f"wstream-server: {exc}", file=sys.stderr)
         return 2
@@ -118,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     try:
-        server = Server(config_from_args(args))
+        server = Server(config)
     except (ValueError, OSError) as exc:
         print(f"wstream-server: {exc}", file=sys.stderr)
         return 2

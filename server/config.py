@@ -1,9 +1,16 @@
-"""Server configuration: one dataclass, validated on construction; the CLI maps onto it."""
+"""Server configuration: one dataclass, validated on construction; the CLI maps onto it.
+
+A setting that cannot be used raises :class:`ConfigError`, which knows the setting it is about:
+the Python API names it as ``ServerConfig.<field>``, ``wstream-server`` as its flag and config key
+(``server/cli.py`` renders it; the messages are written once, here)."""
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import psutil
@@ -14,6 +21,44 @@ from wstream.protocol.curve import curve_available, load_secret_certificate, pub
 def default_memory_limit() -> int:
     """80% of physical memory: room for the OS and the workers on the same host."""
     return int(psutil.virtual_memory().total * 0.8)
+
+
+class ConfigError(ValueError):
+    """A setting of :class:`ServerConfig` that cannot be used. ``problem`` follows the setting's
+    name (a leading ``:`` or a space included) and may name other settings as ``{field}``;
+    :meth:`render` writes each name as its caller names settings."""
+
+    def __init__(self, key: str, problem: str) -> None:
+        self.key = key
+        self.problem = problem
+        super().__init__(self.render(lambda k: f"ServerConfig.{k}", lambda k: k))
+
+    def render(self, name: Callable[[str], str], mention: Callable[[str], str] | None = None) -> str:
+        """The message with its setting named ``name(field)`` and the others it mentions
+        ``mention(field)`` (default: as the setting)."""
+        fields = ServerConfig.__dataclass_fields__
+        other = name if mention is None else mention
+        problem = re.sub(r"\{(\w+)\}", lambda found: other(found[1]) if found[1] in fields else found[0], self.problem)
+        return f"{name(self.key)}{problem}"
+
+
+LOCAL_TRANSPORTS = ("ipc://", "inproc://")
+
+
+def is_loopback(endpoint: str) -> bool:
+    """Whether ``endpoint`` can be reached from this host only: ipc, inproc, or tcp on a loopback
+    address (127.0.0.0/8, ::1, localhost). ``*``, an interface name or another host name is not."""
+    if endpoint.startswith(LOCAL_TRANSPORTS):
+        return True
+    if not endpoint.startswith("tcp://"):
+        return False
+    host = endpoint[len("tcp://") :].rpartition(":")[0].removeprefix("[").removesuffix("]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 @dataclass(kw_only=True, slots=True)
@@ -68,10 +113,16 @@ class ServerConfig:
     sessions are bounded by the same number."""
 
     admin_secret_file: str | None = None
-    """File holding the admin secret (one line). With it, deleting or saving a ready job needs an
-    admin session (``admin_attach``), and ``shutdown`` is possible; without it, a job's own session
-    may drop or save its job and nobody can shut the server down over the wire. The file must not
-    be readable by group or others."""
+    """File holding the admin secret (one line). With it, creating a job needs the admin secret
+    (``create_job`` carries a proof of it), deleting or saving a ready job needs an admin session
+    (``admin_attach``), and ``shutdown`` is possible; without it, anyone who reaches the server may
+    create jobs, a job's own session may drop or save its job and nobody can shut the server down
+    over the wire. The file must not be readable by group or others."""
+
+    insecure: bool = False
+    """Listen on an endpoint beyond this host (tcp on anything but a loopback address) without an
+    admin secret, where anyone who reaches it may create jobs until memory is full. Without it, such
+    a server refuses to start (as Jupyter does): give ``admin_secret_file`` instead."""
 
     nonce_ttl_s: float = 30.0
     """Seconds a ``hello`` nonce stays usable."""
@@ -100,50 +151,60 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if self.huge_pages not in ("auto", "on", "off"):
-            raise ValueError(f"ServerConfig.huge_pages must be auto, on or off, got {self.huge_pages!r}")
+            raise ConfigError("huge_pages", f" must be auto, on or off, got {self.huge_pages!r}")
         if not self.bind:
-            raise ValueError("ServerConfig.bind: give at least one endpoint to listen on")
+            raise ConfigError("bind", ": give at least one endpoint to listen on")
         for addr in self.bind:
             if "://" not in addr:
-                raise ValueError(f"ServerConfig.bind: {addr!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555")
+                raise ConfigError("bind", f": {addr!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555")
             _check_tcp_port(addr)
         if self.memory_limit <= 0:
-            raise ValueError(f"ServerConfig.memory_limit must be > 0 bytes, got {self.memory_limit}")
-        if not self.lease_s > 0:
-            raise ValueError(f"ServerConfig.lease_s must be > 0 seconds, got {self.lease_s}")
-        if not self.creation_timeout_s > 0:
-            raise ValueError(f"ServerConfig.creation_timeout_s must be > 0 seconds, got {self.creation_timeout_s}")
-        if self.optimizer_workers < 1:
-            raise ValueError(f"ServerConfig.optimizer_workers must be >= 1, got {self.optimizer_workers}")
-        if self.torch_threads is not None and self.torch_threads < 1:
-            raise ValueError(f"ServerConfig.torch_threads must be >= 1, got {self.torch_threads}")
+            raise ConfigError("memory_limit", f" must be > 0 bytes, got {self.memory_limit}")
+        _positive_seconds("lease_s", self.lease_s)
+        _positive_seconds("creation_timeout_s", self.creation_timeout_s)
+        _at_least("optimizer_workers", self.optimizer_workers, 1)
+        if self.torch_threads is not None:
+            _at_least("torch_threads", self.torch_threads, 1)
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
-            raise ValueError(f"ServerConfig.metrics_port must be a TCP port in [0, 65535], got {self.metrics_port}")
+            raise ConfigError("metrics_port", f" must be a TCP port in [0, 65535], got {self.metrics_port}")
         if not self.metrics_addr:
-            raise ValueError("ServerConfig.metrics_addr: give an address to listen on, e.g. 127.0.0.1")
-        if self.metrics_stage_limit < 0:
-            raise ValueError(f"ServerConfig.metrics_stage_limit must be >= 0, got {self.metrics_stage_limit}")
+            raise ConfigError("metrics_addr", ": give an address to listen on, e.g. 127.0.0.1")
+        _at_least("metrics_stage_limit", self.metrics_stage_limit, 0)
         if self.snapshot_every < 0:
-            raise ValueError(f"ServerConfig.snapshot_every must be >= 0 steps, got {self.snapshot_every}")
-        if self.keep_snapshots < 1:
-            raise ValueError(f"ServerConfig.keep_snapshots must be >= 1, got {self.keep_snapshots}")
+            raise ConfigError("snapshot_every", f" must be >= 0 steps, got {self.snapshot_every}")
+        _at_least("keep_snapshots", self.keep_snapshots, 1)
         if self.snapshot_every and self.store is None:
-            raise ValueError("ServerConfig.snapshot_every needs a store directory to write to")
-        if not self.nonce_ttl_s > 0:
-            raise ValueError(f"ServerConfig.nonce_ttl_s must be > 0 seconds, got {self.nonce_ttl_s}")
-        if self.max_pending_nonces < 1:
-            raise ValueError(f"ServerConfig.max_pending_nonces must be >= 1, got {self.max_pending_nonces}")
+            raise ConfigError("snapshot_every", " needs a store to write to: give {store} (a directory)")
+        _positive_seconds("nonce_ttl_s", self.nonce_ttl_s)
+        _at_least("max_pending_nonces", self.max_pending_nonces, 1)
         if self.admin_secret_file is not None:
-            read_admin_secret(self.admin_secret_file)
+            try:
+                read_admin_secret(self.admin_secret_file)
+            except ValueError as exc:
+                raise ConfigError("admin_secret_file", f": {exc}") from None
+        self._check_open()
         self._check_curve()
-        if self.store is not None:
-            os.makedirs(self.store, exist_ok=True, mode=0o700)
+
+    def _check_open(self) -> None:
+        """Refuse to listen beyond this host without an admin secret, unless told to."""
+        if self.admin_secret_file is not None or self.insecure:
+            return
+        for addr in self.bind:
+            if not is_loopback(addr):
+                raise ConfigError(
+                    "bind",
+                    f": {addr} is not a loopback address, and without an admin secret anyone who reaches it "
+                    "may create jobs until the server's memory is full. Give {admin_secret_file} (a file, "
+                    "mode 0600, holding the secret; clients then need it to create jobs), or {insecure} to "
+                    "listen open anyway",
+                )
 
     def _check_curve(self) -> None:
         if self.curve_authorized_keys_dir is not None and self.curve_secret_key_file is None:
-            raise ValueError(
-                "ServerConfig.curve_authorized_keys_dir needs curve_secret_key_file (the server's own "
-                "secret key): authorizing client keys only means something with CURVE on"
+            raise ConfigError(
+                "curve_authorized_keys_dir",
+                " needs {curve_secret_key_file} (the server's own secret key): authorizing client keys only "
+                "means something with CURVE on",
             )
         if self.curve_secret_key_file is None:
             return
@@ -187,8 +248,18 @@ def _check_tcp_port(endpoint: str) -> None:
     if port == "*" and sep:
         return
     if not (sep and host and port.isdigit() and 1 <= int(port) <= 65535):
-        raise ValueError(
-            f"ServerConfig.bind: {endpoint!r}: a tcp endpoint's port must be 1-65535 (or * for any free port), "
-            "as in tcp://127.0.0.1:5555"
+        raise ConfigError(
+            "bind",
+            f": {endpoint!r}: a tcp endpoint's port must be 1-65535 (or * for any free port), as in tcp://127.0.0.1:5555",
         )
+
+
+def _positive_seconds(key: str, value: float) -> None:
+    if not value > 0:
+        raise ConfigError(key, f" must be > 0 seconds, got {value:g}")
+
+
+def _at_least(key: str, value: int, least: int) -> None:
+    if value < least:
+        raise ConfigError(key, f" must be >= {least}, got {value}")
 

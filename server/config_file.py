@@ -105,15 +105,16 @@ def given_on_command_line(build_parser: Callable[[], argparse.ArgumentParser], a
 
 def apply_config_file(
     args: argparse.Namespace, argv: list[str] | None, build_parser: Callable[[], argparse.ArgumentParser]
-) -> None:
+) -> set[str]:
     """Fill ``args`` from ``args.config`` (if given) wherever the command line did not give the
-    flag; then the usual ``config_from_args`` makes the ServerConfig. ValueError when the file is
-    wrong."""
+    flag; then the usual ``config_from_args`` makes the ServerConfig. Returns the keys whose value
+    came from the file (so that an error about one can say so). ValueError when the file is wrong."""
     if args.config is None:
-        return
+        return set()
     values = read_config_file(args.config)
     actions = flag_actions(build_parser())
     given = given_on_command_line(build_parser, argv)
+    applied = set()
     for key, value in values.items():
         action = actions.get(key)
         if action is None:
@@ -122,3 +123,20 @@ def apply_config_file(
             raise ValueError(f"{args.config}: {key} = {value!r}: choose one of {', '.join(map(str, action.choices))}")
         if action.dest not in given:
             setattr(args, action.dest, value)
+            applied.add(key)
+    return applied
+
+
+def setting_names(parser: argparse.ArgumentParser, from_file: set[str], path: str | None) -> Callable[[str], str]:
+    """How ``wstream-server`` names a setting in an error: its flag and its config key, and the file
+    it was read from (``from_file``: keys taken from the config file ``path``)."""
+    actions = flag_actions(parser)
+
+    def name(key: str) -> str:
+        where = f", set in {path}" if key in from_file else ""
+        action = actions.get(key)
+        if action is None or not action.option_strings:
+            return f"config key {key}{where}"
+        return f"{action.option_strings[0]} (config key {key}{where})"
+
+    return name

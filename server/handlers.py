@@ -12,7 +12,6 @@ session may act on which job; they work on the job table and the sessions, never
 from __future__ import annotations
 
 import functools
-import hmac
 import logging
 import os
 import time
@@ -25,7 +24,7 @@ from wstream.protocol import PROTOCOL_VERSION, AuthError, InternalError, JobExis
 from wstream.protocol import MemoryLimitError, NotReadyError, ProtocolError, StateError, UnknownJobError
 from wstream.protocol import WstreamError, check_frames, decode_request, peek_id
 from wstream.protocol import messages as m
-from wstream.protocol.auth import admin_proof, session_key
+from wstream.protocol.auth import secret_key, session_key
 from wstream.protocol.shm import SegmentSpaceError
 
 from .config import ServerConfig
@@ -206,7 +205,7 @@ class Handlers:
         if s.job is None:
             return job
         creating = what == "drop" and not job.ready
-        if self.sessions.admin_key is not None and not creating:
+        if self.sessions.admin is not None and not creating:
             raise AuthError(
                 f"this server has an admin secret: to {what} job {job.name!r} attach with the admin secret "
                 "(admin_attach; Client(admin_secret=...) or --admin-secret-file)"
@@ -240,8 +239,10 @@ class Handlers:
     def _on_create_job(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
         assert isinstance(msg, m.CreateJob)
         self.sessions.nonces.take(msg.nonce)
-        if msg.name in self.jobs:
+        if msg.name in self.jobs:  # before the admin check: create_job(exist_ok=True) attaches instead
             raise JobExistsError(f"a job named {msg.name!r} already exists on this server")
+        if self.sessions.admin is not None:
+            self.sessions.admin.check_create(msg.name, msg.nonce, msg.client_nonce, msg.admin_proof)
         base = self._base_for(msg)
         try:
             job = Job.create(msg, self.memory)
@@ -250,7 +251,7 @@ class Handlers:
         job.base = base
         self.jobs[msg.name] = job
         log.info("job %r created; waiting for its stages", msg.name)
-        sid = self.sessions.open(job, job.key.session_key(msg.nonce, msg.client_nonce))
+        sid = self.sessions.open(job, session_key(secret_key(msg.token), msg.nonce, msg.client_nonce))
         return Outgoing(identity, attached_reply(job, sid, self.config.lease_s, msg.id))
 
     def _on_attach(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
@@ -259,19 +260,16 @@ class Handlers:
         job = self.jobs.get(msg.name)
         if job is None:
             raise UnknownJobError(f"no job named {msg.name!r} on this server")
-        job.key.check_proof(msg.nonce, msg.client_nonce, msg.proof)
-        sid = self.sessions.open(job, job.key.session_key(msg.nonce, msg.client_nonce))
+        sid = self.sessions.open(job, job.key.check_proof(msg.nonce, msg.client_nonce, msg.proof))
         return Outgoing(identity, attached_reply(job, sid, self.config.lease_s, msg.id))
 
     def _on_admin_attach(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
         assert isinstance(msg, m.AdminAttach)
         self.sessions.nonces.take(msg.nonce)
-        key = self.sessions.admin_key
-        if key is None:
+        admin = self.sessions.admin
+        if admin is None:
             raise AuthError("this server has no admin secret (start it with --admin-secret-file FILE)")
-        if not hmac.compare_digest(msg.proof, admin_proof(key, msg.nonce, msg.client_nonce)):
-            raise AuthError("wrong admin secret: the admin_attach proof does not match")
-        sid = self.sessions.open(None, session_key(key, msg.nonce, msg.client_nonce))
+        sid = self.sessions.open(None, admin.check_admin(msg.nonce, msg.client_nonce, msg.proof))
         log.info("admin session opened")
         return Outgoing(identity, m.AdminAttached(id=msg.id, session=sid))
 

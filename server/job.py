@@ -79,7 +79,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.lr_schedules import lr_at
 
 from .counters import JobCounters, Timeline
-from .job_key import JobKey, token_digest
+from .job_key import JobKey, token_verifier
 from .memory import MemoryAccount
 from .outgoing import Outgoing
 from .published import PublishedStages
@@ -96,7 +96,7 @@ from .stage_state import (
 )
 from .workers import MAX_WAITING_FETCHES, Worker, WorkerTable
 
-__all__ = ["MAX_WAITING_FETCHES", "CommitRecord", "Job", "Outgoing", "PoolTask", "UpdateTask", "token_digest"]
+__all__ = ["MAX_WAITING_FETCHES", "CommitRecord", "Job", "Outgoing", "PoolTask", "UpdateTask", "token_verifier"]
 
 COMMITS_KEPT = 8
 """Committed steps whose outcome a late ``commit`` request can still be answered with."""
@@ -124,7 +124,7 @@ class Job:
 
     def __init__(self, record: JobRecord, memory: MemoryAccount, total_numel: int | None = None) -> None:
         self.name = record.name
-        self.key = JobKey(record.name, record.token_digest)  # attach and base proofs, session keys
+        self.key = JobKey(record.name, record.verifier)  # checks attach and base proofs
         self.options = options = record.options
         self.base: Job | None = None  # set by the server when it creates or restores this job
         # one published slot is enough whatever the dtype: updates run after the commit (NOTE rule 2)
@@ -160,7 +160,7 @@ class Job:
 
     @classmethod
     def create(cls, msg: m.CreateJob, memory: MemoryAccount) -> Job:
-        return cls(JobRecord(msg.name, token_digest(msg.token), msg.options, []), memory, msg.total_numel)
+        return cls(JobRecord(msg.name, token_verifier(msg.token), msg.options, []), memory, msg.total_numel)
 
     @classmethod
     def restore(
@@ -193,7 +193,7 @@ class Job:
         return [(st.lock, st.capture) for st in self.stages]
 
     def record(self) -> JobRecord:
-        return JobRecord(self.name, self.key.digest, self.options, [s.spec for s in self.stages])
+        return JobRecord(self.name, self.key.vk, self.options, [s.spec for s in self.stages])
 
     # ---- creation --------------------------------------------------------------------------------
     def add_stage(self, msg: m.AddStage, frames: list[Any]) -> None:

@@ -26,7 +26,7 @@ from .config import ServerConfig
 from .counters import ServerCounters
 from .handlers import Handlers
 from .job import Job
-from .memory import MemoryAccount
+from .memory import MemoryAccount, memory_limit_warnings
 from .metrics import MetricsEndpoint
 from .outgoing import Outbox
 from .sessions import Session, SessionTable
@@ -45,6 +45,14 @@ class Server:
         self.config = config
         configure_huge_pages(config.huge_pages)  # type: ignore[arg-type]  # validated by ServerConfig
         self.memory = MemoryAccount(config.memory_limit)
+        for warning in memory_limit_warnings(config.memory_limit):
+            log.warning("%s", warning)
+        if config.insecure and config.admin_secret_file is None:
+            log.warning(
+                "--insecure: listening on %s without an admin secret; anyone who reaches the server may "
+                "create jobs until its memory is full",
+                ", ".join(config.bind),
+            )
         self.jobs: dict[str, Job] = {}
         self.started = time.monotonic()
         self._stop = threading.Event()

@@ -14,11 +14,12 @@ from collections.abc import Iterator
 
 from wstream.protocol import PROTOCOL_VERSION, AuthError, SessionExpiredError, StateError
 from wstream.protocol import messages as m
-from wstream.protocol.auth import mac_matches, secret_key
+from wstream.protocol.auth import mac_matches, secret_key, verifier
 
 from .auth import NonceStore, ReplayWindow
 from .config import ServerConfig, read_admin_secret
 from .job import Job
+from .job_key import Verifier
 
 
 class Session:
@@ -40,15 +41,18 @@ class Session:
 
 
 class SessionTable:
-    """Every open session by id, when each was last heard of, the nonces issued, the admin key."""
+    """Every open session by id, when each was last heard of, the nonces issued, the admin secret's
+    verifier."""
 
     def __init__(self, config: ServerConfig) -> None:
         self.max_per_job = config.max_sessions_per_job
         self.all: dict[bytes, Session] = {}
         self._last_seen: dict[bytes, float] = {}
         self.nonces = NonceStore(config.nonce_ttl_s, config.max_pending_nonces)
-        self.admin_key = (
-            secret_key(read_admin_secret(config.admin_secret_file)) if config.admin_secret_file is not None else None
+        self.admin = (  # the admin secret's verifier (NOTE [Signed requests] in protocol/auth.py)
+            Verifier(verifier(secret_key(read_admin_secret(config.admin_secret_file))))
+            if config.admin_secret_file is not None
+            else None
         )
 
     def __iter__(self) -> Iterator[Session]:

@@ -43,6 +43,7 @@ from safetensors.torch import load_file
 from safetensors.torch import save as save_safetensors
 
 from wstream.protocol import messages as m
+from wstream.protocol.auth import client_key_of_digest, verifier
 
 from .ownership import HeldElsewhere, OwnerLock, holder
 
@@ -81,8 +82,23 @@ def _write_file(path: Path, data: bytes | memoryview) -> None:
         os.close(fd)
 
 
+def _probe(directory: Path) -> None:
+    """Create, write, fsync and remove a file in ``directory``: what a snapshot will need."""
+    path = directory / f".wstream-probe-{os.getpid()}-{secrets.token_hex(4)}"
+    try:
+        _write_file(path, b"wstream store probe\n")
+    finally:
+        path.unlink(missing_ok=True)
+
+
 _FLAT_OPTIONS = ("optimizer", "dtype", "double_buffer", "delayed_update", "delay_after", "frozen", "base")
 """The keys a manifest written before protocol 3 holds the job's options under, at its top level."""
+
+
+LEGACY_DIGEST = "token_sha256"
+"""The manifest key under which protocol 4 and earlier stored SHA-256(token), which was the very key
+attach proofs were made with: a copy of the store opened the job. Read once, then rewritten as
+``token_verifier`` (:meth:`SnapshotStore.migrate_manifests`)."""
 
 
 @dataclass(slots=True)
@@ -90,25 +106,32 @@ class JobRecord:
     """What a snapshot stores besides tensors: enough to re-create the job after a restart."""
 
     name: str
-    token_digest: bytes
+    verifier: bytes
+    """The token's verifier (NOTE [Signed requests] in ``protocol/auth.py``): it checks attach
+    proofs but cannot make one, so a copy of the store does not open the job."""
     options: m.JobOptions
     specs: list[m.StageSpec]
 
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
-            "token_sha256": self.token_digest.hex(),
+            "token_verifier": self.verifier.hex(),
             "options": msgspec.to_builtins(self.options),
             "stages": [msgspec.to_builtins(s) for s in self.specs],
         }
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> JobRecord:
-        """Also reads a manifest written before protocol 3, whose options are top-level keys."""
+        """Also reads a manifest written before protocol 3, whose options are top-level keys, and
+        one written before protocol 5, which holds the token's digest (:data:`LEGACY_DIGEST`)."""
         options = d["options"] if "options" in d else {k: d[k] for k in _FLAT_OPTIONS if k in d}
+        if "token_verifier" in d:
+            vk = bytes.fromhex(d["token_verifier"])
+        else:
+            vk = verifier(client_key_of_digest(bytes.fromhex(d[LEGACY_DIGEST])))
         return cls(
             name=d["name"],
-            token_digest=bytes.fromhex(d["token_sha256"]),
+            verifier=vk,
             options=msgspec.convert(options, m.JobOptions),
             specs=[msgspec.convert(s, m.StageSpec) for s in d["stages"]],
         )
@@ -192,11 +215,24 @@ class SnapshotStore:
             raise ValueError(f"keep must be >= 1 snapshot per job, got {keep}")
         self.root = Path(root)
         self.keep = keep
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        except OSError as exc:
+            raise OSError(f"cannot create the store directory {root}: {exc.strerror or exc}") from None
         try:  # one server per store: another's drop would delete this one's live files
             self._lock = OwnerLock(self.root / LOCK_FILE)
         except HeldElsewhere as exc:
             raise OSError(f"store {root} is in use by {holder(exc.pid)}") from None
+        except OSError as exc:
+            raise OSError(f"the store {root} is not writable: {exc.strerror or exc} (its lock file {LOCK_FILE})") from None
+        try:  # found now rather than at the first snapshot, after hours of training
+            _probe(self.root)
+        except OSError as exc:
+            self._lock.release()
+            raise OSError(
+                f"the store {root} is not writable: {exc.strerror or exc} (a probe file could not be written, "
+                "so no snapshot could be)"
+            ) from None
 
     def close(self) -> None:
         """Give the store up (another server may open it from now on)."""
@@ -296,6 +332,7 @@ class SnapshotStore:
 
         Every file's checksum is verified before anything is returned; a damaged snapshot is
         skipped (logged) for the next older one. Raises SnapshotError when none is intact."""
+        self.migrate_manifests(name)
         problems = []
         for path in self.snapshots(name):
             try:
@@ -306,6 +343,38 @@ class SnapshotStore:
                 continue
             return step, record, _stage_tensors(path, shards), path
         raise SnapshotError(f"job {name!r} has no intact snapshot in {self.job_dir(name)}: {problems or 'none'}")
+
+    def migrate_manifests(self, name: str) -> None:
+        """Rewrite each manifest of job ``name`` that holds the token's digest (protocol 4 and
+        earlier: the key itself) to hold its verifier instead, atomically; logged. A manifest that
+        cannot be read is left for :meth:`load_latest` to report."""
+        for path in self.snapshots(name):
+            manifest_path = path / "manifest.json"
+            try:
+                manifest = json.loads(manifest_path.read_bytes())
+                job = manifest["job"]
+                if LEGACY_DIGEST not in job:
+                    continue
+                record = JobRecord.from_json(job)
+                manifest["job"] = {**{k: v for k, v in job.items() if k != LEGACY_DIGEST}, **record.to_json()}
+            except (OSError, ValueError, KeyError, TypeError, msgspec.ValidationError):
+                continue
+            tmp = path / f".manifest-{secrets.token_hex(4)}.json"
+            try:
+                _write_file(tmp, json.dumps(manifest, indent=1).encode())
+                os.replace(tmp, manifest_path)
+                _fsync_dir(path)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                log.warning("snapshot %s holds the token's digest (%s) and could not be rewritten: %s",
+                            path, LEGACY_DIGEST, exc)
+                continue
+            log.warning(
+                "snapshot %s: replaced the token's digest (%s, which opened the job) by its verifier "
+                "(protocol 5); copies of this store made before now still open job %r: if any may have "
+                "leaked, create the job again with a new token",
+                path, LEGACY_DIGEST, name,
+            )
 
     def _verify(self, path: Path) -> tuple[int, JobRecord, list[dict[str, Any]]]:
         try:

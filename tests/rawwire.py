@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -54,14 +55,23 @@ class RawPeer:
         return session
 
     def try_attach(
-        self, job: str, token: str, *, nonce: bytes | None = None
+        self,
+        job: str,
+        token: str | None = None,
+        *,
+        nonce: bytes | None = None,
+        key: bytes | None = None,
+        proof: Callable[[bytes, bytes], bytes] | None = None,
     ) -> tuple[dict[str, Any], RawSession | None]:
-        key = secret_key(token)
+        """An attach with ``token``'s proof, or with the proof made from a raw ``key`` (as the
+        library derives it from a token), or with ``proof(nonce, client_nonce)`` made by hand."""
+        if key is None:
+            assert token is not None or proof is not None, "give a token, a key or a proof"
+            key = secret_key(token or "")
         nonce = self.nonce() if nonce is None else nonce
         mine = os.urandom(32)
-        reply, _ = self.request(
-            "attach", name=job, nonce=nonce, client_nonce=mine, proof=attach_proof(key, job, nonce, mine)
-        )
+        made = attach_proof(key, job, nonce, mine) if proof is None else proof(nonce, mine)
+        reply, _ = self.request("attach", name=job, nonce=nonce, client_nonce=mine, proof=made)
         if reply["op"] != "attached":
             return reply, None
         return reply, RawSession(self, reply["session"], session_key(key, nonce, mine))

@@ -7,15 +7,20 @@ the server serving a job that trains beside it.
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import logging
 import os
+import re
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import models
 import msgpack
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -31,8 +36,10 @@ from wstream.client import (
     UnknownJobError,
 )
 from wstream.protocol import messages as m
+from wstream.protocol.auth import create_proof, secret_key
 from wstream.protocol.shm import segment_paths
 from wstream.server.auth import NonceStore, ReplayWindow
+from wstream.server.inprocess import InProcessServer
 
 TOKEN = "tok-6f1d2b-very-secret"
 
@@ -177,11 +184,11 @@ def test_admin_operations_need_the_admin_secret(tmp_path: Path) -> None:
         tmp_path, "--admin-secret-file", str(secret), "--store", str(tmp_path / "store"), "--memory-limit", "3MiB"
     )
     try:
-        with Client(srv.address, timeout=30) as c:
-            job = c.create_job("j", models.mixed(seed=5), optimizer=AdamW(), token="t")
+        with Client(srv.address, timeout=30) as c, Client(srv.address, admin_secret="admin-s3cret") as creator:
+            job = creator.create_job("j", models.mixed(seed=5), optimizer=AdamW(), token="t")
             # a failed creation still cleans up after itself (its session drops the unsealed job)
             with pytest.raises(MemoryLimitError):
-                c.create_job("growing", (nn.Linear(256, 256) for _ in range(10)), token="x")
+                creator.create_job("growing", (nn.Linear(256, 256) for _ in range(10)), token="x")
             assert [j.name for j in c.status().jobs] == ["j"]
             with pytest.raises(AuthError, match="admin secret"):
                 job.drop()
@@ -203,7 +210,7 @@ def test_admin_operations_need_the_admin_secret(tmp_path: Path) -> None:
             assert reply["code"] == "bad_state" and "name the job" in reply["message"]
         finally:
             peer.close()
-        other = Client(srv.address, timeout=30).create_job("other", [nn.Linear(3, 3)], token="o")
+        other = Client(srv.address, admin_secret="admin-s3cret", timeout=30).create_job("other", [nn.Linear(3, 3)], token="o")
         with pytest.raises(AuthError, match="cannot read job 'j'"):  # a job session reads only its own job
             other.client._chan.request(m.Pull(session=other.session, stage=0, job="j"), m.Master)
         other.client.close()
@@ -235,6 +242,41 @@ def test_admin_operations_need_the_admin_secret(tmp_path: Path) -> None:
         assert not segment_paths(srv.proc.pid)
     finally:
         srv.stop()
+
+
+def test_creating_a_job_needs_the_admin_secret_where_the_server_has_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    secret = _secret_file(tmp_path, 0o600)
+    with InProcessServer(admin_secret_file=str(secret), memory_limit=2**28) as srv:
+        with Client(srv.address, timeout=30) as anyone:
+            with pytest.raises(AuthError, match="has an admin secret: creating job 'j' needs it"):
+                anyone.create_job("j", [nn.Linear(4, 4)], token="t")
+            assert anyone.status().jobs == []
+        with Client(srv.address, admin_secret="guess", timeout=30) as guesser:
+            with pytest.raises(AuthError, match="wrong admin secret"):
+                guesser.create_job("j", [nn.Linear(4, 4)], token="t")
+        with Client(srv.address, admin_secret="admin-s3cret", timeout=30) as admin:
+            admin.create_job("j", [nn.Linear(4, 4)], token="t")
+        with Client(srv.address, timeout=30) as rank:  # a restarted rank attaches without the admin secret
+            assert rank.create_job("j", [nn.Linear(4, 4)], token="t", exist_ok=True).num_stages == 1
+            with pytest.raises(AuthError, match="admin secret"):  # dropping needs it too
+                rank.drop_job("j", token="t")
+        peer = RawPeer(srv.address)
+        try:  # a creation proof is good for one name and one nonce
+            nonce, mine = peer.nonce(), os.urandom(32)
+            options = msgspec.to_builtins(m.JobOptions())
+            proof = create_proof(secret_key("admin-s3cret"), "other-name", nonce, mine)
+            reply, _ = peer.request("create_job", name="x", token="t", nonce=nonce, client_nonce=mine, options=options,
+                                    admin_proof=proof)
+            assert reply["code"] == "auth_failed" and "wrong admin secret" in reply["message"], reply
+        finally:
+            peer.close()
+        monkeypatch.setenv("WSTREAM_ADMIN_SECRET_FILE", str(secret))
+        with Client(srv.address, timeout=30) as from_env:
+            from_env.create_job("k", [nn.Linear(4, 4)], token="t")
+            from_env.drop_job("k")
+            assert [j.name for j in from_env.status().jobs] == ["j"]
 
 
 def test_a_readable_admin_secret_file_is_refused_at_start(tmp_path: Path) -> None:
@@ -288,3 +330,96 @@ def test_replay_window() -> None:
     w.check(200 + 64)  # reuses slot 200 % 64, which must count as unseen for 264
     with pytest.raises(AuthError, match="too old"):
         w.check(200)
+
+
+# ---- what a store holds of a job's token ----------------------------------------------------------
+def _hex_values_in_manifests(store: Path) -> list[bytes]:
+    """Every hex string of 16 bytes or more in the store's manifests, as bytes: whatever of the
+    token a snapshot keeps is among them."""
+    found: list[bytes] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, list):
+            for v in value:
+                walk(v)
+        elif isinstance(value, str) and len(value) >= 32 and re.fullmatch(r"(?:[0-9a-f]{2})+", value):
+            found.append(bytes.fromhex(value))
+
+    for manifest in sorted(store.glob("job-*/step-*/manifest.json")):
+        walk(json.loads(manifest.read_text()))
+    return found
+
+
+def _try_every_use(peer: RawPeer, job: str, value: bytes) -> None:
+    """``value`` from a stolen store, used every way it could open ``job``: all refused."""
+
+    def protocol_2_proof(nonce: bytes, mine: bytes) -> bytes:  # HMAC(key, ...): how protocol 4 proved
+        return hmac.new(value, b"wstream/attach/2\0" + job.encode() + b"\0" + nonce + mine, hashlib.sha256).digest()
+
+    attempts = {
+        "as the token": peer.try_attach(job, value.hex()),
+        "as the key the client derives from the token": peer.try_attach(job, key=value),
+        "as the HMAC key of a protocol-4 proof": peer.try_attach(job, proof=protocol_2_proof),
+    }
+    for how, (reply, _) in attempts.items():
+        assert reply["op"] == "error" and reply["code"] == "auth_failed", f"{value.hex()} {how}: {reply}"
+
+
+def test_a_copy_of_the_store_does_not_open_its_jobs(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    with InProcessServer(store=str(store), memory_limit=2**28) as srv:
+        with Client(srv.address, timeout=30) as c:
+            c.create_job("vault", [nn.Linear(4, 4)], token=TOKEN)  # durable (a snapshot) once created
+        stolen = _hex_values_in_manifests(store)
+        assert stolen, "the manifest holds no hex values: the test would prove nothing"
+        peer = RawPeer(srv.address)
+        try:
+            for value in stolen:
+                _try_every_use(peer, "vault", value)
+            assert peer.try_attach("vault", TOKEN)[0]["op"] == "attached"
+        finally:
+            peer.close()
+    # a server started from the store alone still knows the token when it is shown
+    with InProcessServer(store=str(store), memory_limit=2**28) as srv, Client(srv.address, timeout=30) as c:
+        assert c.attach_job("vault", token=TOKEN).num_stages == 1
+        peer = RawPeer(srv.address)
+        try:
+            for value in stolen:
+                _try_every_use(peer, "vault", value)
+            reply, _ = peer.try_attach("vault", "not-" + TOKEN)
+            assert reply["code"] == "auth_failed" and "wrong token" in reply["message"]
+        finally:
+            peer.close()
+
+
+def test_a_protocol_4_manifest_is_migrated_when_its_job_resumes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = tmp_path / "store"
+    with InProcessServer(store=str(store), memory_limit=2**28) as srv, Client(srv.address, timeout=30) as c:
+        c.create_job("old", [nn.Linear(4, 4)], token=TOKEN)
+    (manifest,) = store.glob("job-old/step-*/manifest.json")
+    data = json.loads(manifest.read_text())
+    data["job"] = {k: v for k, v in data["job"].items() if not k.startswith("token")}
+    data["job"]["token_sha256"] = hashlib.sha256(TOKEN.encode()).hexdigest()  # what protocol 4 wrote
+    manifest.write_text(json.dumps(data))
+    with caplog.at_level(logging.INFO, logger="wstream.server.snapshot"):
+        with InProcessServer(store=str(store), memory_limit=2**28) as srv, Client(srv.address, timeout=30) as c:
+            assert c.attach_job("old", token=TOKEN).num_stages == 1
+            with pytest.raises(AuthError, match="wrong token"):
+                c.attach_job("old", token="not-" + TOKEN)
+    migrated = json.loads(manifest.read_text())["job"]
+    assert "token_sha256" not in migrated and "token_verifier" in migrated, migrated
+    assert any("token_sha256" in r.getMessage() and str(manifest.parent) in r.getMessage() for r in caplog.records)
+    with InProcessServer(store=str(store), memory_limit=2**28) as srv, Client(srv.address, timeout=30) as c:
+        assert c.attach_job("old", token=TOKEN).num_stages == 1  # the rewritten manifest is read as any other
+
+
+def test_hkdf_sha256_matches_rfc_5869() -> None:
+    from wstream.protocol.auth import hkdf_sha256
+
+    okm = hkdf_sha256(bytes([0x0B] * 22), salt=bytes(range(13)), info=bytes(range(0xF0, 0xFA)), length=42)
+    assert okm.hex() == (
+        "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf34007208d5b887185865"
+    )  # RFC 5869, A.1 (test case 1)

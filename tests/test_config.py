@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import logging
+import os
+import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
+from wstream.protocol import format_bytes
 from wstream.protocol.curve import write_keypair
-from wstream.server.cli import build_parser, config_from_args
+from wstream.protocol.shm import SHM_DIR
+from wstream.server.cli import build_parser, config_from_args, load_config
 from wstream.server.config import ServerConfig
 from wstream.server.config_file import apply_config_file, setting_types
+from wstream.server.inprocess import InProcessServer
+from wstream.server.service import Server
+from wstream.server.snapshot import LOCK_FILE
 
 
 def config_of(argv: list[str]) -> ServerConfig:
@@ -56,6 +67,7 @@ def every_setting(tmp_path: Path) -> dict[str, tuple[str, list[str], object]]:
         "huge_pages": ('"off"', ["--huge-pages", "off"], "off"),
         "curve_secret_key_file": (f'"{server_secret}"', ["--curve-secret-key", server_secret], server_secret),
         "curve_authorized_keys_dir": (f'"{clients}"', ["--curve-authorized-keys", str(clients)], str(clients)),
+        "insecure": ("true", ["--insecure"], True),
     }
 
 
@@ -156,10 +168,154 @@ def test_every_flag_and_key_is_in_the_operating_guide() -> None:
     ],
 )
 def test_a_tcp_endpoint_needs_a_port_from_1_to_65535(endpoint: str, accepted: bool) -> None:
-    if accepted:
-        assert ServerConfig(bind=[endpoint]).bind == [endpoint]
+    if accepted:  # (insecure: "tcp://*" listens beyond this host, which needs an admin secret otherwise)
+        assert ServerConfig(bind=[endpoint], insecure=True).bind == [endpoint]
         return
     with pytest.raises(ValueError, match=r"ServerConfig\.bind: .*port must be 1-65535 \(or \* for any free port\)"):
         ServerConfig(bind=[endpoint])
     with pytest.raises(ValueError, match="metrics_port must be a TCP port"):
         ServerConfig(metrics_port=99999)
+
+
+# ---- listening beyond this host ------------------------------------------------------------------
+@pytest.mark.parametrize("endpoint", ["tcp://0.0.0.0:5555", "tcp://*:5555", "tcp://10.1.2.3:5555", "tcp://[::]:5555",
+                                      "tcp://eth0:5555", "tcp://node7.example.org:5555"])
+def test_listening_beyond_this_host_needs_an_admin_secret_or_insecure(tmp_path: Path, endpoint: str) -> None:
+    with pytest.raises(ValueError) as err:
+        load_config(["--bind", endpoint])
+    message = str(err.value)
+    assert f"--bind (config key bind): {endpoint} is not a loopback address" in message
+    assert "--admin-secret-file (config key admin_secret_file)" in message and "--insecure (config key insecure)" in message
+    assert ServerConfig(bind=[endpoint], insecure=True).insecure
+    secret = tmp_path / "admin-secret"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    assert ServerConfig(bind=[endpoint], admin_secret_file=str(secret)).bind == [endpoint]
+
+
+@pytest.mark.parametrize("endpoint", ["tcp://127.0.0.1:5555", "tcp://127.1.2.3:5555", "tcp://[::1]:5555",
+                                      "tcp://localhost:5555", "ipc:///tmp/wstream.sock"])
+def test_loopback_and_ipc_endpoints_need_no_admin_secret(endpoint: str) -> None:
+    assert ServerConfig(bind=[endpoint]).bind == [endpoint]
+
+
+# ---- errors name the flag and the config key ------------------------------------------------------
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lease", "-1"], "--lease (config key lease_s) must be > 0 seconds, got -1"),
+        (["--keep-snapshots", "0"], "--keep-snapshots (config key keep_snapshots) must be >= 1, got 0"),
+        (["--memory-limit", "0"], "--memory-limit (config key memory_limit) must be > 0 bytes, got 0"),
+        (["--snapshot-every", "5"], "--snapshot-every (config key snapshot_every) needs a store to write to: "
+                                    "give --store (config key store)"),
+        (["--bind", "tcp://127.0.0.1:99999"], "--bind (config key bind): 'tcp://127.0.0.1:99999': a tcp endpoint's port"),
+        (["--huge-pages", "auto", "--nonce-ttl", "0"], "--nonce-ttl (config key nonce_ttl_s) must be > 0 seconds, got 0"),
+    ],
+)
+def test_a_bad_setting_names_its_flag_and_its_config_key(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError) as err:
+        load_config(argv)
+    assert message in str(err.value)
+    assert "ServerConfig." not in str(err.value)
+
+
+def test_a_bad_setting_from_the_file_names_the_file_too(tmp_path: Path) -> None:
+    conf = tmp_path / "server.toml"
+    conf.write_text("lease_s = -1.5\n")
+    with pytest.raises(ValueError) as err:
+        load_config(["--config", str(conf)])
+    assert f"--lease (config key lease_s, set in {conf}) must be > 0 seconds, got -1.5" in str(err.value)
+
+
+def test_the_python_api_still_names_the_field() -> None:
+    with pytest.raises(ValueError, match=r"ServerConfig\.lease_s must be > 0 seconds, got -1"):
+        ServerConfig(lease_s=-1)
+
+
+@pytest.mark.parametrize("flag", ["--memory-limit", "--snapshot-buffer"])
+def test_a_bad_size_on_the_command_line_names_the_flag_the_value_and_the_forms(
+    flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([flag, "12XB"])
+    err = capsys.readouterr().err
+    assert f"argument {flag}: cannot read '12XB' as a size" in err, err
+    assert "e.g. 64GiB, 500M, 1.5T" in err and "invalid parse_size value" not in err
+
+
+def test_a_bad_size_in_the_file_names_the_file_the_key_and_the_forms(tmp_path: Path) -> None:
+    conf = tmp_path / "server.toml"
+    conf.write_text('snapshot_buffer = "1.5 lots"\n')
+    with pytest.raises(ValueError) as err:
+        load_config(["--config", str(conf)])
+    assert f"{conf}: snapshot_buffer: cannot read '1.5 lots' as a size" in str(err.value)
+    assert "e.g. 64GiB, 500M, 1.5T" in str(err.value)
+
+
+def test_the_server_exits_2_naming_the_flag_and_key(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "wstream.server", "--bind", f"ipc://{tmp_path / 's.sock'}", "--lease", "-1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    assert "wstream-server: --lease (config key lease_s) must be > 0 seconds, got -1" in out.stderr, out.stderr
+
+
+# ---- the store is checked at start ----------------------------------------------------------------
+@contextlib.contextmanager
+def unwritable(directory: Path) -> Iterator[None]:
+    """``directory`` refuses new files, for root too (immutable, where chattr can set it)."""
+    if os.geteuid() != 0:
+        directory.chmod(0o500)
+        try:
+            yield
+        finally:
+            directory.chmod(0o700)
+        return
+    if shutil.which("chattr") is None:
+        pytest.skip("running as root without chattr: no way to make a directory unwritable")
+    made = subprocess.run(["chattr", "+i", str(directory)], capture_output=True, text=True, timeout=60)
+    if made.returncode != 0:
+        pytest.skip(f"running as root and chattr +i is refused here: {made.stderr.strip()}")
+    try:
+        yield
+    finally:
+        subprocess.run(["chattr", "-i", str(directory)], check=True, timeout=60)
+
+
+def test_an_unwritable_store_is_refused_at_start(tmp_path: Path) -> None:
+    store = tmp_path / "store"
+    store.mkdir(mode=0o700)
+    (store / LOCK_FILE).write_text("")  # a store used before: its lock file can still be opened
+    config = ServerConfig(bind=[f"ipc://{tmp_path / 's.sock'}"], store=str(store))
+    with unwritable(store), pytest.raises(OSError) as err:
+        Server(config)
+    message = str(err.value)
+    assert f"the store {store} is not writable" in message, message
+    assert "Operation not permitted" in message or "Permission denied" in message, message
+
+
+def test_a_store_that_cannot_be_created_is_refused_naming_it(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    config = ServerConfig(bind=[f"ipc://{tmp_path / 's.sock'}"], store=str(tmp_path / "file" / "store"))
+    with pytest.raises(OSError, match=f"cannot create the store directory {tmp_path / 'file' / 'store'}: Not a directory"):
+        Server(config)
+
+
+# ---- the memory limit against the host ------------------------------------------------------------
+def test_a_memory_limit_beyond_ram_or_dev_shm_is_warned_about_at_start(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    ram = psutil.virtual_memory().total
+    st = os.statvfs(SHM_DIR)
+    shm = st.f_blocks * st.f_frsize
+    huge = 2 * max(ram, shm)
+    with caplog.at_level(logging.WARNING, logger="wstream.server"):
+        InProcessServer(bind=[f"ipc://{tmp_path / 'a.sock'}"], memory_limit=huge).stop()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any(format_bytes(huge) in w and format_bytes(ram) in w and "physical memory" in w for w in warnings), warnings
+    assert any(format_bytes(huge) in w and format_bytes(shm) in w and SHM_DIR in w for w in warnings), warnings
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="wstream.server"):
+        InProcessServer(bind=[f"ipc://{tmp_path / 'b.sock'}"], memory_limit=2**20).stop()
+    assert not [r for r in caplog.records if "memory limit" in r.getMessage()]

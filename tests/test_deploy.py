@@ -1,7 +1,9 @@
 """The files under deploy/ are parsed and cross-checked against the real command-line parsers:
 every ``wstream-server``, ``wstream`` and ``torchrun`` command line must parse (no abbreviations),
-and the ports, paths and sizes the files repeat must agree with one another. The last test breaks
-each file on purpose and expects its check to fail."""
+and the ports, paths and sizes the files repeat must agree with one another. Then every
+``wstream-server`` command line they ship (and ``--config server.toml`` alone) is started for real,
+with its store, admin secret and endpoints moved into a temporary directory, and must answer
+``status`` and stop cleanly. The last tests break each file on purpose and expect its check to fail."""
 
 from __future__ import annotations
 
@@ -21,8 +23,14 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from conftest import start_server
+from wstream.client import Client
 from wstream.client.admin import build_parser as admin_parser
+from wstream.protocol import PROTOCOL_VERSION
+from wstream.protocol.shm import segment_paths
 from wstream.server.cli import build_parser as server_parser
+from wstream.server.cli import load_config
+from wstream.server.config import is_loopback
 from wstream.server.config_file import read_config_file
 
 if sys.version_info >= (3, 11):
@@ -64,6 +72,15 @@ def torchrun_parser() -> argparse.ArgumentParser:
 
 def tcp_ports(endpoints: list[str]) -> set[int]:
     return {port for e in endpoints if e.startswith("tcp://") and (port := urlsplit(e).port) is not None}
+
+
+def check_not_open(args: argparse.Namespace, where: str) -> None:
+    """A server that listens beyond its host has an admin secret (or says --insecure): it would
+    refuse to start otherwise."""
+    beyond = [e for e in args.bind or [] if not is_loopback(e)]
+    assert not beyond or args.admin_secret_file or args.insecure, (
+        f"{where}: listens on {beyond} without --admin-secret-file (the server refuses to start so)"
+    )
 
 
 def quantity(text: str | int) -> int:
@@ -158,6 +175,7 @@ def check_unit(text: str) -> None:
     words = [w.replace("%d", credentials) for w in shlex.split(one["ExecStart"])]
     assert words[0].endswith("/wstream-server"), words[0]
     args = parse(server_parser(), [w for w in words[1:] if not re.fullmatch(r"\$\w+", w)], "ExecStart")
+    check_not_open(args, "ExecStart")
     run_dir = f"/run/{one['RuntimeDirectory']}/"
     ipc = [e for e in args.bind if e.startswith("ipc://")]
     assert ipc and all(e.removeprefix("ipc://").startswith(run_dir) for e in ipc), f"ipc sockets in {run_dir}"
@@ -201,6 +219,7 @@ def check_containerfile(text: str) -> None:
     entry = json.loads(next(rest for op, rest in steps if op == "ENTRYPOINT"))
     assert entry == ["wstream-server"]
     cmd = parse(server_parser(), json.loads(next(rest for op, rest in steps if op == "CMD")), "CMD")
+    check_not_open(cmd, "CMD")
     exposed = {int(p.split("/")[0]) for op, rest in steps if op == "EXPOSE" for p in rest.split()}
     assert exposed == tcp_ports(cmd.bind) | {cmd.metrics_port}, f"EXPOSE {exposed} against CMD's ports"
     user = next(rest for op, rest in steps if op == "USER")
@@ -242,6 +261,7 @@ def check_k8s_server(docs: list[dict[str, Any]]) -> tuple[dict[str, Any], argpar
     pod = pod_spec(workload)
     server = next(c for c in pod["containers"] if c["name"] == "server")
     args = parse(server_parser(), [str(a) for a in server["args"]], "server.yaml")
+    check_not_open(args, "server.yaml")
     tcp = tcp_ports(args.bind)
     assert tcp and all(container_port(server, p) == p for p in tcp)
     assert container_port(server, args.metrics_port) == args.metrics_port
@@ -293,6 +313,7 @@ def check_sbatch(text: str) -> None:
     env = shell_assignments(text, SLURM_ENV)
     (server,) = shell_commands(text, "wstream-server", env)
     args = parse(server_parser(), server, "wstream-server in train.sbatch")
+    check_not_open(args, "wstream-server in train.sbatch")
     (status,) = shell_commands(text, "wstream", env)
     st = parse(admin_parser(), status, "wstream in train.sbatch")
     (torchrun,) = shell_commands(text, "torchrun", env)
@@ -316,6 +337,8 @@ def test_systemd_unit() -> None:
 
 def test_server_toml_is_a_valid_config() -> None:
     assert read_config_file(str(DEPLOY / "server.toml"))["memory_limit"] > 0
+    config, _ = load_config(["--config", str(DEPLOY / "server.toml")])  # as shipped: every setting usable
+    assert config.snapshot_every == 0 or config.store is not None
 
 
 def test_containerfile() -> None:
@@ -329,6 +352,87 @@ def test_kubernetes_manifests() -> None:
 
 def test_slurm_batch_script() -> None:
     check_sbatch((DEPLOY / "slurm" / "train.sbatch").read_text())
+
+
+# ---- each server command line, started ---------------------------------------------------------------
+def unit_server_argv() -> list[str]:
+    one = {k: v[-1] for k, v in unit_sections((DEPLOY / "wstream-server.service").read_text())["Service"].items()}
+    words = [w.replace("%d", "/run/credentials/wstream-server.service") for w in shlex.split(one["ExecStart"])]
+    return [w for w in words[1:] if not re.fullmatch(r"\$\w+", w)]
+
+
+def containerfile_server_argv() -> list[str]:
+    steps = instructions((DEPLOY / "Containerfile").read_text())
+    return [str(w) for w in json.loads(next(rest for op, rest in steps if op == "CMD"))]
+
+
+def k8s_server_argv() -> list[str]:
+    docs = k8s_docs((DEPLOY / "k8s" / "server.yaml").read_text())
+    workload = next(d for d in docs if d["kind"] in ("StatefulSet", "Deployment"))
+    return [str(a) for a in next(c for c in pod_spec(workload)["containers"] if c["name"] == "server")["args"]]
+
+
+def slurm_server_argv() -> list[str]:
+    text = (DEPLOY / "slurm" / "train.sbatch").read_text()
+    (argv,) = shell_commands(text, "wstream-server", shell_assignments(text, SLURM_ENV))
+    return argv
+
+
+SERVER_COMMANDS: dict[str, Callable[[], list[str]]] = {
+    "server.toml": lambda: ["--config", str(DEPLOY / "server.toml")],
+    "wstream-server.service": unit_server_argv,
+    "Containerfile": containerfile_server_argv,
+    "k8s/server.yaml": k8s_server_argv,
+    "slurm/train.sbatch": slurm_server_argv,
+}
+
+
+def redirected(argv: list[str], tmp_path: Path) -> list[str]:
+    """``argv`` with what lives outside the test moved under ``tmp_path``: no ``--bind`` (the
+    caller binds a fresh ipc socket), the store and the admin secret there, the config file the one
+    shipped in deploy/, metrics on any free loopback port. Everything else is kept as shipped."""
+    secret = tmp_path / "admin-secret"
+    secret.write_text("deploy-test-secret\n")
+    secret.chmod(0o600)
+    moved = {
+        "--store": str(tmp_path / "store"),
+        "--admin-secret-file": str(secret),
+        "--metrics-port": "0",
+        "--metrics-addr": "127.0.0.1",
+    }
+    out: list[str] = []
+    words = iter(argv)
+    for word in words:
+        flag, eq, value = word.partition("=")
+        if flag == "--bind" or flag in moved or flag == "--config":
+            value = value if eq else next(words)
+            if flag == "--config":
+                out += [flag, str(DEPLOY / Path(value).name)]
+            elif flag != "--bind":
+                out += [flag, moved[flag]]
+        else:
+            out.append(word)
+    if "--store" not in out:  # (server.toml names /var/lib/wstream)
+        out += ["--store", moved["--store"]]
+    return out
+
+
+@pytest.mark.parametrize("where", sorted(SERVER_COMMANDS))
+def test_each_shipped_server_command_starts_answers_and_stops(where: str, tmp_path: Path) -> None:
+    argv = redirected(SERVER_COMMANDS[where](), tmp_path)
+    address = f"ipc://{tmp_path / 'server.sock'}"
+    config, _ = load_config(["--bind", address, *argv])  # what the server will run with
+    srv = start_server(tmp_path, *argv, address=address)
+    try:
+        with Client(srv.address, timeout=30) as c:
+            status = c.status()
+        assert status.protocol == PROTOCOL_VERSION and status.pid == srv.proc.pid
+        assert status.memory_limit == config.memory_limit
+    finally:
+        rc = srv.stop()
+    assert rc == 0, srv.log()
+    assert not segment_paths(srv.proc.pid)
+    assert (tmp_path / "store").is_dir()
 
 
 def _k8s(server: str) -> None:
@@ -348,6 +452,9 @@ BREAKAGES: list[tuple[str, Callable[[str], None], str, str]] = [
     ("k8s/server.yaml", _k8s, "- --store\n", "- --stor\n"),
     ("slurm/train.sbatch", check_sbatch, '--metrics-port "$METRICS_PORT"', '--metrics_port "$METRICS_PORT"'),
     ("slurm/train.sbatch", check_sbatch, "--gpus-per-node=4", "--gpus-per-node=8"),
+    ("slurm/train.sbatch", check_sbatch, '--admin-secret-file "$WSTREAM_ADMIN_SECRET_FILE"', ""),
+    ("Containerfile", check_containerfile, '"--admin-secret-file", "/run/secrets/wstream-admin", ', ""),
+    ("k8s/server.yaml", _k8s, "\n            - --admin-secret-file\n            - /run/wstream-admin/admin-secret", ""),
 ]
 
 

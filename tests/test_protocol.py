@@ -287,12 +287,14 @@ def test_server_update_takes_the_mean_of_worker_gradients() -> None:
 
 
 def test_job_options_round_trip_through_a_snapshot_record_and_old_manifests_still_read() -> None:
+    from wstream.protocol.auth import client_key_of_digest, verifier
     from wstream.server.snapshot import JobRecord
 
     options = m.JobOptions(optimizer=SGD(lr=0.5, momentum=0.9), dtype="bfloat16", delayed_update=True, delay_after=3)
-    record = JobRecord("j", b"\x01" * 32, options, [SPEC])
+    record = JobRecord("j", verifier(client_key_of_digest(b"\x01" * 32)), options, [SPEC])
     assert JobRecord.from_json(json.loads(json.dumps(record.to_json()))) == record
-    # a manifest written before protocol 3 holds the options at the top level of "job"
+    # a manifest written before protocol 3 holds the options at the top level of "job", and (as before
+    # protocol 5) the token's digest, read as the verifier it gives
     old = {
         "name": "j", "token_sha256": "01" * 32, "optimizer": {"kind": "sgd", "lr": 0.5, "momentum": 0.9},
         "dtype": "bfloat16", "double_buffer": False, "delayed_update": True, "delay_after": 3, "frozen": False,
