@@ -36,6 +36,7 @@ from .options import Transport
 from .prefetch import Prefetcher, WeightRing
 from .push import GradientPusher
 from .streaming import TORCH_DTYPES, HeartbeatThread, StreamContext
+from .threads import share_cores
 from .waiting import job_waiting
 
 log = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ class WorkerConnection:
                         f"({exc}); is the server on another host? use shm=False"
                     ) from None
         self.shm = published is not None
+        self.server_threads = attached.compute_threads
+        if self.shm:  # on the server's host
+            share_cores(attached.compute_threads, attached.server_pid, transport.cpu_threads)
         cpu_shm = self.shm and self.device.type == "cpu"
         if zero_copy and not cpu_shm:
             raise StateError("zero_copy=True needs a CPU device and shared memory (shm)")

@@ -86,10 +86,17 @@ class Transport:
     reconnect_s: float = 300.0
     """When the server restarts (from its snapshots) or detaches this worker, the trainer attaches
     and joins again, retrying with backoff for this long (0: raise at once)."""
+    cpu_threads: int | None = None
+    """torch threads of this process while it is a worker on the server's host. None: at most the
+    cores the server leaves (its threads are in the ``attached`` reply), so the two do not spin
+    against each other (NOTE [Threads of a co-located server] in server/threads.py); a worker on
+    another host is left alone."""
 
     def __post_init__(self) -> None:
         if self.prefetch is not None and self.weight_budget is not None:
             raise ValueError("give prefetch= or weight_budget= (the ring's depth follows from the budget), not both")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be >= 1, got {self.cpu_threads}")
         if self.prefetch is not None and self.prefetch < 0:
             raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
         if self.weight_budget is not None:

@@ -431,6 +431,12 @@ class Attached(Message, tag="attached"):
     """The base's published segment; stage i's base weights are at ``base_offsets[i]``."""
     base_bytes: int = 0
     base_offsets: list[int] = []
+    compute_threads: int = 0
+    """torch threads the server's updates run on (0: not said). A worker on the server's host keeps
+    its own to the cores left (NOTE [Threads of a co-located server] in server/threads.py)."""
+    server_pid: int = 0
+    """The server's process id: a worker in the same process (an in-process server) shares its
+    thread pool and changes nothing."""
 
 
 class Joined(Message, tag="joined"):

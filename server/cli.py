@@ -10,7 +10,7 @@ from wstream.protocol import format_bytes, parse_size, version_line
 
 from .config import ConfigError, ServerConfig, default_memory_limit
 from .config_file import apply_config_file, default_of, setting_names
-from .service import Server
+from .threads import default_compute_threads, wait_passively
 
 
 def size_arg(text: str) -> int:
@@ -53,7 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="drop a job still being created that gets no stage for this long (default 300)",
     )
     p.add_argument("--optimizer-workers", type=int, default=1, metavar="N", help="threads running stage updates")
-    p.add_argument("--torch-threads", type=int, default=None, metavar="N", help="torch intra-op threads")
+    p.add_argument(
+        "--torch-threads", type=int, default=None, metavar="N",
+        help=f"torch intra-op threads of the updates (default: half the cores, here {default_compute_threads()}; "
+        "co-located workers keep to the rest)",
+    )
     p.add_argument("--config", metavar="FILE", help="TOML file of settings keyed by field name (memory_limit = \"64GiB\", "
                    "lease_s = 30); flags on the command line override it (docs/operating.md)")
     p.add_argument("--metrics-port", type=int, metavar="PORT", help="serve Prometheus metrics on this port (0: any free one)")
@@ -143,6 +147,11 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(
         level=args.log_level, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    wait_passively()  # NOTE [Threads of a co-located server], rule 1: before torch loads
+    from .service import Server
+
+    if config.torch_threads is None:  # rule 2: a process of its own
+        config.torch_threads = default_compute_threads()
     try:
         server = Server(config)
     except (ValueError, OSError) as exc:

@@ -102,7 +102,9 @@ class ServerConfig:
     update is memory-bound, so one is right unless many jobs update at once."""
 
     torch_threads: int | None = None
-    """torch intra-op threads for updates; None keeps torch's default (the number of cores)."""
+    """torch intra-op threads of the updates. None: in a ``wstream-server`` process half the cores
+    (at least one), and co-located workers keep to the rest (NOTE [Threads of a co-located
+    server] in ``server/threads.py``); an in-process server leaves its process's setting alone."""
 
     metrics_port: int | None = None
     """Serve Prometheus metrics at ``http://metrics_addr:PORT/metrics`` (0: any free port, logged).

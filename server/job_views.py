@@ -7,8 +7,11 @@ state, nothing that changes it.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any
+
+import torch
 
 from wstream.protocol import messages as m
 
@@ -30,6 +33,8 @@ def attached_reply(job: Job, session: bytes, lease_s: float, request_id: int) ->
         slot_offsets=[s.slot_offsets for s in job.stages],
         published_dtype=job.published_dtype,
         lease_s=lease_s,
+        compute_threads=torch.get_num_threads(),
+        server_pid=os.getpid(),
         **_base_fields(job),
     )
 

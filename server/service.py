@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
+from wstream.protocol.host import host_cores
 from wstream.protocol import PROTOCOL_VERSION
 from wstream.protocol.shm import configure_huge_pages, reap_stale_segments
 
@@ -113,6 +114,10 @@ class Server:
             self.memory.limit,
         )
         self.transport.log_security()
+        log.info(
+            "updates on %d torch threads of %d cores; OpenMP waits %s",
+            torch.get_num_threads(), host_cores(), os.environ.get("OMP_WAIT_POLICY", "as its default (spinning first)"),
+        )
         if self.metrics is not None:
             log.info("Prometheus metrics at %s", self.metrics.url)
         try:

@@ -1,0 +1,13 @@
+"""Facts of the host that both ends size themselves by."""
+
+from __future__ import annotations
+
+import os
+
+
+def host_cores() -> int:
+    """Cores this process may run on (its affinity mask, as a container or ``taskset`` sets it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
