@@ -6,6 +6,12 @@ the stage's accumulator (`GatherTask.run`, the last one also taking the norm for
 `torch.optim.AdamW([p], fused=True).step()` on a flat tensor of the same size, alternately in this
 process. Ratio = baseline time / wstream time (1.0 = as fast as bare fused AdamW).
 
+Where DeepSpeed is installed (``pip install deepspeed``; its CPU Adam op is built by its JIT with
+the host's C++ compiler on first use, about a minute), its bare ``DeepSpeedCPUAdam`` step on the
+same flat tensor (AdamW mode, fp32) is a second baseline, measured in the same run next to each
+case: ratio = DeepSpeed's time / wstream's time, i.e. wstream's parameters per second as a
+fraction of DeepSpeed's (issue 17 asks >= 0.9).
+
     python bench/optimizer_throughput.py [--mparams 32] [--repeat 9]
 """
 
@@ -64,6 +70,10 @@ def main() -> None:
     opt = torch.optim.AdamW([base], lr=1e-4, fused=True)
     t_base = median_time(opt.step, repeat=args.repeat)
     print(f"torch.optim.AdamW(fused=True), flat tensor: {numel / t_base / 1e9:5.2f} G params/s")
+    ds_step = deepspeed_step(numel)
+    if ds_step is not None:
+        t_ds = median_time(ds_step, repeat=args.repeat)
+        print(f"DeepSpeedCPUAdam (adamw_mode), flat tensor: {numel / t_ds / 1e9:5.2f} G params/s")
 
     cases = [
         ("1 worker, fp32 published in place (default)", False, 1),
@@ -74,8 +84,24 @@ def main() -> None:
         job, one_stage_step = make_job(numel, double_buffer=double, workers=workers)
         t = median_time(one_stage_step, repeat=args.repeat)
         t_base = median_time(opt.step, repeat=args.repeat)  # re-measured next to each case
-        print(f"wstream update, {label:45}: {numel / t / 1e9:5.2f} G params/s   ratio {t_base / t:.2f}")
+        line = f"wstream update, {label:45}: {numel / t / 1e9:5.2f} G params/s   ratio {t_base / t:.2f}"
+        if ds_step is not None:
+            line += f"   vs DeepSpeed {median_time(ds_step, repeat=args.repeat) / t:.2f}"
+        print(line)
         job.close()
+
+
+def deepspeed_step(numel: int) -> Callable[[], None] | None:
+    """A bare DeepSpeedCPUAdam step on a flat fp32 tensor of ``numel``, or None (not installed)."""
+    try:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+    except ImportError:
+        print("DeepSpeed is not installed: its CPU Adam baseline is left out (pip install deepspeed)")
+        return None
+    p = torch.nn.Parameter(torch.randn(numel))
+    p.grad = torch.randn(numel) * 1e-3
+    opt = DeepSpeedCPUAdam([p], lr=1e-4, adamw_mode=True, fp32_optimizer_states=True)
+    return opt.step
 
 
 if __name__ == "__main__":
