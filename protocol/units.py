@@ -20,7 +20,7 @@ _UNITS = {
     "gib": 2**30,
     "tib": 2**40,
 }
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*")  # fullmatch: surrounding blanks allowed
 
 
 def parse_size(text: str | int) -> int:
@@ -29,7 +29,7 @@ def parse_size(text: str | int) -> int:
         if text < 0:
             raise ValueError(f"size must be >= 0, got {text}")
         return text
-    m = _SIZE.match(text)
+    m = _SIZE.fullmatch(text)
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(
             f"cannot read {text!r} as a size: write a number with an optional unit "
