@@ -252,6 +252,7 @@ def _read(model: nn.Module, family: Family) -> Layout:
     roles: dict[str, str | None] = {"positions": None, "dropout": None, "norm": None, "project_in": None, "project_out": None}
     rotary: type[nn.Module] | None = None
     others: list[str] = []
+    norms: list[str] = []  # what else holds parameters: the final norm, if it is the only one
     for child_name, child in body.named_children():
         path = f"{body_path}.{child_name}"
         if child is embedding or path == layers:
@@ -266,14 +267,16 @@ def _read(model: nn.Module, family: Family) -> Layout:
             roles[child_name] = path
         elif not list(child.parameters()):
             others.append(f"{path} ({type(child).__name__}, no parameters)")
-        elif roles["norm"] is None and "norm" in type(child).__name__.lower():
-            roles["norm"] = path
         else:
-            others.append(f"{path} ({type(child).__name__})")
+            norms.append(path)
+    if len(norms) == 1 and "norm" in type(model.get_submodule(norms[0])).__name__.lower():
+        roles["norm"] = norms[0]
+    elif norms:
+        others += [f"{p} ({type(model.get_submodule(p)).__name__})" for p in norms]
     if others:
         raise UnsupportedModel(
             f"{name}: around the blocks in {body_path} wstream knows a token embedding, learned positions, a dropout, "
-            f"a rotary embedding, project_in/out and one final norm; it also found {', '.join(others)}"
+            f"a rotary embedding, project_in/out and one final norm; it found {', '.join(others)} besides"
         )
     known = {paths[id(embedding)], paths[id(head)], layers, *(p for p in roles.values() if p is not None)}
     stray = [
