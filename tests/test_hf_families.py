@@ -29,7 +29,8 @@ def tiny_config(kind: str, *, dropout: float = 0.0) -> Any:
     """2 layers, width 32, vocabulary 96, with each family's particular parts switched on: sliding
     windows of 4 (< SEQ) for Mistral, Qwen2's second layer and Gemma2's first; Qwen2's q/k/v
     biases, tied; Phi-3's fused qkv and half rotary, padding index 0 (its row gets no gradient);
-    Gemma's sqrt(hidden) embedding scale, tied; Gemma2's attention and final logit soft-capping;
+    Gemma's sqrt(hidden) embedding scale, tied; Gemma2's attention and final logit soft-capping
+    (at 0.05, where tiny random logits feel it);
     GPT-NeoX's parallel residual, quarter rotary, untied, its head saved as ``embed_out``; OPT's
     positions offset by 2 and project_in/out (embeddings 16 wide), tied, padding index 1."""
     if kind == "gpt2":
@@ -51,7 +52,9 @@ def tiny_config(kind: str, *, dropout: float = 0.0) -> Any:
     if kind == "gemma":
         return transformers.GemmaConfig(**ROPE, head_dim=8, pad_token_id=2)
     if kind == "gemma2":
-        return transformers.Gemma2Config(**ROPE, head_dim=8, pad_token_id=2, sliding_window=4)
+        return transformers.Gemma2Config(
+            **ROPE, head_dim=8, pad_token_id=2, sliding_window=4, final_logit_softcapping=0.05, attn_logit_softcapping=0.05
+        )
     if kind == "gpt_neox":
         return transformers.GPTNeoXConfig(
             **SMALL, **TOKENS, intermediate_size=64, hidden_dropout=dropout, attention_dropout=dropout
@@ -64,6 +67,11 @@ def tiny_config(kind: str, *, dropout: float = 0.0) -> Any:
 
 
 KINDS = sorted(FAMILIES)
+EPS = 1e-6
+"""AdamW's eps on both sides. A key projection's bias has no gradient in exact arithmetic (softmax
+ignores a score added to every key), so what it gets is rounding noise, about 1e-10; with the
+default eps of 1e-8 AdamW turns noise into steps of up to lr, and a comparison would measure
+noise. At 1e-6 noise moves it by lr/1e4; real gradients, 1e-3 and larger here, are unaffected."""
 
 
 def attn_of(kind: str) -> str:
@@ -125,7 +133,7 @@ def test_five_steps_equal_transformers_with_adamw(client: Client, tmp_path: Path
     steps, lr, wd = 5, 1e-3, 0.01
     model = reference(folder, attn_of(kind))
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, eps=EPS)
     torch.manual_seed(123)
     want_losses = []
     for s in range(steps):
@@ -135,7 +143,7 @@ def test_five_steps_equal_transformers_with_adamw(client: Client, tmp_path: Path
         opt.step()
         want_losses.append(loss.item())
 
-    job = create_job_from_pretrained(client, kind, folder, token="t", optimizer=AdamW(lr=lr, weight_decay=wd))
+    job = create_job_from_pretrained(client, kind, folder, token="t", optimizer=AdamW(lr=lr, weight_decay=wd, eps=EPS))
     torch.manual_seed(123)
     with job.trainer() as trainer:
         losses = [trainer.step(batch(s), batch(s), causal_lm_loss) for s in range(steps)]
@@ -208,28 +216,33 @@ PACKED_CASES = [(kind, "positions") for kind in KINDS if FAMILIES[kind].mask_see
 @pytest.mark.parametrize(("kind", "form"), PACKED_CASES)
 def test_packed_documents_equal_the_documents_unpacked(client: Client, tmp_path: Path, kind: str, form: str) -> None:
     """Two documents of 5 and 7 tokens packed in each row of 12 (positions [0..4, 0..6]; with
-    ``form`` "positions" the ids alone, with "mask4d" also a block-diagonal causal mask) give
-    each document's logits alone, and three training steps (two micro-batches) give the weights
+    ``form`` "positions" the ids alone, with "mask4d" also a block-diagonal causal mask, under sdpa
+    and eager attention) give each document's logits alone, and three training steps (two micro-batches) give the weights
     of ``transformers`` trained on the same documents unpacked (one a row, padded)."""
     folder = save_model(kind, tmp_path / "model")
     attn = attn_of(kind)
     model = reference(folder, attn)
-    job = create_job_from_pretrained(client, kind, folder, token="t", optimizer=AdamW(lr=1e-3, weight_decay=0.01))
+    job = create_job_from_pretrained(
+        client, kind, folder, token="t", optimizer=AdamW(lr=1e-3, weight_decay=0.01, eps=EPS)
+    )
 
     def inputs(ids: torch.Tensor, positions: torch.Tensor) -> tuple[Any, ...]:
         return (ids, None, positions) if form == "positions" else (ids, block_causal_mask(positions), positions)
 
     docs = documents(0, rows=2)
     ids, positions, _ = packed(docs)
-    with job.trainer() as trainer, torch.no_grad():
-        logits = trainer.forward(inputs(ids, positions))
-        for k, doc in enumerate(docs):
-            start = 0 if k % 2 == 0 else LENGTHS[0]
-            alone = model(doc[None]).logits[0]
-            torch.testing.assert_close(logits[k // 2, start : start + len(doc)], alone, rtol=0, atol=1e-5)
+    eager = [] if attn == "eager" or form != "mask4d" else ["eager"]  # the 4D mask made additive
+    for run_attn in [attn, *eager]:
+        runs = job if run_attn == attn else create_job_from_pretrained(client, "e", folder, token="t", attn_implementation="eager")
+        with runs.trainer() as trainer, torch.no_grad():
+            logits = trainer.forward(inputs(ids, positions))
+            for k, doc in enumerate(docs):
+                start = 0 if k % 2 == 0 else LENGTHS[0]
+                alone = model(doc[None]).logits[0]
+                torch.testing.assert_close(logits[k // 2, start : start + len(doc)], alone, rtol=0, atol=1e-5)
 
     model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01, eps=EPS)
     want_losses = []
     for s in range(3):
         u_ids, u_mask, u_labels = unpacked(documents(s, rows=2))
@@ -288,3 +301,24 @@ def test_a_float_4d_mask_is_refused(client: Client, tmp_path: Path) -> None:
     additive = torch.zeros(4, 1, SEQ, SEQ)
     with job.trainer() as trainer, pytest.raises(ValueError, match="a 4D attention_mask must be boolean"):
         trainer.forward((ids, additive, positions))
+
+
+def test_gpt_neox_reads_its_head_under_either_name(tmp_path: Path) -> None:
+    """``save_pretrained`` writes GPT-NeoX's head as ``embed_out.weight`` (as Pythia's checkpoints
+    hold it), and the stage is named so; a checkpoint written with the model's name,
+    ``lm_head.weight``, is read too."""
+    from safetensors.torch import save_file
+
+    from wstream.client.hf import stages_from_pretrained
+
+    folder = save_model("gpt_neox", tmp_path / "saved")
+    renamed = tmp_path / "renamed"
+    renamed.mkdir()
+    (renamed / "config.json").write_text((folder / "config.json").read_text())
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_config("gpt_neox"))
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, renamed / "model.safetensors")
+    for source in (folder, renamed):
+        *_, head = stages_from_pretrained(source)
+        assert [name for name, _ in head.named_parameters()] == ["embed_out.weight"]
+        assert torch.equal(head.embed_out.weight, model.lm_head.weight)
