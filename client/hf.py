@@ -65,6 +65,7 @@ from wstream.protocol.layout import numel_of
 from .chain import progress_bar
 from .client import Client, Job
 from .hf_stages import FAMILIES, Blocks, Embedding, Head, Layout, TiedHead, default_attn_implementation, layout_of
+from .hf_stages import UnsupportedModel, block_causal_mask  # noqa: F401 - re-exported for users
 from .stages import Tied
 
 log = logging.getLogger(__name__)

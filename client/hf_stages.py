@@ -466,6 +466,11 @@ class Embedding(nn.Module):
         if self._project_in is not None:
             hidden = self.get_submodule(self._project_in)(hidden)
         extras = attention_mask is not None or position_ids is not None
+        if position_ids is not None and position_ids.shape[-1] != input_ids.shape[-1]:
+            raise ValueError(
+                f"position_ids of shape {tuple(position_ids.shape)} for input_ids of {tuple(input_ids.shape)}: "
+                "both are (batch, seq)"
+            )
         if position_ids is None and (extras or self._positions is not None):
             position_ids = self._default_positions(hidden, attention_mask)
         if self._positions is not None:

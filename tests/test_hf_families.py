@@ -294,13 +294,17 @@ def _saved(config: Any, folder: Path) -> Path:
     return folder
 
 
-def test_a_float_4d_mask_is_refused(client: Client, tmp_path: Path) -> None:
+def test_side_inputs_of_the_wrong_kind_are_refused(client: Client, tmp_path: Path) -> None:
     job = create_job_from_pretrained(client, "m", save_model("llama", tmp_path / "model"), token="t")
     ids = batch(0)
     positions = torch.arange(SEQ).expand_as(ids)
-    additive = torch.zeros(4, 1, SEQ, SEQ)
-    with job.trainer() as trainer, pytest.raises(ValueError, match="a 4D attention_mask must be boolean"):
-        trainer.forward((ids, additive, positions))
+    with job.trainer() as trainer:
+        with pytest.raises(ValueError, match="a 4D attention_mask must be boolean"):
+            trainer.forward((ids, torch.zeros(4, 1, SEQ, SEQ), positions))
+        with pytest.raises(ValueError, match=r"a 4D attention_mask must be \(batch, 1, seq, seq\)"):
+            trainer.forward((ids, block_causal_mask(positions)[:, :, :3], positions))
+        with pytest.raises(ValueError, match="position_ids of shape"):
+            trainer.forward((ids, None, positions[:, :5]))
 
 
 def test_gpt_neox_reads_its_head_under_either_name(tmp_path: Path) -> None:
