@@ -12,22 +12,28 @@ with job.trainer() as trainer:
 export_pretrained(job, "path/to/out", "path/to/model")
 ```
 
-Families: GPT-2 (``gpt2``) and Llama (``llama``). The chain is [embedding, decoder blocks (one per
-stage, or ``blocks_per_stage``), the final norm folded into the last block stage, head]. The
-blocks are the real ``transformers`` modules (``GPT2Block``, ``LlamaDecoderLayer``), run with an
-explicit attention implementation ("sdpa" or "eager").
+Families: GPT-2, Llama, Mistral, Qwen2, Phi-3, Gemma, Gemma2, GPT-NeoX (Pythia) and OPT
+(``FAMILIES`` in ``hf_stages.py``), split by one structural rule (NOTE [The structural rule]
+there). The chain is [embedding, decoder blocks (one per stage, or ``blocks_per_stage``), the
+final norm folded into the last block stage, head]. The blocks are the real ``transformers``
+modules (``GPT2Block``, ``LlamaDecoderLayer``, ...), run with an explicit attention implementation
+("sdpa" or "eager"; by default sdpa where the model supports it). Inputs may carry a padding
+mask, position ids and 4D masks of packed documents (NOTE [Packed sequences] there).
 
 # NOTE [Stage parameters carry their checkpoint names]
 # Each stage registers its modules at their paths in the ``transformers`` model (empty container
 # modules on the way), so the stage's parameter names *are* the checkpoint's tensor names:
 # ``transformer.h.3.attn.c_attn.weight`` in the stage holding block 3. Loading reads exactly those
 # names from the safetensors files, export writes the server's stages under the same names, and
-# nothing maps names in between. A tied head (``tie_word_embeddings``) is a :class:`Tied`
+# nothing maps names in between (a name ``save_pretrained`` writes differently from the model,
+# GPT-NeoX's ``embed_out.weight`` for ``lm_head.weight``, is used as written: ``Family.saved_as``).
+# A tied head (``tie_word_embeddings``) is a :class:`Tied`
 # position on stage 0 whose only parameter is named like the token embedding, so the matrix is
 # one parameter on the server, trained with the sum of both uses' gradients, and exported once
 # (as ``save_pretrained`` writes tied weights).
 #
-# NOTE [What flows between stages] is in ``hf_stages.py``, with the stage modules.
+# NOTE [The structural rule], [What flows between stages] and [Packed sequences] are in
+# ``hf_stages.py``, with the stage modules.
 """
 
 from __future__ import annotations
@@ -58,8 +64,8 @@ from wstream.protocol.layout import numel_of
 
 from .chain import progress_bar
 from .client import Client, Job
-from .hf_stages import Blocks, Head, TiedHead
-from .hf_stages import family_of as _family
+from .hf_stages import FAMILIES, Blocks, Embedding, Head, Layout, TiedHead, default_attn_implementation, layout_of
+from .hf_stages import UnsupportedModel, block_causal_mask  # noqa: F401 - re-exported for users
 from .stages import Tied
 
 log = logging.getLogger(__name__)
@@ -68,6 +74,8 @@ Source = Union[str, "os.PathLike[str]", PretrainedConfig]
 """A ``save_pretrained`` folder (``config.json`` and safetensors weights) or a config."""
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+"""The attention implementations a job may run with; None picks per model
+(:func:`~wstream.client.hf_stages.default_attn_implementation`)."""
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 IGNORE_INDEX = -100
@@ -155,24 +163,20 @@ def _config_location(source: str | os.PathLike[str]) -> tuple[str, bool]:
 
 
 # ---- configs and the chain -----------------------------------------------------------------------
-def load_config(source: Source, *, attn_implementation: str = "sdpa") -> PretrainedConfig:
+def load_config(source: Source, *, attn_implementation: str | None = None) -> PretrainedConfig:
     """A copy of ``source``'s config (read from ``config.json`` for a folder, or a hub repo id's
     when ``source`` can only be one: NOTE [Local folders before the hub]) that runs with
-    ``attn_implementation`` ("sdpa" or "eager", explicit so results do not depend on what is
-    installed)."""
-    if attn_implementation not in ATTN_IMPLEMENTATIONS:
+    ``attn_implementation``: "sdpa" or "eager", explicit so results do not depend on what is
+    installed; None: "sdpa" where the model class supports it, else "eager" (Gemma2)."""
+    if attn_implementation is not None and attn_implementation not in ATTN_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
     if isinstance(source, PretrainedConfig):
         config = copy.deepcopy(source)
     else:
         where, local_only = _config_location(source)
         config = AutoConfig.from_pretrained(where, local_files_only=local_only)
-    config._attn_implementation = attn_implementation
+    config._attn_implementation = attn_implementation or default_attn_implementation(config)
     return config
-
-
-def _tied(config: PretrainedConfig) -> bool:
-    return bool(getattr(config, "tie_word_embeddings", False))
 
 
 def _block_ranges(config: PretrainedConfig, blocks_per_stage: int) -> list[range]:
@@ -182,18 +186,17 @@ def _block_ranges(config: PretrainedConfig, blocks_per_stage: int) -> list[range
     return [range(a, min(a + blocks_per_stage, n)) for a in range(0, n, blocks_per_stage)]
 
 
-def _skeletons(config: PretrainedConfig, blocks_per_stage: int) -> Iterator[nn.Module | Tied]:
-    """The chain on the meta device: embedding, block stages, then the head (or a position tied
-    to stage 0). Generated one at a time."""
-    family = _family(config)
-    ranges = _block_ranges(config, blocks_per_stage)
-    yield _on_meta(lambda: family.embedding(config))
+def _skeletons(layout: Layout, blocks_per_stage: int) -> Iterator[nn.Module | Tied]:
+    """The chain on the meta device (NOTE [The structural rule] in ``hf_stages.py``): embedding,
+    block stages, then the head (or a position tied to stage 0). Generated one at a time."""
+    ranges = _block_ranges(layout.config, blocks_per_stage)
+    yield _on_meta(lambda: Embedding(layout))
     for k, layers in enumerate(ranges):
-        yield _on_meta(lambda: Blocks(family, config, layers, final_norm=k == len(ranges) - 1))
-    if _tied(config):
-        yield Tied(0, _on_meta(lambda: TiedHead(config, family.embed)))
+        yield _on_meta(lambda: Blocks(layout, layers, final=k == len(ranges) - 1))
+    if layout.tied:
+        yield Tied(0, _on_meta(lambda: TiedHead(layout)))
     else:
-        yield _on_meta(lambda: Head(config))
+        yield _on_meta(lambda: Head(layout))
 
 
 def _on_meta(build: Callable[[], nn.Module]) -> nn.Module:
@@ -207,7 +210,7 @@ def stages_from_pretrained(
     source: Source,
     *,
     blocks_per_stage: int = 1,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     weights: bool | None = None,
 ) -> Iterator[nn.Module | Tied]:
     """The stages of the causal LM in ``source``, one at a time, for ``Client.create_job`` (or,
@@ -219,25 +222,27 @@ def stages_from_pretrained(
     own tensors, so one stage is in memory at a time (``create_job`` moves it to meta after
     uploading it). Without, the modules stay on the meta device: the layout a worker passes to
     ``attach_job``. ``blocks_per_stage``: decoder blocks per stage (fewer, larger transfers).
+    ``attn_implementation``: "sdpa", "eager", or None for the model's default (:func:`load_config`).
 
-    The folder and config are checked when this is called (a missing folder is named at once);
-    the stages are built as they are iterated.
+    The folder, the config and the model's structure are checked when this is called (a missing
+    folder, or a model that does not split, is named at once); the stages are built as they are
+    iterated.
     """
     if weights is None:
         weights = not isinstance(source, PretrainedConfig)
     if not weights:
-        config = load_config(source, attn_implementation=attn_implementation)
-        return _skeletons(config, blocks_per_stage)
+        layout = layout_of(load_config(source, attn_implementation=attn_implementation))
+        return _skeletons(layout, blocks_per_stage)
     if isinstance(source, PretrainedConfig):
         raise ValueError("weights=True needs a folder with safetensors weights, not a config")
     folder = local_folder(source)
-    config = load_config(folder, attn_implementation=attn_implementation)
-    return _filled(config, blocks_per_stage, Checkpoint(folder))
+    layout = layout_of(load_config(folder, attn_implementation=attn_implementation))
+    return _filled(layout, blocks_per_stage, Checkpoint(folder, model_name=layout.family.model_name))
 
 
-def _filled(config: PretrainedConfig, blocks_per_stage: int, checkpoint: Checkpoint) -> Iterator[nn.Module | Tied]:
+def _filled(layout: Layout, blocks_per_stage: int, checkpoint: Checkpoint) -> Iterator[nn.Module | Tied]:
     """The chain's stages materialized on the CPU and filled from ``checkpoint``, one at a time."""
-    for item in _skeletons(config, blocks_per_stage):
+    for item in _skeletons(layout, blocks_per_stage):
         if isinstance(item, Tied):
             yield item
             continue
@@ -249,10 +254,13 @@ def _filled(config: PretrainedConfig, blocks_per_stage: int, checkpoint: Checkpo
 # ---- reading checkpoints ---------------------------------------------------------------------------
 class Checkpoint:
     """The safetensors weights of a ``save_pretrained`` folder: ``model.safetensors``, or the
-    shards ``model.safetensors.index.json`` names. Only the tensors asked for are read."""
+    shards ``model.safetensors.index.json`` names. Only the tensors asked for are read.
+    ``model_name``: a stage name as the model says it, for checkpoints that use the model's names
+    where ``save_pretrained`` writes others (``Family.model_name``)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, *, model_name: Callable[[str], str] = str) -> None:
         self.folder = folder
+        self._model_name = model_name
         index = folder / INDEX_FILE
         if index.exists():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -269,11 +277,12 @@ class Checkpoint:
     def name_of(self, param: str) -> str:
         """The checkpoint's name for stage parameter ``param``: the same, or without the base
         model's prefix (checkpoints of a bare ``GPT2Model`` say ``h.0...`` for ``transformer.h.0...``)."""
-        if param in self.files:
-            return param
-        bare = param.split(".", 1)[1] if "." in param else param
-        if bare in self.files:
-            return bare
+        for name in dict.fromkeys((param, self._model_name(param))):
+            if name in self.files:
+                return name
+            bare = name.split(".", 1)[1] if "." in name else name
+            if bare in self.files:
+                return bare
         raise LayoutError(f"tensor {param!r} is not in the checkpoint in {self.folder}")
 
     def fill(self, module: nn.Module) -> None:
@@ -302,7 +311,7 @@ def create_job_from_pretrained(
     *,
     token: str | None = None,
     blocks_per_stage: int = 1,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
     **options: Any,
 ) -> Job:
     """Create job ``name`` from the model in ``folder``, uploading one stage at a time (see
@@ -321,7 +330,7 @@ def attach_job_from_pretrained(
     *,
     token: str | None = None,
     blocks_per_stage: int = 1,
-    attn_implementation: str = "sdpa",
+    attn_implementation: str | None = None,
 ) -> Job:
     """Attach another worker to a job made by :func:`create_job_from_pretrained` (same
     ``blocks_per_stage``); only the config is read, no weights. ``token``: default ``$WSTREAM_TOKEN``."""
@@ -398,7 +407,9 @@ def _check_names(job: Job, config: PretrainedConfig) -> str:
     Returns the model's class name."""
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    want = {name for name, _ in model.named_parameters()}  # tied aliases are left out
+    family = FAMILIES.get(config.model_type)
+    saved = family.saved_name if family is not None else str
+    want = {saved(name) for name, _ in model.named_parameters()}  # as saved; tied aliases are left out
     got = [p.name for s in job.specs for p in s.params]
     extra, missing = sorted(set(got) - want), sorted(want - set(got))
     if extra or missing or len(got) != len(set(got)):
