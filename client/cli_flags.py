@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY
 
-from .client import ENV_ADMIN_SECRET_FILE, Client, admin_secret_from_env
+from .client import ENV_ADMIN_SECRET_FILE, Client, admin_secret_from_env, read_secret_file
 from .env import DEFAULT_SERVER, ENV_SERVER, ENV_TOKEN, job_token, server_address
 
 
@@ -83,7 +83,7 @@ def token_from_args(args: argparse.Namespace, default: str | None = None) -> str
     ``default``; ``ValueError`` when none is there."""
     path = getattr(args, "token_file", None)
     if path:
-        return _read_secret(path, "--token-file")
+        return read_secret_file(path, "the job token (--token-file)")
     if default is not None and not os.environ.get(ENV_TOKEN):
         return default
     return job_token(None, how="--token-file FILE")
@@ -95,15 +95,5 @@ def admin_secret_from_args(args: argparse.Namespace) -> str | None:
     if not hasattr(args, "admin_secret_file"):
         return None
     path = args.admin_secret_file
-    return _read_secret(path, "--admin-secret-file") if path else admin_secret_from_env()
+    return read_secret_file(path, "the admin secret (--admin-secret-file)") if path else admin_secret_from_env()
 
-
-def _read_secret(path: str, flag: str) -> str:
-    try:
-        with open(path) as f:
-            secret = f.read().strip()
-    except OSError as exc:
-        raise ValueError(f"{flag} {path}: cannot read it: {exc.strerror}") from None
-    if not secret:
-        raise ValueError(f"{flag} {path} is empty")
-    return secret

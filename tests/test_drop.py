@@ -267,25 +267,30 @@ def train_one_step(scene: Scene, trainer: Trainer, signer: SessionSigner, job: C
         assert isinstance(fetched, m.Weights), fetched
 
 
-def test_drop_while_its_creation_is_being_written_answers_the_seal(scene: Scene) -> None:
-    """Sealed, its creation snapshot being written: the ``seal`` waits for it to be durable."""
+def create_by_hand(scene: Scene, stages: list[nn.Module]) -> tuple[bytes, SessionSigner]:
+    """``create_job`` of the victim and its stages, not sealed: its session and signer."""
     wire = scene.wire
     challenge = wire.call(m.Hello())
     assert isinstance(challenge, m.Challenge)
     mine = client_nonce()
-    created = wire.call(
-        m.CreateJob(name="victim", token="v", nonce=challenge.nonce, client_nonce=mine, options=m.JobOptions(optimizer=OPTIMIZER))
-    )
+    options = m.JobOptions(optimizer=OPTIMIZER)
+    created = wire.call(m.CreateJob(name="victim", token="v", nonce=challenge.nonce, client_nonce=mine, options=options))
     assert isinstance(created, m.Attached), created
     signer = SessionSigner(created.session, session_key(secret_key("v"), challenge.nonce, mine))
-    for i, module in enumerate(victim_model()):
+    for i, module in enumerate(stages):
         spec = spec_of(i, module)
         ok = wire.call(m.AddStage(session=created.session, index=i, spec=spec), tensor_frames(flatten(module, spec)), signer)
         assert isinstance(ok, m.Ok), ok
+    return created.session, signer
+
+
+def test_drop_while_its_creation_is_being_written_answers_the_seal(scene: Scene) -> None:
+    """Sealed, its creation snapshot being written: the ``seal`` waits for it to be durable."""
+    session, signer = create_by_hand(scene, victim_model())
     scene.write.shut()
-    sealing = wire.send(m.Seal(session=created.session), signer=signer)
+    sealing = scene.wire.send(m.Seal(session=session), signer=signer)
     scene.write.wait_entered()
-    scene.drop(created.session, signer, [sealing])
+    scene.drop(session, signer, [sealing])
     scene.after()
 
 
@@ -347,18 +352,6 @@ def test_drop_with_early_pushes_held_by_a_delayed_job_answers_them(scene: Scene)
 
 def test_drop_of_a_job_being_created_frees_its_memory(scene: Scene) -> None:
     """Not sealed yet (stages uploaded): nothing waits, and its room and segment go."""
-    wire = scene.wire
-    challenge = wire.call(m.Hello())
-    assert isinstance(challenge, m.Challenge)
-    mine = client_nonce()
-    created = wire.call(
-        m.CreateJob(name="victim", token="v", nonce=challenge.nonce, client_nonce=mine, options=m.JobOptions(optimizer=OPTIMIZER))
-    )
-    assert isinstance(created, m.Attached), created
-    signer = SessionSigner(created.session, session_key(secret_key("v"), challenge.nonce, mine))
-    module = victim_model()[0]
-    spec = spec_of(0, module)
-    ok = wire.call(m.AddStage(session=created.session, index=0, spec=spec), tensor_frames(flatten(module, spec)), signer)
-    assert isinstance(ok, m.Ok), ok
-    scene.drop(created.session, signer, [])
+    session, signer = create_by_hand(scene, victim_model()[:1])
+    scene.drop(session, signer, [])
     scene.after()
