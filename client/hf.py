@@ -53,14 +53,14 @@ except ImportError as exc:  # an optional extra
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from wstream.protocol import LayoutError, parse_size
+from wstream.protocol import LayoutError, ParamSpec, parse_size
 from wstream.protocol.layout import numel_of
 
 from .chain import progress_bar
 from .client import Client, Job
 from .hf_stages import Blocks, Head, TiedHead
 from .hf_stages import family_of as _family
-from .stages import Tied
+from .stages import DTYPE_OF_BUFFER, Tied
 
 log = logging.getLogger(__name__)
 
@@ -374,14 +374,14 @@ def export_pretrained(
         pending: dict[str, torch.Tensor] = {}
         shard = 0
         for stage in range(job.num_stages):
-            pending.update((name, t.to(dtype)) for name, t in job.pull_stage(stage).items())
+            pending.update((name, _written(t, dtype)) for name, t in job.pull_stage(stage).items())
             bar.update(job.specs[stage].numel)
             while shard < len(shards) and shards[shard].keys() <= pending.keys():
                 save_file({k: pending.pop(k).contiguous() for k in shards[shard]}, out / files[shard], metadata={"format": "pt"})
                 shard += 1
     if len(shards) > 1:
         weight_map = {name: files[k] for k, names in enumerate(shards) for name in names}
-        total = sum(numel_of(p.shape) for s in job.specs for p in s.params) * dtype.itemsize
+        total = sum(_nbytes(p, dtype.itemsize) for s in job.specs for p in s.params)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     # the dtype of the tensors written, whatever the source said: from_pretrained loads in the
@@ -402,6 +402,8 @@ def _check_names(job: Job, config: PretrainedConfig) -> str:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     want = {name for name, _ in model.named_parameters()}  # tied aliases are left out
+    state = model.state_dict()
+    want |= {name for name, _ in model.named_buffers() if name in state}  # persistent buffers
     got = [p.name for s in job.specs for p in s.params]
     extra, missing = sorted(set(got) - want), sorted(want - set(got))
     if extra or missing or len(got) != len(set(got)):
@@ -419,13 +421,28 @@ def _plan_shards(job: Job, max_bytes: int, itemsize: int) -> list[dict[str, None
     size = 0
     for spec in job.specs:
         for p in spec.params:
-            nbytes = numel_of(p.shape) * itemsize
+            nbytes = _nbytes(p, itemsize)
             if shards[-1] and size + nbytes > max_bytes:
                 shards.append({})
                 size = 0
             shards[-1][p.name] = None
             size += nbytes
     return shards
+
+
+def _written(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A pulled tensor as the export writes it: floating point in ``dtype``, an integer buffer as
+    it is (``stage_tensors`` gave it its own dtype)."""
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def _nbytes(p: ParamSpec, itemsize: int) -> int:
+    """Bytes the export writes for ``p``: ``itemsize`` per element, an integer buffer's own."""
+    if p.buffer:
+        dtype = DTYPE_OF_BUFFER[p.buffer]
+        if not dtype.is_floating_point:
+            return numel_of(p.shape) * dtype.itemsize
+    return numel_of(p.shape) * itemsize
 
 
 def _shard_files(n: int) -> list[str]:

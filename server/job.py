@@ -528,7 +528,7 @@ class Job:
             st.updating = True
             self._updating += 1
             st.gathered.clear()
-            submit(UpdateTask(self, st, grad_scale=workers / clip, lr=lr, apply=not skipped, submitted_ns=now))
+            submit(UpdateTask(self, st, grad_scale=workers / clip, lr=lr, apply=not skipped, workers=workers, submitted_ns=now))
         self.open_step = t + 1
         self.attempt += 1  # the accumulators start again for the next step
         self.contributors.clear()

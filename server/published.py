@@ -17,7 +17,7 @@ import torch
 from wstream.protocol import LayoutError
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, frames_nbytes
-from wstream.protocol.layout import grad_layout, numel_of, validate_groups, validate_stage
+from wstream.protocol.layout import numel_of, push_layout, validate_groups, validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
@@ -127,7 +127,8 @@ class PublishedStages:
         """Reserve memory for stage ``index``, place it in the published segment, ``fill`` its
         fp32 master (a flat tensor of ``spec.numel``) and set up its optimizer."""
         numel = spec.numel
-        grad_numel = 0 if self.frozen else grad_layout(spec, cache=False).numel  # a base is never updated
+        push = push_layout(spec, cache=False)  # the gradient, then the buffers
+        grad_numel = 0 if self.frozen else push.numel  # a base is never updated
         state = 0 if self.frozen else state_nbytes(self.optimizer_spec, spec)
         pub, priv = stage_bytes(numel, state, self.compute_dtype, self.double_buffer, grad_numel=grad_numel)
         offset = self.nbytes
@@ -163,6 +164,10 @@ class PublishedStages:
         st = StageState(index, spec, master, slots, offsets, StageOptimizer(self.optimizer_spec, master, spec, self.groups))
         if grad_numel:
             st.grad = torch.empty(grad_numel, dtype=torch.float32)
+            st.grad_numel = push.grad_numel
+            st.buffers = tuple(
+                (p.offset, at, numel_of(p.shape)) for p, at in zip(spec.params, push.offsets) if p.buffer and at is not None
+            )
         self.stages.append(st)
         self.max_stage_numel = max(self.max_stage_numel, numel)
         self.num_params += sum(numel_of(p.shape) for p in spec.params)
