@@ -24,9 +24,11 @@ an earlier one (a tied head: NOTE [Positions and weight stages] in ``stages.py``
 #   2. Every other run gets a fresh copy of the buffers that position's real forward of j started
 #      from (``run.buffers_before``), so it computes what the real forward computed (BatchNorm in
 #      train mode normalizes with the batch's statistics either way) and its updates are dropped.
-#   3. The buffers' new values go to the server in the stage's push, after its gradient
-#      (``push_layout``), and are applied at the step's commit, with the update: atomic with the
-#      step like the weights. With several workers the job keeps their mean (server/job.py).
+#   3. The buffers go to the server in the stage's push, after its gradient (``push_layout``): a
+#      floating-point (or boolean) buffer's new value, an integer buffer's increment over the step (a count
+#      stays exact in the fp32 master even where the published bf16 copy would round it). They
+#      are applied at the step's commit, with the update: atomic with the step like the weights.
+#      With several workers the job keeps their mean (NOTE [Buffers] in server/job.py).
 #   4. ``Trainer.forward`` and the profile run on copies too: they never change the job.
 """
 
@@ -222,6 +224,7 @@ class PlanExecutor:
             live = run.buffers.get(runner.stage)
             if live is None:
                 live = run.buffers[runner.stage] = runner.buffer_state(weights)
+                run.buffers_start[runner.stage] = {name: b.clone() for name, b in live.items() if not b.is_floating_point()}
             run.buffers_before[i, j] = {name: b.clone() for name, b in live.items()}
             return live
         before = run.buffers_before.get((i, j))
@@ -239,7 +242,7 @@ class PlanExecutor:
         ``allreduce``: their mean over the ranks, sent by rank 0 alone; client/distributed.py)."""
         stage = runner.stage
         pusher = self._streams.pusher
-        grads = runner.with_buffers(grads, run.buffers.pop(stage, None))
+        grads = runner.with_buffers(grads, run.buffers.pop(stage, None), run.buffers_start.pop(stage, None))
         if not push_layout(runner.spec).numel:  # every parameter frozen, no buffer: the step commits without it
             return
         # a delayed job's (s, t) may reach the server before (s, t - 1) is applied: it holds it

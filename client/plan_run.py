@@ -23,7 +23,7 @@ class PlanRun:
     __slots__ = (
         "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last",
         "runner_at", "held", "grads", "_kept_bytes", "_arriving_bytes", "_current_bytes", "_current_kept",
-        "k", "targets", "advanced", "scales", "step", "delayed", "buffers", "buffers_before",
+        "k", "targets", "advanced", "scales", "step", "delayed", "buffers", "buffers_before", "buffers_start",
     )
 
     def __init__(
@@ -51,6 +51,7 @@ class PlanRun:
         # NOTE [Buffers] in executor.py: stage -> its buffers as this step's real forwards left them,
         # and (position, micro-batch) -> the buffers its real forward started from (for its reruns)
         self.buffers: dict[int, Buffers] = {}
+        self.buffers_start: dict[int, Buffers] = {}  # stage -> its integer buffers as fetched (counts push increments)
         self.buffers_before: dict[tuple[int, int], Buffers] = {}
         self.current: tuple[int, Boundary] | None = None
         self.kept: dict[int, Boundary] = {}

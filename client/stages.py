@@ -314,15 +314,21 @@ class StageRunner:
             for _, name, off, n, shape, dtype in self._buffers
         }
 
-    def with_buffers(self, values: list[torch.Tensor | None], buffers: Buffers | None) -> list[torch.Tensor | None]:
+    def with_buffers(
+        self, values: list[torch.Tensor | None], buffers: Buffers | None, start: Buffers | None
+    ) -> list[torch.Tensor | None]:
         """A stage's push in ``spec.params`` order: ``values`` (the gradients of
-        :meth:`stage_grads`) with each buffer's entry its value in ``buffers`` (the step's)."""
+        :meth:`stage_grads`) with each buffer's entry from ``buffers`` (the step's): a
+        floating-point (or boolean) buffer's value, an integer buffer's increment over ``start`` (the step's
+        fetched value), which the server adds to its exact fp32 master (NOTE [Buffers] in
+        executor.py, rule 3)."""
         if not self._buffers:
             return values
-        assert buffers is not None, "a stage with buffers pushed without the step's buffers: a bug in wstream"
+        assert buffers is not None and start is not None, "a stage with buffers pushed without them: a bug in wstream"
         out = list(values)
         for k, name, *_ in self._buffers:
-            out[k] = buffers[name]
+            b = buffers[name]
+            out[k] = b if b.is_floating_point() or b.dtype == torch.bool else b - start[name]
         return out
 
     def _own(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:

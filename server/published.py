@@ -25,6 +25,8 @@ from .optimizer import StageOptimizer, state_bytes_per_element, state_nbytes
 from .stage_state import DTYPES, StageState, stage_bytes
 
 SEGMENT_START = 2**20
+VALUE_BUFFERS = ("float32", "bfloat16", "float16", "bool")
+"""Buffer dtypes whose push is their value; the others' (integers: counts) is an increment."""
 SEGMENT_DOUBLING_LIMIT = 64 * 2**20
 
 
@@ -166,7 +168,9 @@ class PublishedStages:
             st.grad = torch.empty(grad_numel, dtype=torch.float32)
             st.grad_numel = push.grad_numel
             st.buffers = tuple(
-                (p.offset, at, numel_of(p.shape)) for p, at in zip(spec.params, push.offsets) if p.buffer and at is not None
+                (p.offset, at, numel_of(p.shape), p.buffer not in VALUE_BUFFERS)
+                for p, at in zip(spec.params, push.offsets)
+                if p.buffer and at is not None
             )
         self.stages.append(st)
         self.max_stage_numel = max(self.max_stage_numel, numel)

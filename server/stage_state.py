@@ -95,9 +95,10 @@ class StageState:
     ``grad_numel`` elements), then the stage's buffers (``push_layout``); None: nothing is pushed."""
     grad_numel: int = 0
     """Elements of ``grad`` that are the gradient (the optimizer's and the norm's part)."""
-    buffers: tuple[tuple[int, int, int], ...] = ()
-    """Each buffer's (offset in the master, offset in ``grad``, numel): the update sets it to the
-    workers' mean (NOTE [Buffers] in job.py)."""
+    buffers: tuple[tuple[int, int, int, bool], ...] = ()
+    """Each buffer's (offset in the master, offset in ``grad``, numel, whether it counts): the
+    update sets it to the workers' mean, or adds their mean increment to an integer buffer (a
+    count), NOTE [Buffers] in job.py."""
     gathered: set[int] = field(default_factory=set)
     """Workers whose gradient of the open step is in ``grad`` (their gather finished)."""
     gathering: int = 0
@@ -310,8 +311,12 @@ class UpdateTask:
         with st.lock:
             if self.apply and st.grad is not None:
                 st.optimizer.step(st.gradient, grad_scale=None if self.grad_scale == 1.0 else self.grad_scale, lr=self.lr)
-                for master_at, at, n in st.buffers:  # the workers' mean (the sum divided: exact for W = 1)
-                    torch.div(st.grad[at : at + n], self.workers, out=st.master[master_at : master_at + n])
+                for master_at, at, n, counts in st.buffers:  # the workers' mean (the sum divided: exact for W = 1)
+                    target = st.master[master_at : master_at + n]
+                    if counts:
+                        target.add_(st.grad[at : at + n] / self.workers)
+                    else:
+                        torch.div(st.grad[at : at + n], self.workers, out=target)
             target = st.slots[st.slot_for(st.version + 1)]
             if target is not st.master:
                 target.copy_(st.master)

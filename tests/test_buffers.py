@@ -202,6 +202,21 @@ def test_two_workers_keep_the_mean_of_their_running_statistics(client: Client) -
     assert got["0.1.num_batches_tracked"].item() == 4
 
 
+def test_a_bfloat16_job_keeps_its_counts_exact(client: Client) -> None:
+    """bfloat16 holds 1001 as 1000: a count pushed as a value would stop growing there, so a count
+    travels as its increment and the fp32 master adds it."""
+    stages = small_bn()
+    for s in stages[:2]:
+        s[1].num_batches_tracked.fill_(1001)
+    job = client.create_job("bf16", stages, optimizer=AdamW(lr=1e-2), token="t", dtype="bfloat16")
+    with job.trainer() as trainer:
+        for t in range(3):
+            trainer.step(*rows(t), lambda out, y: nn.functional.mse_loss(out.float(), y))
+    got = job.state_dict()
+    assert got["0.1.num_batches_tracked"].item() == got["1.1.num_batches_tracked"].item() == 1004
+    assert got["0.1.running_var"].dtype == torch.float32
+
+
 def test_buffers_survive_a_restart_and_go_into_exports(tmp_path: Path) -> None:
     store = tmp_path / "store"
     srv = start_server(tmp_path, "--store", str(store), name="a")
