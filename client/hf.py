@@ -48,7 +48,9 @@ from torch.nn import functional as F
 try:
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 except ImportError as exc:  # an optional extra
-    raise ImportError("wstream.client.hf needs transformers: pip install 'wstream[hf]'") from exc
+    raise ImportError(
+        "wstream.client.hf needs transformers: pip install -e '.[hf]' in a checkout of wstream (the hf extra)"
+    ) from exc
 
 from safetensors import safe_open
 from safetensors.torch import save_file
