@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import msgspec
@@ -159,32 +160,45 @@ def rows(step: int, worker: int = 0, n: int = 8) -> tuple[torch.Tensor, torch.Te
     return torch.randn(n, 6, generator=g) * (1 + worker), torch.randn(n, 3, generator=g)
 
 
+def mean_statistics_reference(
+    stages: list[nn.Module], batch: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], steps: int, workers: int, lr: float
+) -> nn.Sequential:
+    """Plain PyTorch data parallelism as a wstream job does it: the mean gradient over the
+    workers' batches (``batch(step, worker)``), and every buffer the mean of what each worker's
+    forward, started from the job's statistics, left (a count: its common increment)."""
+    model = nn.Sequential(*stages).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    norms = [mod for mod in model.modules() if isinstance(mod, nn.modules.batchnorm._BatchNorm)]
+    for t in range(steps):
+        opt.zero_grad()
+        start = [copy.deepcopy(b.state_dict()) for b in norms]
+        ends = []
+        for w in range(workers):
+            for b, s in zip(norms, start):
+                b.load_state_dict(s)
+            x, y = batch(t, w)
+            (nn.functional.mse_loss(model(x), y) / workers).backward()
+            ends.append([copy.deepcopy(b.state_dict()) for b in norms])
+        for k, b in enumerate(norms):
+            b.load_state_dict({name: sum(e[k][name] for e in ends) / workers if name != "num_batches_tracked"
+                               else ends[0][k][name] for name in ends[0][k]})
+        opt.step()
+    return model
+
+
 def test_two_workers_keep_the_mean_of_their_running_statistics(client: Client) -> None:
     """Data parallel over two workers: the gradient is the mean of theirs, and each buffer the
     mean of what each worker's forward left (the rule for any number of workers)."""
     stages = small_bn()
-    model = nn.Sequential(*copy.deepcopy(stages)).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    bn = [mod for mod in model.modules() if isinstance(mod, nn.BatchNorm1d)]
-    for t in range(4):
-        opt.zero_grad()
-        start = [copy.deepcopy(b.state_dict()) for b in bn]
-        ends = []
-        for w in range(2):  # each worker's forward starts from the job's statistics
-            for b, s in zip(bn, start):
-                b.load_state_dict(s)
-            (nn.functional.mse_loss(model(rows(t, w)[0]), rows(t, w)[1]) / 2).backward()
-            ends.append([copy.deepcopy(b.state_dict()) for b in bn])
-        for k, b in enumerate(bn):
-            b.load_state_dict({name: (ends[0][k][name] + ends[1][k][name]) / 2 if name != "num_batches_tracked"
-                               else ends[0][k][name] for name in ends[0][k]})
-        opt.step()
+    model = mean_statistics_reference(copy.deepcopy(stages), rows, 4, 2, 1e-2)
     job = client.create_job("dp", stages, optimizer=AdamW(lr=1e-2), token="t")
+    with torch.device("meta"):  # a skeleton of its own for the second worker (threads must not share modules)
+        other = client.attach_job("dp", token="t", stages=small_bn())
     errors: list[BaseException] = []
 
     def train(w: int) -> None:
         try:
-            with job.trainer(world_size=2) as trainer:
+            with (job, other)[w].trainer(world_size=2) as trainer:
                 for t in range(4):
                     trainer.step(*rows(t, w), nn.functional.mse_loss)
         except BaseException as exc:  # reported below
