@@ -17,6 +17,7 @@ from torch import nn
 
 from conftest import start_server
 from wstream.client import AdamW, Client, LayoutError, Tied
+from wstream.client import connection as connection_module
 from wstream.client.models import resnet18_stages
 from wstream.protocol import messages as m
 from wstream.protocol.layout import push_layout
@@ -124,13 +125,19 @@ def vectors(step: int, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @pytest.mark.parametrize("schedule", ["store_all", "revolve", "sqrt"])
-@pytest.mark.parametrize("mode", ["zero-copy", "copy", "frames"])
-def test_buffers_change_once_per_real_forward_and_reruns_see_what_it_saw(client: Client, schedule: str, mode: str) -> None:
+@pytest.mark.parametrize("mode", ["zero-copy", "copy", "frames", "staged"])
+def test_buffers_change_once_per_real_forward_and_reruns_see_what_it_saw(
+    client: Client, schedule: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``staged``: the GPU path's logic on a CPU (pushes through the staging buffers)."""
+    if mode == "staged":
+        monkeypatch.setattr(connection_module, "host_staging", lambda device: True)
     stages = counted_chain()
     reference = nn.Sequential(*copy.deepcopy(stages)).train()
     opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     job = client.create_job("counted", stages, optimizer=AdamW(lr=1e-2), token="t")
-    transport = {"zero-copy": {"zero_copy": True}, "copy": {"zero_copy": False}, "frames": {"shm": False}}[mode]
+    transport = {"zero-copy": {"zero_copy": True}, "copy": {"zero_copy": False}, "frames": {"shm": False},
+                 "staged": {"zero_copy": False}}[mode]
     options = {"slots": 1} if schedule == "revolve" else {}
     with job.trainer(schedule=schedule, **transport, **options) as trainer:
         for t in range(4):
