@@ -4,6 +4,7 @@
     python bench/render_timeline.py --smoke    # trace one tiny step and render it in a temp dir
 
 Perfetto (https://ui.perfetto.dev) is the interactive viewer; this gives a still picture for docs.
+Needs matplotlib, the ``bench`` extra: ``pip install -e '.[bench]'`` in a checkout.
 """
 
 from __future__ import annotations

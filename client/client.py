@@ -45,7 +45,7 @@ from .env import job_token, server_address
 from .groups import GroupAssigner, ParamGroup, export_metadata
 from .job_options import job_options, options_difference
 from .options import Checkpointing, Parallelism, Precision, Transport, trainer_options
-from .stages import StageRunner, Tied, flatten, frozen_params
+from .stages import DTYPE_OF_BUFFER, StageRunner, Tied, flatten, frozen_params
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,7 @@ class Client:
             return spec
 
         try:
-            _, chain = walk_chain(stages, upload)
+            _, chain = walk_chain(stages, upload, list(created.base_stages) if base is not None else None)
             groups.check_all_used()
             sealed, _ = self._chan.request(m.Seal(session=session), m.Attached, timeout_s=self.wait_timeout_s)
         except BaseException:
@@ -288,9 +288,8 @@ class Client:
         chain = None
         if stages is not None:
             on_base = attached.options.base is not None
-            specs, chain = walk_chain(
-                stages, lambda i, mod: layout_on(attached.base_stages if on_base else None, i, mod, groups)
-            )
+            base_stages = list(attached.base_stages) if on_base else None
+            specs, chain = walk_chain(stages, lambda i, mod: layout_on(base_stages, i, mod, groups), base_stages)
             theirs = list(attached.stages) if groups is not None else [without_groups(s) for s in attached.stages]
             mismatch = describe_mismatch(theirs, specs)
             if mismatch is not None:
@@ -467,11 +466,10 @@ class Job:
             )
             for stage, skeleton in self._chain
         ]
-        if not runners[0].trains:
+        if not any(r.trains for r in runners):
             raise LayoutError(
-                f"job {self.name!r}: the first chain position trains no parameter (stage {runners[0].stage} is frozen "
-                "whole), so its backward has nothing to differentiate, which this trainer cannot run yet; give the "
-                "frozen stage's modules to the next stage instead (a frozen stage later in the chain trains)"
+                f"job {self.name!r}: no chain position trains a parameter (every stage is frozen whole): "
+                "there is nothing to train (give some parameter requires_grad)"
             )
         client = self.client
         endpoint = WorkerEndpoint(
@@ -491,7 +489,8 @@ class Job:
         return Trainer(endpoint, runners, device=torch.device(device), options=chosen)
 
     def state_dict(self, *, progress: bool | None = None) -> dict[str, torch.Tensor]:
-        """The job's current fp32 weights as ``{"<stage>.<param>": tensor}`` (pulled from the server).
+        """The job's current fp32 weights (and buffers: :func:`stage_tensors`) as
+        ``{"<stage>.<param>": tensor}`` (pulled from the server).
 
         ``progress``: a progress bar on stderr (None: only when stderr is a terminal)."""
         out: dict[str, torch.Tensor] = {}
@@ -545,7 +544,14 @@ class Job:
 
 
 def stage_tensors(spec: StageSpec, data: list[Any]) -> dict[str, torch.Tensor]:
-    """A stage's parameters, ``{name: tensor}``, from the data frames of a ``master`` reply."""
+    """A stage's parameters and buffers, ``{name: tensor}``, from the data frames of a ``master``
+    reply: fp32 (the master), but an integer or boolean buffer in its own dtype (BatchNorm's
+    ``num_batches_tracked`` is an int64 again), so that ``load_state_dict`` takes them as they are."""
     flat = torch.empty(spec.numel, dtype=torch.float32)
     copy_frames_into(flat, data)
-    return {p.name: flat[p.offset : p.offset + numel_of(p.shape)].view(p.shape).clone() for p in spec.params}
+    out = {}
+    for p in spec.params:
+        t = flat[p.offset : p.offset + numel_of(p.shape)].view(p.shape).clone()
+        dtype = DTYPE_OF_BUFFER[p.buffer] if p.buffer else torch.float32
+        out[p.name] = t if dtype.is_floating_point else t.to(dtype)
+    return out

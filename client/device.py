@@ -37,7 +37,7 @@ import torch
 
 from wstream.protocol import StageSpec
 from wstream.protocol.frames import copy_frames_into
-from wstream.protocol.layout import grad_layout
+from wstream.protocol.layout import push_layout
 from wstream.protocol.units import format_bytes
 
 from .stages import scatter_grads
@@ -321,9 +321,10 @@ class GradientStager:
         return sum(tensor_nbytes(b) for b in self.buffers)
 
     def write(self, slot: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor | None]) -> CopyTicket:
-        """Start writing ``grads`` into ``slot``'s first ``grad_layout(spec).numel`` elements (the
-        stage's gradient: frozen parameters have none); the ticket says when it is there."""
-        numel = grad_layout(spec).numel
+        """Start writing ``grads`` into ``slot``'s first ``push_layout(spec).numel`` elements (the
+        stage's gradient, in which frozen parameters have none, then its buffers' values); the
+        ticket says when it is there."""
+        numel = push_layout(spec).numel
         if not self.buffers:
             scatter_grads(slot[:numel], spec, grads)
             return DONE

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from wstream.protocol import StageSpec
-from wstream.protocol.layout import grad_layout
+from wstream.protocol.layout import push_layout
 from wstream.protocol.messages import ParamSpec
 
 from .stages import scatter_grads
@@ -62,14 +62,17 @@ def from_torchrun(*, init_process_group: bool = True, backend: str | None = None
 
 
 def flat_spec(spec: StageSpec) -> StageSpec:
-    """``spec``'s gradient seen as one flat parameter (``grad_layout(spec).numel`` elements: frozen
-    parameters have no gradient): the layout of an already flat gradient, to push it."""
-    numel = grad_layout(spec).numel
+    """``spec``'s push seen as one flat parameter (``push_layout(spec).numel`` elements: its
+    gradient, in which frozen parameters have none, then its buffers): the layout of an already
+    flat push, to send it."""
+    numel = push_layout(spec).numel
     return StageSpec(name=spec.name, numel=numel, params=[ParamSpec("flat", (numel,), 0)])
 
 
 class AllReduceGradients:
-    """Averages a stage's gradient over the ranks of a process group, into one flat buffer."""
+    """Averages a stage's gradient over the ranks of a process group, into one flat buffer; its
+    buffers' values (BatchNorm's running statistics) too, so that the job keeps their mean over
+    the ranks, as it does over workers with ``reduce="server"`` (DESIGN.md, "Buffers")."""
 
     def __init__(self, max_numel: int, group: torch.distributed.ProcessGroup | None = None) -> None:
         dist = torch.distributed
@@ -85,11 +88,11 @@ class AllReduceGradients:
         self._flat: torch.Tensor | None = None
 
     def mean(self, spec: StageSpec, grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
-        """The mean over the ranks of this stage's gradient, flat fp32 (``grad_layout(spec).numel``
+        """The mean over the ranks of this stage's push, flat fp32 (``push_layout(spec).numel``
         elements); a view of a buffer reused by the next call."""
         if self._flat is None or self._flat.device != device:
             self._flat = torch.empty(self._max_numel, dtype=torch.float32, device=device)
-        flat = self._flat[: grad_layout(spec).numel]
+        flat = self._flat[: push_layout(spec).numel]
         scatter_grads(flat, spec, grads)
         torch.distributed.all_reduce(flat, group=self.group)
         return flat.div_(self.size)

@@ -10,6 +10,26 @@ trainer's ``forward`` and profile).
 
 The plan's chain is one of *positions*; each runs on a weight stage, usually its own, sometimes
 an earlier one (a tied head: NOTE [Positions and weight stages] in ``stages.py``).
+
+# NOTE [Buffers]
+# A stage's persistent buffers (BatchNorm's running statistics and count) are stored and streamed
+# with its weights (``ParamSpec.buffer``). A module updates them in place while it runs in train
+# mode, and the executor runs a position more than once per step (recomputation, the backward's
+# rerun, a loss-scaling retry), so:
+#   1. A position's *real* forward of micro-batch j is its first run on it in the step: its first
+#      ADVANCE, or its BACKWARD when it was never advanced (the chain's last position under
+#      store_all). Only real forwards update the step's buffers: ``run.buffers[stage]``, copies of
+#      the fetched ones made at the stage's first real forward (the published weights are never
+#      written), updated micro-batch after micro-batch as gradient accumulation would.
+#   2. Every other run gets a fresh copy of the buffers that position's real forward of j started
+#      from (``run.buffers_before``), so it computes what the real forward computed (BatchNorm in
+#      train mode normalizes with the batch's statistics either way) and its updates are dropped.
+#   3. The buffers go to the server in the stage's push, after its gradient (``push_layout``): a
+#      floating-point (or boolean) buffer's new value, an integer buffer's increment over the step (a count
+#      stays exact in the fp32 master even where the published bf16 copy would round it). They
+#      are applied at the step's commit, with the update: atomic with the step like the weights.
+#      With several workers the job keeps their mean (NOTE [Buffers] in server/job.py).
+#   4. ``Trainer.forward`` and the profile run on copies too: they never change the job.
 """
 
 from __future__ import annotations
@@ -21,7 +41,7 @@ from typing import Any, Protocol
 
 import torch
 
-from wstream.protocol.layout import grad_layout
+from wstream.protocol.layout import push_layout
 
 from .distributed import AllReduceGradients, flat_spec
 from .loss_scale import LossScaler, all_finite, unscaled
@@ -31,7 +51,7 @@ from .plans import Op
 from .prefetch import Prefetcher
 from .push import GradientPusher
 from .rng import StageRng
-from .stages import Boundary, StageRunner, as_boundary, join_lanes, lanes_of
+from .stages import Boundary, Buffers, StageRunner, as_boundary, join_lanes, lanes_of
 from .timeline import Tracer
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -65,6 +85,9 @@ class PlanExecutor:
         self.first_use: dict[int, int] = {}  # weight stage -> its lowest position (its push follows that backward)
         for position, runner in enumerate(runners):
             self.first_use.setdefault(runner.stage, position)
+        # the lowest position with a trained parameter (a loop's body is every position): input
+        # gradients are needed only above it, and positions below it have no backward to run
+        self.lowest_trained = next((p for p, r in enumerate(runners) if r.trains), None)
         self._streams = streams
         self.device = device
         self.rng = rng
@@ -108,8 +131,9 @@ class PlanExecutor:
             span = self._span(run, ("forward " if first else "recompute ") + str(i), "forward" if first else "recompute", i)
             with self.stage_weights(runner.stage, run.held) as (weights, base), span:
                 for j, lane in enumerate(lanes_of(run.current[1], run.k)):  # stage-major: every micro-batch
+                    buffers = self._buffers(run, runner, weights, i, j, real=first)
                     with torch.no_grad(), self.rng.around(run.rng, i, j):
-                        outs.append(as_boundary(runner(weights, lane, base)))
+                        outs.append(as_boundary(runner(weights, lane, base, buffers)))
             run.set_current(i + 1, join_lanes(outs))
         elif op == Op.SNAPSHOT:
             assert run.current is not None and run.current[0] == i
@@ -150,26 +174,76 @@ class PlanExecutor:
         assert run.current is not None
         runner = run.runner_at(i)
         stage = runner.stage
+        if not runner.trains and not self._wants_input_grad(i):
+            self._nothing_to_differentiate(run, i, runner)
+            return
         with self.stage_weights(stage, run.held) as (weights, base):
             params = runner.leaves(weights, base)
             lanes = lanes_of(run.current[1], run.k)
             grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
             run.drop_current()
             with self._span(run, f"backward {i}", "backward", i):
-                param_grads, grad_out = self._backward_lanes(run, i, runner, params, lanes, grad_lanes, loss_fn)
+                param_grads, grad_out = self._backward_lanes(run, i, runner, weights, params, lanes, grad_lanes, loss_fn)
             run.grad_out = grad_out
             del params
+            self._done_with(run, i)
             grads = run.add_grads(stage, runner.stage_grads(param_grads))
             if i == self.first_use[stage]:  # backward has no use of this stage left
                 del run.grads[stage]
                 self._push(run, runner, grads)
 
+    def _wants_input_grad(self, i: int) -> bool:
+        """Whether position i's input gradient is used: a position below it trains."""
+        return self.lowest_trained is not None and self.lowest_trained < i
+
+    def _nothing_to_differentiate(self, run: PlanRun, i: int, runner: StageRunner) -> None:
+        """The BACKWARD of a position below every trained one whose own parameters are all frozen
+        (a frozen embedding, the first stages of a fine-tune): no parameter gradient and no input
+        gradient is wanted, so nothing is recomputed. Its weights were fetched for this action
+        (the fetch order is the plan's) and are given back; its push has nothing to send."""
+        assert run.current is not None and i != run.last, "a chain that trains nothing: a bug in wstream"
+        with self.stage_weights(runner.stage, run.held):
+            pass
+        run.grad_out = [None] * len(run.current[1])
+        run.drop_current()
+        self._done_with(run, i)
+        grads = run.add_grads(runner.stage, runner.stage_grads([]))
+        if i == self.first_use[runner.stage]:
+            del run.grads[runner.stage]
+            self._push(run, runner, grads)
+
+    def _buffers(
+        self, run: PlanRun, runner: StageRunner, weights: torch.Tensor, i: int, j: int, *, real: bool
+    ) -> Buffers | None:
+        """The buffers position i runs micro-batch j with (NOTE [Buffers]): for its real forward
+        the step's own (made from ``weights`` at the stage's first), whose state before it is
+        kept for the reruns; for a rerun a copy of that state. None: the stage has none."""
+        if not runner.has_buffers:
+            return None
+        if real:
+            live = run.buffers.get(runner.stage)
+            if live is None:
+                live = run.buffers[runner.stage] = runner.buffer_state(weights)
+                run.buffers_start[runner.stage] = {name: b.clone() for name, b in live.items() if not b.is_floating_point()}
+            run.buffers_before[i, j] = {name: b.clone() for name, b in live.items()}
+            return live
+        before = run.buffers_before.get((i, j))
+        assert before is not None, f"position {i} rerun before its real forward: a bug in wstream"
+        return {name: b.clone() for name, b in before.items()}
+
+    @staticmethod
+    def _done_with(run: PlanRun, i: int) -> None:
+        """Position i's backward is done: no rerun of it is left, nor the buffers for one."""
+        for j in range(run.k):
+            run.buffers_before.pop((i, j), None)
+
     def _push(self, run: PlanRun, runner: StageRunner, grads: list[torch.Tensor | None]) -> None:
-        """Send a stage's gradient, summed over its positions (with ``allreduce``: its mean over
-        the ranks, sent by rank 0 alone; client/distributed.py)."""
+        """Send a stage's gradient, summed over its positions, and its buffers' values (with
+        ``allreduce``: their mean over the ranks, sent by rank 0 alone; client/distributed.py)."""
         stage = runner.stage
         pusher = self._streams.pusher
-        if not grad_layout(runner.spec).numel:  # every parameter frozen: no gradient, the step commits without it
+        grads = runner.with_buffers(grads, run.buffers.pop(stage, None), run.buffers_start.pop(stage, None))
+        if not push_layout(runner.spec).numel:  # every parameter frozen, no buffer: the step commits without it
             return
         # a delayed job's (s, t) may reach the server before (s, t - 1) is applied: it holds it
         if self._allreduce is None:
@@ -186,6 +260,7 @@ class PlanExecutor:
         run: PlanRun,
         i: int,
         runner: StageRunner,
+        weights: torch.Tensor,
         params: dict[str, torch.Tensor],
         lanes: list[Boundary],
         grad_lanes: list[Boundary | None],
@@ -202,9 +277,10 @@ class PlanExecutor:
         for j, (lane, lane_grad_out) in enumerate(zip(lanes, grad_lanes)):
             first = True
             while True:
-                inputs = grad_inputs_of(lane, i)
+                inputs = grad_inputs_of(lane, i, wanted=self._wants_input_grad(i))
+                buffers = self._buffers(run, runner, weights, i, j, real=first and i not in run.advanced)
                 with self.rng.around(run.rng, i, j), torch.enable_grad():
-                    out = runner.call_with(params, inputs)
+                    out = runner.call_with(params if buffers is None else {**params, **buffers}, inputs)
                 grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
                 roots, root_grads = _roots(run, out, lane_grad_out, loss_fn, j, first=first)
                 grads = torch.autograd.grad(roots, [*leaves, *grad_inputs], root_grads, allow_unused=True)
@@ -259,10 +335,11 @@ def _roots(
     return roots, root_grads
 
 
-def grad_inputs_of(inputs: Boundary, i: int) -> Boundary:
+def grad_inputs_of(inputs: Boundary, i: int, *, wanted: bool = True) -> Boundary:
     """Position i's inputs for a run with autograd: floating-point tensors become leaves that
-    want a gradient (not at position 0, whose input is the data)."""
-    return tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in inputs)
+    want a gradient (not at position 0, whose input is the data, nor where no position below
+    trains: ``wanted`` False)."""
+    return tuple(x.detach().requires_grad_(True) if wanted and i > 0 and _wants_grad(x) else x for x in inputs)
 
 
 def _wants_grad(x: Any) -> bool:

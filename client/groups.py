@@ -122,12 +122,16 @@ def _matcher(where: Predicate | str | Sequence[str]) -> Callable[[str, nn.Parame
 def export_metadata(job: str, specs: Sequence[m.StageSpec], groups: Sequence[m.GroupSpec] = ()) -> dict[str, str]:
     """The safetensors metadata of an export (values are strings): the job's name, its parameter
     groups with the tensors in each (``<stage>.<param>`` names, as the file's) and its frozen
-    tensors, so that the optimizer settings travel with the weights."""
+    tensors (parameters without ``requires_grad``), so that the optimizer settings travel with the
+    weights; a job with buffers also lists them, with their dtypes (``buffers``)."""
     members: dict[int, list[str]] = {}
     frozen: list[str] = []
+    buffers: dict[str, str] = {}
     for i, spec in enumerate(specs):
         for p in spec.params:
-            if p.frozen:
+            if p.buffer:
+                buffers[f"{i}.{p.name}"] = p.buffer
+            elif p.frozen:
                 frozen.append(f"{i}.{p.name}")
             elif p.group:
                 members.setdefault(p.group, []).append(f"{i}.{p.name}")
@@ -135,4 +139,7 @@ def export_metadata(job: str, specs: Sequence[m.StageSpec], groups: Sequence[m.G
         {"name": g.name, "weight_decay": g.weight_decay, "lr_scale": g.lr_scale, "params": members.get(k + 1, [])}
         for k, g in enumerate(groups)
     ]
-    return {"job": job, "param_groups": json.dumps(described), "frozen": json.dumps(frozen)}
+    out = {"job": job, "param_groups": json.dumps(described), "frozen": json.dumps(frozen)}
+    if buffers:
+        out["buffers"] = json.dumps(buffers)
+    return out

@@ -54,19 +54,21 @@ from torch.nn import functional as F
 try:
     from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 except ImportError as exc:  # an optional extra
-    raise ImportError("wstream.client.hf needs transformers: pip install 'wstream[hf]'") from exc
+    raise ImportError(
+        "wstream.client.hf needs transformers: pip install -e '.[hf]' in a checkout of wstream (the hf extra)"
+    ) from exc
 
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from wstream.protocol import LayoutError, parse_size
+from wstream.protocol import LayoutError, ParamSpec, parse_size
 from wstream.protocol.layout import numel_of
 
 from .chain import progress_bar
 from .client import Client, Job
 from .hf_stages import FAMILIES, Blocks, Embedding, Head, Layout, TiedHead, default_attn_implementation, layout_of
 from .hf_stages import UnsupportedModel, block_causal_mask  # noqa: F401 - re-exported for users
-from .stages import Tied
+from .stages import DTYPE_OF_BUFFER, Tied
 
 log = logging.getLogger(__name__)
 
@@ -364,7 +366,9 @@ def export_pretrained(
     ``config``: the model's config, or the folder the job was created from (then its tokenizer
     and generation files are copied too). Stages are pulled one at a time and each shard is
     written once complete, so memory holds about a shard and a stage. Tied weights are written
-    once, as ``save_pretrained`` does. ``dtype``: of the written tensors (the master is fp32).
+    once, as ``save_pretrained`` does. ``dtype``: of the written tensors (the master is fp32);
+    the config records it (``dtype``), replacing the source's, so that ``from_pretrained`` loads
+    the tensors as written.
     """
     out = Path(folder)
     stale = sorted(p.name for p in out.glob("model*.safetensors*"))
@@ -381,18 +385,19 @@ def export_pretrained(
         pending: dict[str, torch.Tensor] = {}
         shard = 0
         for stage in range(job.num_stages):
-            pending.update((name, t.to(dtype)) for name, t in job.pull_stage(stage).items())
+            pending.update((name, _written(t, dtype)) for name, t in job.pull_stage(stage).items())
             bar.update(job.specs[stage].numel)
             while shard < len(shards) and shards[shard].keys() <= pending.keys():
                 save_file({k: pending.pop(k).contiguous() for k in shards[shard]}, out / files[shard], metadata={"format": "pt"})
                 shard += 1
     if len(shards) > 1:
         weight_map = {name: files[k] for k, names in enumerate(shards) for name in names}
-        total = sum(numel_of(p.shape) for s in job.specs for p in s.params) * dtype.itemsize
+        total = sum(_nbytes(p, dtype.itemsize) for s in job.specs for p in s.params)
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    if dtype != torch.float32:
-        cfg.dtype = dtype
+    # the dtype of the tensors written, whatever the source said: from_pretrained loads in the
+    # config's dtype by default, and fp32 weights under a bfloat16 label would be rounded silently
+    cfg.dtype = dtype
     if not getattr(cfg, "architectures", None):  # as save_pretrained records the model class
         cfg.architectures = [architecture]
     cfg.save_pretrained(out)
@@ -410,6 +415,8 @@ def _check_names(job: Job, config: PretrainedConfig) -> str:
     family = FAMILIES.get(config.model_type)
     saved = family.saved_name if family is not None else str
     want = {saved(name) for name, _ in model.named_parameters()}  # as saved; tied aliases are left out
+    state = model.state_dict()
+    want |= {saved(name) for name, _ in model.named_buffers() if name in state}  # persistent buffers
     got = [p.name for s in job.specs for p in s.params]
     extra, missing = sorted(set(got) - want), sorted(want - set(got))
     if extra or missing or len(got) != len(set(got)):
@@ -427,13 +434,28 @@ def _plan_shards(job: Job, max_bytes: int, itemsize: int) -> list[dict[str, None
     size = 0
     for spec in job.specs:
         for p in spec.params:
-            nbytes = numel_of(p.shape) * itemsize
+            nbytes = _nbytes(p, itemsize)
             if shards[-1] and size + nbytes > max_bytes:
                 shards.append({})
                 size = 0
             shards[-1][p.name] = None
             size += nbytes
     return shards
+
+
+def _written(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A pulled tensor as the export writes it: floating point in ``dtype``, an integer buffer as
+    it is (``stage_tensors`` gave it its own dtype)."""
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def _nbytes(p: ParamSpec, itemsize: int) -> int:
+    """Bytes the export writes for ``p``: ``itemsize`` per element, an integer buffer's own."""
+    if p.buffer:
+        dtype = DTYPE_OF_BUFFER[p.buffer]
+        if not dtype.is_floating_point:
+            return numel_of(p.shape) * dtype.itemsize
+    return numel_of(p.shape) * itemsize
 
 
 def _shard_files(n: int) -> list[str]:

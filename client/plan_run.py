@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from .offload import PendingMove
-from .stages import Boundary, StageRunner, boundary_bytes
+from .stages import Boundary, Buffers, StageRunner, boundary_bytes
 
 
 class PlanRun:
@@ -23,7 +23,7 @@ class PlanRun:
     __slots__ = (
         "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last",
         "runner_at", "held", "grads", "_kept_bytes", "_arriving_bytes", "_current_bytes", "_current_kept",
-        "k", "targets", "advanced", "scales", "step", "delayed",
+        "k", "targets", "advanced", "scales", "step", "delayed", "buffers", "buffers_before", "buffers_start",
     )
 
     def __init__(
@@ -48,6 +48,11 @@ class PlanRun:
         self.runner_at = runner_at  # position -> its runner (a loop: the body, for any position)
         self.held: dict[int, torch.Tensor] = {}  # weights fetched once for the whole step (a loop body's)
         self.grads: dict[int, list[torch.Tensor | None]] = {}  # stage -> gradient summed over its positions so far
+        # NOTE [Buffers] in executor.py: stage -> its buffers as this step's real forwards left them,
+        # and (position, micro-batch) -> the buffers its real forward started from (for its reruns)
+        self.buffers: dict[int, Buffers] = {}
+        self.buffers_start: dict[int, Buffers] = {}  # stage -> its integer buffers as fetched (counts push increments)
+        self.buffers_before: dict[tuple[int, int], Buffers] = {}
         self.current: tuple[int, Boundary] | None = None
         self.kept: dict[int, Boundary] = {}
         self.host: dict[int, PendingMove] = {}  # offloaded inputs (a copy, also on a CPU worker)

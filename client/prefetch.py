@@ -249,6 +249,7 @@ class Prefetcher:
                 end = reply.base_offset + base_numel * itemsize
                 base = sc.base_published[reply.base_offset : end].view(sc.published_dtype)
             self.stats.fetches += 1
+            self.stats.bytes_read_in_place += (numel + base_numel) * itemsize
             return Fetched(stage, idx, view, base=base)
         try:  # the ring buffer holds the stage, then its base's stage (a job on a frozen base)
             buf = self._ring.buffers[idx]
@@ -275,7 +276,6 @@ class Prefetcher:
         except BaseException:
             self._ring.release(idx, self._ring.consumed(idx))
             raise
-        nbytes = (numel + base_numel) * itemsize
         self.stats.fetches += 1
         nbytes = (numel + base_numel) * itemsize
         self.stats.bytes_fetched += nbytes

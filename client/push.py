@@ -15,7 +15,7 @@ import zmq
 from wstream.protocol import StageSpec, WstreamError
 from wstream.protocol import messages as m
 from wstream.protocol.frames import tensor_frames
-from wstream.protocol.layout import grad_layout
+from wstream.protocol.layout import push_layout
 from wstream.protocol.wake import WakePipe
 
 from .channel import Channel, raise_or_narrow
@@ -80,10 +80,11 @@ class GradientPusher:
 
     # ---- the compute thread ----------------------------------------------------------------------
     def push(self, stage: int, step: int, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
-        """Write the stage's per-parameter gradients into a free slot and have ``push`` sent."""
+        """Write the stage's per-parameter gradients (and its buffers' values: ``push_layout``)
+        into a free slot and have ``push`` sent."""
         slot = self._acquire(stage)
         t0 = time.monotonic_ns()
-        numel = grad_layout(spec).numel  # groups: the stage's gradient (frozen parameters have none)
+        numel = push_layout(spec).numel  # the stage's gradient (frozen parameters have none), then its buffers
         ticket = self._stager.write(self._slots[slot], spec, grads)
         frames: list[object] = [] if self._shm else list(tensor_frames(self._slots[slot][:numel]))
         msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)

@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from wstream.protocol import LayoutError, StageSpec
-from wstream.protocol.layout import build_stage_spec, grad_layout, numel_of, validate_stage
+from wstream.protocol.layout import build_stage_spec, numel_of, push_layout, validate_stage
 
 from .groups import GroupAssigner
 
@@ -49,21 +49,55 @@ published weights would all need a 64-bit path, which is not built)."""
 Boundary = tuple[Any, ...]
 """What flows between stages: the positional arguments of the next stage."""
 
+Buffers = dict[str, torch.Tensor]
+"""A stage's buffers by name, as a run of its module sees (and may update) them."""
+
+
+BUFFER_DTYPES: dict[torch.dtype, str] = {
+    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.int64: "int64",
+    torch.int32: "int32", torch.int16: "int16", torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool",
+}
+"""The buffer dtypes a stage may have (``ParamSpec.buffer``): integers are exact in the fp32 master
+up to 2**24 in magnitude (:data:`MAX_EXACT_INT`)."""
+DTYPE_OF_BUFFER = {name: dtype for dtype, name in BUFFER_DTYPES.items()}
+MAX_EXACT_INT = 2**24
+"""The largest magnitude an integer buffer may hold: every integer up to it is a float32."""
+
+
+def stage_buffers(index: int, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s buffers as a stage streams them: every persistent one (those ``state_dict``
+    holds, such as BatchNorm's running statistics and its ``num_batches_tracked``). A
+    non-persistent buffer is refused: it is not model state (no checkpoint holds it) but a constant
+    of the code, which the stage should compute inside ``forward``."""
+    out = []
+    for name, b in module.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        if leaf in module.get_submodule(owner)._non_persistent_buffers_set:
+            raise LayoutError(
+                f"stage {index} ({type(module).__name__}) has the non-persistent buffer {name!r}: wstream streams "
+                "parameters and persistent buffers (model state); compute constants such as masks inside forward"
+            )
+        if b.dtype not in BUFFER_DTYPES:
+            dtype = str(b.dtype).removeprefix("torch.")
+            raise LayoutError(
+                f"stage {index}: buffer {name!r} is {dtype}; wstream streams buffers of "
+                f"{', '.join(BUFFER_DTYPES.values())}"
+            )
+        out.append((name, b))
+    return out
+
 
 def spec_of(
     index: int, module: nn.Module, *, trainable_only: bool = False, groups: GroupAssigner | None = None
 ) -> StageSpec:
-    """The flat layout of ``module``'s parameters (in ``named_parameters`` order). A parameter
+    """The flat layout of ``module``'s parameters (in ``named_parameters`` order), then its
+    persistent buffers (:func:`stage_buffers`, marked ``buffer`` and ``frozen``). A parameter
     without ``requires_grad`` is marked ``frozen`` (kept and streamed, never trained); with
-    ``trainable_only`` it is left out instead (a job on a base holds only the others). ``groups``
-    gives each trained parameter its parameter group (else every one is in group 0)."""
-    buffers = [name for name, _ in module.named_buffers()]
-    if buffers:
-        raise LayoutError(
-            f"stage {index} ({type(module).__name__}) has buffers {buffers[:5]}: wstream streams "
-            "parameters only; compute constants such as masks inside forward (or make them parameters)"
-        )
-    params = []
+    ``trainable_only`` it is left out instead (a job on a base holds only the others; its buffers
+    are its own). ``groups`` gives each trained parameter its parameter group (else every one is
+    in group 0)."""
+    buffers = stage_buffers(index, module)
+    params: list[tuple[str, tuple[int, ...], int, bool, str]] = []
     for name, p in module.named_parameters():
         if trainable_only and not p.requires_grad:
             continue
@@ -79,19 +113,29 @@ def spec_of(
         group = 0
         if groups is not None and not frozen:
             group = groups.index(name, p, module.get_submodule(name.rpartition(".")[0]))
-        params.append((name, tuple(p.shape), group, frozen))
+        params.append((name, tuple(p.shape), group, frozen, ""))
+    params += [(name, tuple(b.shape), 0, True, BUFFER_DTYPES[b.dtype]) for name, b in buffers]
     spec = build_stage_spec(str(index), params)
-    validate_stage(index, spec)
+    validate_stage(index, spec, on_base=trainable_only)
     return spec
 
 
 def flatten(module: nn.Module, spec: StageSpec) -> torch.Tensor:
-    """``module``'s parameters copied into one flat fp32 CPU tensor laid out as ``spec``."""
+    """``module``'s parameters and buffers copied into one flat fp32 CPU tensor laid out as
+    ``spec``. An integer buffer beyond :data:`MAX_EXACT_INT` is refused (fp32 would round it)."""
     flat = torch.zeros(spec.numel, dtype=torch.float32)
     named = dict(module.named_parameters())
+    named.update(module.named_buffers())
     for p in spec.params:
         n = numel_of(p.shape)
-        flat[p.offset : p.offset + n].copy_(named[p.name].detach().reshape(-1))
+        value = named[p.name].detach()
+        integer = p.buffer and not value.is_floating_point() and value.dtype != torch.bool
+        if integer and value.numel() and value.abs().max().item() > MAX_EXACT_INT:
+            raise LayoutError(
+                f"buffer {p.name!r} holds {value.abs().max().item()}: an integer buffer is kept in the fp32 master, "
+                f"exact up to {MAX_EXACT_INT}"
+            )
+        flat[p.offset : p.offset + n].copy_(value.reshape(-1))
     return flat
 
 
@@ -144,20 +188,46 @@ class Tied:
     module: nn.Module
 
 
-def check_tied(position: int, tied: Tied, specs: list[StageSpec]) -> None:
-    """Refuse a :class:`Tied` position whose parameters are not among its stage's."""
+def check_tied(position: int, tied: Tied, specs: list[StageSpec], base: list[StageSpec] | None = None) -> None:
+    """Refuse a :class:`Tied` position whose parameters are not among its stage's. On a frozen
+    ``base`` (the base job's layout) the stage holds only the parameters with ``requires_grad``:
+    the tied module's others are read from the base's stage, as the stage's own module reads
+    them, so they are looked for there."""
     if not 0 <= tied.stage < len(specs):
         raise LayoutError(
             f"position {position} is tied to stage {tied.stage}, but only stages 0..{len(specs) - 1} come before it"
         )
     buffers = [name for name, _ in tied.module.named_buffers()]
     if buffers:
-        raise LayoutError(f"position {position} (tied to stage {tied.stage}) has buffers {buffers[:5]}")
-    bad = _not_in(tied.module.named_parameters(), specs[tied.stage])
-    if bad is not None:
-        name, shape, theirs = bad
+        raise LayoutError(
+            f"position {position} (tied to stage {tied.stage}) has buffers {buffers[:5]}: a tied position reuses "
+            "its stage's parameters only (running the stage's buffers twice in one step would update them twice)"
+        )
+    s = tied.stage
+    if base is None:
+        bad = _not_in(tied.module.named_parameters(), specs[s])
+        if bad is not None:
+            name, shape, theirs = bad
+            why = "no such parameter" if theirs is None else f"it has shape {theirs}"
+            raise LayoutError(f"position {position}: parameter {name!r} {shape} is not one of stage {s}'s ({why})")
+        return
+    params = list(tied.module.named_parameters())
+    trained = _not_in([(n, p) for n, p in params if p.requires_grad], specs[s])
+    if trained is not None:
+        name, shape, theirs = trained
         why = "no such parameter" if theirs is None else f"it has shape {theirs}"
-        raise LayoutError(f"position {position}: parameter {name!r} {shape} is not one of stage {tied.stage}'s ({why})")
+        raise LayoutError(
+            f"position {position}: parameter {name!r} {shape} is not one of stage {s}'s or its base's: with "
+            f"requires_grad it is the job's own, and stage {s} has {why}"
+        )
+    frozen = _not_in([(n, p) for n, p in params if not p.requires_grad], base[s])
+    if frozen is not None:
+        name, shape, theirs = frozen
+        why = "no such parameter" if theirs is None else f"it has shape {theirs}"
+        raise LayoutError(
+            f"position {position}: parameter {name!r} {shape} is not one of stage {s}'s or its base's: without "
+            f"requires_grad it is read from the base's stage {s}, which has {why}"
+        )
 
 
 class StageRunner:
@@ -187,6 +257,13 @@ class StageRunner:
         self._views = [
             (p.name, p.offset, numel_of(p.shape), tuple(p.shape), p.frozen) for p in spec.params if p.name in used
         ]
+        named_buffers = {name for name, _ in skeleton.named_buffers()}
+        # the stage's buffers this position runs with: (index in spec.params, name, offset, numel, shape, dtype)
+        self._buffers = [
+            (k, p.name, p.offset, numel_of(p.shape), tuple(p.shape), DTYPE_OF_BUFFER[p.buffer])
+            for k, p in enumerate(spec.params)
+            if p.buffer and p.name in named_buffers
+        ]
         wanted = set(frozen)
         self._base_views = [
             (p.name, p.offset, numel_of(p.shape), tuple(p.shape))
@@ -199,20 +276,60 @@ class StageRunner:
         """Whether this position uses a trained parameter (has an autograd leaf)."""
         return bool(self._used)
 
+    @property
+    def has_buffers(self) -> bool:
+        """Whether this position runs with buffers of its stage (NOTE [Buffers] in executor.py)."""
+        return bool(self._buffers)
+
     def views(self, flat: torch.Tensor, base: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         return {**self._own(flat), **self._frozen(base)}
 
-    def __call__(self, flat: torch.Tensor, inputs: Boundary, base: torch.Tensor | None = None) -> Any:
-        return torch.func.functional_call(self.skeleton, self.views(flat, base), inputs)
+    def __call__(
+        self, flat: torch.Tensor, inputs: Boundary, base: torch.Tensor | None = None, buffers: Buffers | None = None
+    ) -> Any:
+        """Run the position on ``flat`` (and its base's ``base``). ``buffers``: the stage's buffers
+        to run with (a module may update them in place); default fresh copies of the published
+        ones (:meth:`buffer_state`), so that what the run does to them is forgotten."""
+        state = self.buffer_state(flat) if buffers is None else buffers
+        return torch.func.functional_call(self.skeleton, {**self.views(flat, base), **state}, inputs)
 
     def leaves(self, flat: torch.Tensor, base: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Parameter views of ``flat``, each trained one an autograd leaf (see NOTE above); frozen
-        parameters (``ParamSpec.frozen``, and the base's) are views that need no gradient."""
+        parameters (``ParamSpec.frozen``, and the base's) are views that need no gradient. The
+        stage's buffers come as fresh copies (:meth:`buffer_state`); the executor replaces them
+        with the step's own where a run must update them."""
         own = {
             name: flat[off : off + n].view(shape) if frozen else flat[off : off + n].view(shape).detach().requires_grad_(True)
             for name, off, n, shape, frozen in self._views
         }
-        return {**own, **self._frozen(base)}
+        return {**own, **self._frozen(base), **self.buffer_state(flat)}
+
+    def buffer_state(self, flat: torch.Tensor) -> Buffers:
+        """Copies of the stage's buffers from its flat weights: floating-point ones in the weights'
+        dtype (the job's compute dtype, as its parameters), the others in their own (an integer
+        count). Copies, because a module updates them in place (BatchNorm's running statistics)
+        and the flat weights are the published ones (read-only, shared by every worker)."""
+        return {
+            name: flat[off : off + n].view(shape).to(dtype=flat.dtype if dtype.is_floating_point else dtype, copy=True)
+            for _, name, off, n, shape, dtype in self._buffers
+        }
+
+    def with_buffers(
+        self, values: list[torch.Tensor | None], buffers: Buffers | None, start: Buffers | None
+    ) -> list[torch.Tensor | None]:
+        """A stage's push in ``spec.params`` order: ``values`` (the gradients of
+        :meth:`stage_grads`) with each buffer's entry from ``buffers`` (the step's): a
+        floating-point (or boolean) buffer's value, an integer buffer's increment over ``start`` (the step's
+        fetched value), which the server adds to its exact fp32 master (NOTE [Buffers] in
+        executor.py, rule 3)."""
+        if not self._buffers:
+            return values
+        assert buffers is not None and start is not None, "a stage with buffers pushed without them: a bug in wstream"
+        out = list(values)
+        for k, name, *_ in self._buffers:
+            b = buffers[name]
+            out[k] = b if b.is_floating_point() or b.dtype == torch.bool else b - start[name]
+        return out
 
     def _own(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         return {name: flat[off : off + n].view(shape) for name, off, n, shape, _ in self._views}
@@ -240,9 +357,10 @@ class StageRunner:
 
 def scatter_grads(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
     """Write per-parameter ``grads`` (in ``spec.params`` order) into flat ``dst``, the stage's
-    gradient (``grad_layout(spec)``: ``spec``'s own layout unless a parameter is frozen; frozen
-    parameters have no place in it); unused parameters and alignment padding become zeros."""
-    layout = grad_layout(spec)
+    push (``push_layout(spec)``: its gradient, which is ``spec``'s own layout unless a parameter is
+    frozen, then its buffers' values; frozen parameters have no place in it); unused parameters
+    and alignment padding become zeros."""
+    layout = push_layout(spec)
     pos = 0
     for p, offset, g in zip(spec.params, layout.offsets, grads):
         if offset is None:  # frozen: no gradient

@@ -6,7 +6,10 @@ prefetcher's and pusher's counters, the host registrations, the scaler).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+
+from wstream.protocol.units import format_bytes
 
 from .connection import WorkerConnection
 from .loss_scale import LossScaler
@@ -14,9 +17,11 @@ from .streaming import LatencyWindow
 from .throughput import Throughput
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, repr=False)
 class TrainerStats:
-    """What the last steps did; ``peak_resident_stages`` never exceeds ``prefetch + 1``."""
+    """What the last steps did; ``peak_resident_stages`` never exceeds ``prefetch + 1``.
+
+    ``repr`` (and ``print``) gives a summary in units, a few lines; the fields hold the numbers."""
 
     steps: int
     prefetch: int
@@ -25,6 +30,8 @@ class TrainerStats:
     peak_resident_stages: int
     fetches: int
     bytes_fetched: int
+    """Weight bytes copied into the worker's ring or received as data frames; 0 on the CPU's
+    zero-copy path, which computes on the published segment (``bytes_read_in_place``)."""
     fetch_wait_s: float
     pushes: int
     bytes_pushed: int
@@ -60,6 +67,53 @@ class TrainerStats:
     """The factor that step's gradient was multiplied by (1.0: not clipped)."""
     skipped_steps: int = 0
     """Steps this worker saw commit without an update because their gradient norm was not finite."""
+    zero_copy: bool = False
+    """Whether the worker computes on the published weights in place (a CPU worker on shared memory)."""
+    bytes_read_in_place: int = 0
+    """Zero-copy: the weight bytes the steps computed on where the server published them (no copy)."""
+
+    def __repr__(self) -> str:
+        """A summary that reads well: throughput, weight and gradient traffic, waits, memory, and
+        the newest commit, one topic a line, in units."""
+        rate = [f"{self.samples_per_s:,.1f} samples/s" if self.samples_per_s is not None else "no samples/s yet"]
+        if self.tokens_per_s is not None:
+            rate.append(f"{self.tokens_per_s:,.0f} tokens/s")
+        lines = [f"TrainerStats: {self.steps} step{'' if self.steps == 1 else 's'}, {', '.join(rate)}"]
+        if self.zero_copy:
+            moved = f"{format_bytes(self.bytes_read_in_place)} read in place (zero-copy, nothing copied)"
+        else:
+            moved = f"{format_bytes(self.bytes_fetched)} copied"
+        p50, p99 = self.fetch_latency.quantile(0.5), self.fetch_latency.quantile(0.99)
+        latency = "" if math.isnan(p50) else f"; round trip p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms"
+        lines.append(f"  weights: {self.fetches} fetches, {moved}, compute waited {self.fetch_wait_s:.3f} s{latency}")
+        lines.append(
+            f"  gradients: {self.pushes} pushes, {format_bytes(self.bytes_pushed)}, compute waited {self.push_wait_s:.3f} s"
+        )
+        ring = f"{format_bytes(self.ring_bytes)}, " if self.ring_bytes else ""
+        memory = (
+            f"  memory: weight ring {ring}{self.ring_capacity} stages at most (peak {self.peak_resident_stages}), "
+            f"stage inputs peak {format_bytes(self.peak_boundary_bytes)}"
+        )
+        if self.registered_bytes or self.grad_staging_bytes:
+            memory += (
+                f", {format_bytes(self.registered_bytes)} page-locked in {self.registration_s:.2f} s, "
+                f"{format_bytes(self.grad_staging_bytes)} gradient staging"
+            )
+        lines.append(memory)
+        last = []
+        if self.grad_norm is not None:
+            last.append(f"|g| {self.grad_norm:.4g}" + (f" clipped x{self.clip:.3g}" if self.clip != 1.0 else ""))
+        if self.lr is not None:
+            last.append(f"lr {self.lr:.3g}")
+        if self.loss_scale is not None:
+            last.append(f"loss scale {self.loss_scale:g} ({self.loss_scale_backoffs} back-offs)")
+        if self.skipped_steps:
+            last.append(f"{self.skipped_steps} skipped")
+        if self.reconnects:
+            last.append(f"{self.reconnects} reconnects")
+        if last:
+            lines.append(f"  last commit: {', '.join(last)}")
+        return "\n".join(lines)
 
 
 def trainer_stats(
@@ -99,4 +153,6 @@ def trainer_stats(
         lr=None if committed is None else committed.lr,
         clip=1.0 if committed is None else committed.clip,
         skipped_steps=pu.skipped_steps,
+        zero_copy=conn.zero_copy,
+        bytes_read_in_place=pf.bytes_read_in_place,
     )

@@ -62,7 +62,8 @@ class LatencyWindow:
 @dataclass(slots=True)
 class StreamStats:
     fetches: int = 0
-    bytes_fetched: int = 0
+    bytes_fetched: int = 0  # copied into the ring (or received): 0 on the zero-copy path
+    bytes_read_in_place: int = 0  # zero-copy: the published bytes computed on where they are
     fetch_wait_s: float = 0.0  # time compute waited for weights
     # Round trip of each fetch: request sent -> weights reply taken off the socket by the prefetch
     # thread. A fetch during whose round trip the thread waited for a free ring buffer is left out

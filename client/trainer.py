@@ -288,7 +288,7 @@ class Trainer:
         runners = self.executor.runners
         modes = [r.skeleton.training for r in runners]
         self.connection.prefetcher.start(self._step, [r.stage for r in runners])
-        current = as_boundary(inputs)
+        current = as_boundary(place(inputs, self.device, self.compute_dtype))  # as step() places them
         out: Any = None
         try:
             for r in runners:

@@ -8,7 +8,7 @@ Without ``--model``, a tiny GPT-2 with random weights is written to a temporary 
     python examples/hf_finetune.py                              # tiny random GPT-2, 20 steps
     python examples/hf_finetune.py --model path/to/gpt2 --out ft --steps 100 --lr 1e-5
 
-Needs the hf extra: pip install 'wstream[hf]'.
+Needs the hf extra, from a checkout of wstream (not on a package index): pip install -e '.[hf]'.
 """
 
 from __future__ import annotations

@@ -148,10 +148,12 @@ def main() -> None:
                 f"+ stage-boundary activations {format_bytes(stats.peak_boundary_bytes)}"
             )
             print(f"  (this process's RSS, torch runtime included: {format_bytes(rss)})")
-            print(
-                f"  streamed per step: {format_bytes(stats.bytes_fetched / max(stats.steps, 1))} of weights in, "
-                f"{format_bytes(stats.bytes_pushed / max(stats.steps, 1))} of gradients out"
-            )
+            steps = max(stats.steps, 1)
+            if stats.zero_copy:  # nothing is copied: the worker computes on the server's shared memory
+                weights_in = f"{format_bytes(stats.bytes_read_in_place / steps)} of weights read in place (zero-copy)"
+            else:
+                weights_in = f"{format_bytes(stats.bytes_fetched / steps)} of weights copied in"
+            print(f"  streamed per step: {weights_in}, {format_bytes(stats.bytes_pushed / steps)} of gradients out")
             model = nn.Sequential(*gpt_stages(cfg))
             model.load_state_dict(job.state_dict())
             model.eval()

@@ -23,8 +23,8 @@ def align(n: int, to: int = ALIGN_ELEMENTS) -> int:
 
 
 def build_stage_spec(name: str, params: Iterable[tuple[Any, ...]]) -> StageSpec:
-    """Lay ``(name, shape)`` pairs, or ``(name, shape, group, frozen)`` tuples, out back to back,
-    each aligned to :data:`ALIGN_ELEMENTS`."""
+    """Lay ``(name, shape)`` pairs, or ``(name, shape, group, frozen[, buffer])`` tuples, out back
+    to back, each aligned to :data:`ALIGN_ELEMENTS`."""
     specs: list[ParamSpec] = []
     offset = 0
     for pname, shape, *marks in params:
@@ -42,33 +42,57 @@ class GradLayout(NamedTuple):
     offsets: tuple[int | None, ...]
 
 
-_GRAD_LAYOUTS: dict[int, tuple[StageSpec, GradLayout]] = {}
-_GRAD_LAYOUTS_LOCK = threading.Lock()
+class PushLayout(NamedTuple):
+    """The layout of what a worker pushes for a stage (protocol 6): the stage's gradient
+    (:func:`grad_layout`, its first ``grad_numel`` elements) followed by the new values of its
+    buffers, each aligned to :data:`ALIGN_ELEMENTS`; ``numel`` in all. ``offsets``: each of
+    ``spec.params``' place in it (a trained parameter's gradient, a buffer's value), None for a
+    frozen parameter. Without buffers it is the gradient layout exactly."""
+
+    numel: int
+    grad_numel: int
+    offsets: tuple[int | None, ...]
+
+
+_LAYOUTS: dict[int, tuple[StageSpec, GradLayout, PushLayout]] = {}
+_LAYOUTS_LOCK = threading.Lock()
 GRAD_LAYOUT_CACHE = 4096
-"""Stage specs whose gradient layout :func:`grad_layout` keeps (oldest dropped first)."""
+"""Stage specs whose gradient and push layouts :func:`grad_layout` and :func:`push_layout` keep
+(oldest dropped first)."""
 
 
 def grad_layout(spec: StageSpec, *, cache: bool = True) -> GradLayout:
     """The gradient layout of ``spec``: exactly its own offsets and numel when no parameter is
     frozen (an ordinary stage), else its trained parameters packed back to back in spec order,
-    each aligned to :data:`ALIGN_ELEMENTS` (the frozen ones take no room).
+    each aligned to :data:`ALIGN_ELEMENTS` (the frozen ones, buffers included, take no room).
 
     Called for every push, so the result is kept per spec *object* (a ``StageSpec`` holds a list
     and cannot be hashed): keyed by ``id`` with the spec itself kept beside it, so that an id is
     never reused while its entry lives; at most :data:`GRAD_LAYOUT_CACHE` entries. ``cache=False``
     computes it without keeping it (for a holder that keeps it itself, such as the server's
     stages, whose specs should not outlive their job here)."""
-    if not cache:
-        return _grad_layout(spec)
-    hit = _GRAD_LAYOUTS.get(id(spec))
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    layout = _grad_layout(spec)
-    with _GRAD_LAYOUTS_LOCK:
-        _GRAD_LAYOUTS[id(spec)] = (spec, layout)
-        while len(_GRAD_LAYOUTS) > GRAD_LAYOUT_CACHE:
-            del _GRAD_LAYOUTS[next(iter(_GRAD_LAYOUTS))]
-    return layout
+    return _layouts(spec, cache)[0]
+
+
+def push_layout(spec: StageSpec, *, cache: bool = True) -> PushLayout:
+    """The layout of ``spec``'s push: its gradient, then its buffers' values (:class:`PushLayout`);
+    kept as :func:`grad_layout` keeps its result."""
+    return _layouts(spec, cache)[1]
+
+
+def _layouts(spec: StageSpec, cache: bool) -> tuple[GradLayout, PushLayout]:
+    if cache:
+        hit = _LAYOUTS.get(id(spec))
+        if hit is not None and hit[0] is spec:
+            return hit[1], hit[2]
+    grad = _grad_layout(spec)
+    push = _push_layout(spec, grad)
+    if cache:
+        with _LAYOUTS_LOCK:
+            _LAYOUTS[id(spec)] = (spec, grad, push)
+            while len(_LAYOUTS) > GRAD_LAYOUT_CACHE:
+                del _LAYOUTS[next(iter(_LAYOUTS))]
+    return grad, push
 
 
 def _grad_layout(spec: StageSpec) -> GradLayout:
@@ -85,10 +109,28 @@ def _grad_layout(spec: StageSpec) -> GradLayout:
     return GradLayout(offset, tuple(offsets))
 
 
-def validate_stage(index: int, spec: StageSpec) -> None:
-    """Raise :class:`LayoutError` unless the views of ``spec`` are disjoint and inside the buffer."""
+def _push_layout(spec: StageSpec, grad: GradLayout) -> PushLayout:
+    if not any(p.buffer for p in spec.params):
+        return PushLayout(grad.numel, grad.numel, grad.offsets)
+    offsets = list(grad.offsets)
+    offset = grad.numel
+    for k, p in enumerate(spec.params):
+        if p.buffer:
+            offsets[k] = offset
+            offset = align(offset + numel_of(p.shape))
+    return PushLayout(offset, grad.numel, tuple(offsets))
+
+
+def validate_stage(index: int, spec: StageSpec, *, on_base: bool = False) -> None:
+    """Raise :class:`LayoutError` unless the views of ``spec`` are disjoint and inside the buffer.
+
+    A stage with nothing in it is refused, except in a job on a frozen base (``on_base``): there
+    a stage frozen whole reads every weight from the base's stage and holds nothing of its own,
+    yet it must be there, since stage i trains on top of the base's stage i."""
     where = f"stage {index} ({spec.name!r})"
     if not spec.params:
+        if on_base and spec.numel == 0:
+            return
         raise LayoutError(f"{where} has no parameters: merge parameter-free modules into a neighbouring stage")
     if spec.numel > MAX_NUMEL:
         raise LayoutError(f"{where} has {spec.numel} elements, more than the limit of {MAX_NUMEL}")
@@ -106,6 +148,8 @@ def validate_stage(index: int, spec: StageSpec) -> None:
                 f"{where}: parameter {p.name!r} spans [{p.offset}, {p.offset + n}) "
                 f"beyond the stage's {spec.numel} elements"
             )
+        if p.buffer and (not p.frozen or p.group):
+            raise LayoutError(f"{where}: buffer {p.name!r} must be frozen and in group 0 (a buffer is not trained)")
         spans.append((p.offset, p.offset + n, p.name))
     spans.sort()
     for (a0, a1, an), (b0, _b1, bn) in zip(spans, spans[1:]):
@@ -149,6 +193,12 @@ def describe_mismatch(expected: list[StageSpec], actual: list[StageSpec]) -> str
             ap = anames[name]
             if ep.shape != ap.shape:
                 return f"stage {i}: parameter {name!r} has shape {list(ap.shape)}, the job has {list(ep.shape)}"
+            if ep.buffer != ap.buffer:
+                what = {"": "a parameter"}
+                return (
+                    f"stage {i}: {name!r} is {what.get(ap.buffer, f'a {ap.buffer} buffer')} in the given model, "
+                    f"{what.get(ep.buffer, f'a {ep.buffer} buffer')} in the job"
+                )
             if ep.frozen != ap.frozen:
                 how = ("frozen (requires_grad=False)", "trained")
                 return (
@@ -166,5 +216,5 @@ def without_groups(spec: StageSpec) -> StageSpec:
     return StageSpec(
         name=spec.name,
         numel=spec.numel,
-        params=[ParamSpec(p.name, p.shape, p.offset, 0, p.frozen) for p in spec.params],
+        params=[ParamSpec(p.name, p.shape, p.offset, 0, p.frozen, p.buffer) for p in spec.params],
     )

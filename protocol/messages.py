@@ -15,7 +15,7 @@ from msgspec import Meta, Struct
 
 from .lr_schedules import Constant, Schedule
 
-PROTOCOL_VERSION = 5
+PROTOCOL_VERSION = 6
 """Carried in every header; a server answers any other value with ``version_mismatch``.
 docs/protocol.md lists what changed in each version."""
 
@@ -61,14 +61,16 @@ SlotIndex = Annotated[int, Meta(ge=0, lt=MAX_GRAD_SLOTS)]
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+BufferDtype = Literal["", "float32", "bfloat16", "float16", "int64", "int32", "int16", "int8", "uint8", "bool"]
+"""A ``ParamSpec.buffer``: "" for a parameter, else the dtype of the module's buffer."""
 
 
 # ---- layout and optimizer records (also part of the public client API) -----------------------
 class ParamSpec(Struct, frozen=True, array_like=True):
     """One parameter of a stage: a view ``flat[offset : offset + numel(shape)].view(shape)``.
 
-    ``group`` and ``frozen`` are trailing fields with defaults, so ``[name, shape, offset]`` (a
-    manifest written before they existed) still decodes; they are always encoded."""
+    ``group``, ``frozen`` and ``buffer`` are trailing fields with defaults, so ``[name, shape,
+    offset]`` (a manifest written before they existed) still decodes; they are always encoded."""
 
     name: ParamName
     shape: Annotated[tuple[Dim, ...], Meta(max_length=MAX_DIMS)]
@@ -80,6 +82,12 @@ class ParamSpec(Struct, frozen=True, array_like=True):
     """Not trained: no gradient is pushed for it and it has no optimizer state, but it is a weight
     like any other (published, snapshotted, pulled, exported). Its stage's gradient leaves it out
     (``wstream.protocol.layout.grad_layout``)."""
+    buffer: BufferDtype = ""
+    """Not a parameter but a module's (persistent) buffer, such as BatchNorm's running statistics,
+    of this dtype (protocol 6). It is stored and streamed with the stage like a frozen parameter
+    (``frozen`` is true) and its value is in the fp32 master (an integer buffer exactly, below
+    2**24); a worker's real forward may update it, and the push carries its new value after the
+    gradient (``wstream.protocol.layout.push_layout``), applied at the step's commit."""
 
 
 class StageSpec(Struct, frozen=True, kw_only=True):

@@ -51,6 +51,19 @@ its workers in :mod:`~wstream.server.workers`; this module keeps the rules that 
 #    start barrier is still shut), else the next one.
 # 6. A delayed-update job may push (i, t + 1) while stage i is still at t (its forward read
 #    t - 1); such a push is held (``waiting_push``) until the stage reaches t + 1.
+#
+# NOTE [Buffers]
+# A stage's buffers (``ParamSpec.buffer``: BatchNorm's running statistics and count) are frozen
+# entries of its layout: in the master, published, snapshotted and pulled like weights, with no
+# gradient and no optimizer state. Each worker's push carries them after the gradient
+# (``push_layout``): a float's new value, an integer's increment. They are gathered with it (the
+# accumulator sums them, so a stage with buffers is "trained" even when no parameter is), left out
+# of the norm, and applied by the stage's update after the commit: the value becomes the mean over
+# the W expected workers (the sum divided by W: exact for one worker), the count grows by the mean
+# increment. So buffers move with the step, atomically, and a skipped step leaves them too.
+# Why the mean and not one rank's (DDP broadcasts rank 0's buffers before each forward): wstream
+# workers have no ranks and come and go, every worker's batch counts as its gradient does, and for
+# a running mean with equal batches the mean is the statistic of the whole batch.
 """
 
 from __future__ import annotations
@@ -135,6 +148,7 @@ class Job:
         self.published = PublishedStages(
             record.name, options.optimizer, options.dtype, self.double_buffer, options.frozen, memory, total_numel,
             groups=options.param_groups,  # groups: the job's parameter groups
+            on_base=options.base is not None,
         )
         self.stages: list[StageState] = self.published.stages
         self.worker_table = WorkerTable(record.name, memory)
@@ -527,7 +541,7 @@ class Job:
             st.updating = True
             self._updating += 1
             st.gathered.clear()
-            submit(UpdateTask(self, st, grad_scale=workers / clip, lr=lr, apply=not skipped, submitted_ns=now))
+            submit(UpdateTask(self, st, grad_scale=workers / clip, lr=lr, apply=not skipped, workers=workers, submitted_ns=now))
         self.open_step = t + 1
         self.attempt += 1  # the accumulators start again for the next step
         self.contributors.clear()

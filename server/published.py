@@ -17,7 +17,7 @@ import torch
 from wstream.protocol import LayoutError
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, frames_nbytes
-from wstream.protocol.layout import grad_layout, numel_of, validate_groups, validate_stage
+from wstream.protocol.layout import numel_of, push_layout, validate_groups, validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
@@ -25,6 +25,8 @@ from .optimizer import StageOptimizer, state_bytes_per_element, state_nbytes
 from .stage_state import DTYPES, StageState, stage_bytes
 
 SEGMENT_START = 2**20
+VALUE_BUFFERS = ("float32", "bfloat16", "float16", "bool")
+"""Buffer dtypes whose push is their value; the others' (integers: counts) is an increment."""
 SEGMENT_DOUBLING_LIMIT = 64 * 2**20
 
 
@@ -39,7 +41,8 @@ class PublishedStages:
     """The stages of job ``name`` in one shared-memory segment at ``path``. ``total_numel``, when
     the job says it up front, is checked against free memory at once and sizes the segment.
     ``groups``: the job's parameter groups (``JobOptions.param_groups``), which its stages'
-    parameters name by index."""
+    parameters name by index. ``on_base``: the job trains on a frozen base (its stages may be
+    empty)."""
 
     def __init__(
         self,
@@ -52,12 +55,14 @@ class PublishedStages:
         total_numel: int | None = None,
         *,
         groups: Sequence[m.GroupSpec],
+        on_base: bool = False,
     ) -> None:
         self.name = name
         self.optimizer_spec = optimizer
         self.groups = tuple(groups)
         self.double_buffer = double_buffer
         self.frozen = frozen  # never updated: no optimizer state
+        self.on_base = on_base  # a stage may be empty (frozen whole: every weight is the base's)
         self.compute_dtype = dtype
         self.dtype = dtype  # of the published copies
         self.memory = memory
@@ -92,7 +97,7 @@ class PublishedStages:
         """Add the next stage, its fp32 weights in ``frames`` (``add_stage``)."""
         if msg.index != len(self.stages):
             raise LayoutError(f"job {self.name!r} expects stage {len(self.stages)} next, got stage {msg.index}")
-        validate_stage(msg.index, msg.spec)
+        validate_stage(msg.index, msg.spec, on_base=self.on_base)
         validate_groups(msg.index, msg.spec, len(self.groups))
         numel = msg.spec.numel
         expected = numel * 4
@@ -124,7 +129,8 @@ class PublishedStages:
         """Reserve memory for stage ``index``, place it in the published segment, ``fill`` its
         fp32 master (a flat tensor of ``spec.numel``) and set up its optimizer."""
         numel = spec.numel
-        grad_numel = 0 if self.frozen else grad_layout(spec, cache=False).numel  # a base is never updated
+        push = push_layout(spec, cache=False)  # the gradient, then the buffers
+        grad_numel = 0 if self.frozen else push.numel  # a base is never updated
         state = 0 if self.frozen else state_nbytes(self.optimizer_spec, spec)
         pub, priv = stage_bytes(numel, state, self.compute_dtype, self.double_buffer, grad_numel=grad_numel)
         offset = self.nbytes
@@ -160,6 +166,12 @@ class PublishedStages:
         st = StageState(index, spec, master, slots, offsets, StageOptimizer(self.optimizer_spec, master, spec, self.groups))
         if grad_numel:
             st.grad = torch.empty(grad_numel, dtype=torch.float32)
+            st.grad_numel = push.grad_numel
+            st.buffers = tuple(
+                (p.offset, at, numel_of(p.shape), p.buffer not in VALUE_BUFFERS)
+                for p, at in zip(spec.params, push.offsets)
+                if p.buffer and at is not None
+            )
         self.stages.append(st)
         self.max_stage_numel = max(self.max_stage_numel, numel)
         self.num_params += sum(numel_of(p.shape) for p in spec.params)

@@ -91,7 +91,14 @@ class StageState:
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held by the optimizer while it changes the stage and by a snapshot capturing it."""
     grad: torch.Tensor | None = None
-    """The open step's gradient, summed over workers (fp32, private); None: nothing to train."""
+    """The open step's pushes summed over workers (fp32, private): the gradient (its first
+    ``grad_numel`` elements), then the stage's buffers (``push_layout``); None: nothing is pushed."""
+    grad_numel: int = 0
+    """Elements of ``grad`` that are the gradient (the optimizer's and the norm's part)."""
+    buffers: tuple[tuple[int, int, int, bool], ...] = ()
+    """Each buffer's (offset in the master, offset in ``grad``, numel, whether it counts): the
+    update sets it to the workers' mean, or adds their mean increment to an integer buffer (a
+    count), NOTE [Buffers] in job.py."""
     gathered: set[int] = field(default_factory=set)
     """Workers whose gradient of the open step is in ``grad`` (their gather finished)."""
     gathering: int = 0
@@ -121,8 +128,15 @@ class StageState:
 
     @property
     def trained(self) -> bool:
-        """Whether the stage has parameters that get gradients (else it never gathers)."""
+        """Whether workers push for the stage: it has parameters that get gradients, or buffers
+        (else it never gathers)."""
         return self.grad is not None
+
+    @property
+    def gradient(self) -> torch.Tensor:
+        """The gradient part of ``grad`` (without the buffers' values)."""
+        assert self.grad is not None
+        return self.grad[: self.grad_numel]
 
     @property
     def single_slot(self) -> bool:
@@ -165,7 +179,9 @@ class StageState:
         if msg.step < worker.first_step:
             raise StaleStepError(f"{where}: this worker joined at step {worker.first_step}")
         if self.grad is None:
-            raise GradientError(f"{where}: every parameter of this stage is frozen; it has no gradient to push")
+            raise GradientError(
+                f"{where}: every parameter of this stage is frozen and it has no buffer; it has nothing to push"
+            )
         if msg.step != self.version or self.updating:
             raise StaleStepError(
                 f"{where}: the stage is at step {self.version}{' and updating' if self.updating else ''}; "
@@ -177,11 +193,12 @@ class StageState:
             raise GradientError(f"{where}: slot {msg.slot} does not exist (the ring has {len(worker.slots)})")
         if msg.slot in worker.busy:
             raise GradientError(f"{where}: slot {msg.slot} is still in use by an earlier push")
-        numel = self.grad.numel()  # the gradient layout: frozen parameters have no gradient
+        numel = self.grad.numel()  # the push layout: frozen parameters have no gradient, buffers follow it
         if msg.numel != numel:
             raise GradientError(
                 f"{where}: {msg.numel} elements, stage {self.index}'s gradient has {numel}"
                 + (f" (its frozen parameters have none; the stage has {self.spec.numel})" if numel != self.spec.numel else "")
+                + (f" ({self.grad_numel} of gradient, then its buffers)" if self.buffers else "")
             )
         if msg.dtype != "float32":
             raise GradientError(f"{where}: dtype {msg.dtype}; this server takes float32 gradients")
@@ -231,7 +248,7 @@ class GatherTask:
                 count += 1
                 st.acc = (self.attempt, count)
                 if count == self.expected:
-                    st.sumsq = (self.attempt, count, squared_norm(st.grad))
+                    st.sumsq = (self.attempt, count, squared_norm(st.gradient))
         self.seconds = time.perf_counter() - t0
         return self
 
@@ -253,7 +270,7 @@ class NormTask:
         with st.grad_lock:
             attempt, count = st.acc
             if attempt == self.attempt == self.job.attempt:
-                st.sumsq = (attempt, count, squared_norm(st.grad))
+                st.sumsq = (attempt, count, squared_norm(st.gradient))
         self.seconds = time.perf_counter() - t0
         return self
 
@@ -268,14 +285,16 @@ def squared_norm(grad: torch.Tensor) -> float:
 class UpdateTask:
     """One stage's update of a committed step, run off the loop thread: the optimizer on the
     accumulated gradient (divided by ``grad_scale``: the number of workers over the clipping
-    factor) at learning rate ``lr``, then publication of the new weights. ``apply`` False (a
-    skipped step, or a stage with nothing to train) only publishes, so the version can move on."""
+    factor) at learning rate ``lr``, the buffers set to the ``workers``' mean, then publication of
+    the new weights. ``apply`` False (a skipped step, or a stage with nothing to train) only
+    publishes, so the version can move on."""
 
     job: UpdatedJob
     stage: StageState
     grad_scale: float = 1.0
     lr: float | None = None
     apply: bool = True
+    workers: int = 1
     seconds: float = 0.0
     submitted_ns: int = field(default_factory=time.monotonic_ns)
     started_ns: int = 0
@@ -291,7 +310,13 @@ class UpdateTask:
             snap.capture_before_update(st.index, st.lock, st.capture, st.state_nbytes)
         with st.lock:
             if self.apply and st.grad is not None:
-                st.optimizer.step(st.grad, grad_scale=None if self.grad_scale == 1.0 else self.grad_scale, lr=self.lr)
+                st.optimizer.step(st.gradient, grad_scale=None if self.grad_scale == 1.0 else self.grad_scale, lr=self.lr)
+                for master_at, at, n, counts in st.buffers:  # the workers' mean (the sum divided: exact for W = 1)
+                    target = st.master[master_at : master_at + n]
+                    if counts:
+                        target.add_(st.grad[at : at + n] / self.workers)
+                    else:
+                        torch.div(st.grad[at : at + n], self.workers, out=target)
             target = st.slots[st.slot_for(st.version + 1)]
             if target is not st.master:
                 target.copy_(st.master)

@@ -57,7 +57,18 @@ def deep_wide(n: int) -> list[nn.Module]:
     return [nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(n)]
 
 
+def batchnorm(seed: int = 0) -> list[nn.Module]:
+    """Stages with BatchNorm (buffers: running statistics and a count), no bias before a norm."""
+    torch.manual_seed(seed)
+    return [
+        nn.Sequential(nn.Linear(12, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU()),
+        nn.Sequential(nn.Linear(16, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU()),
+        nn.Linear(16, 5),
+    ]
+
+
 BUILDERS = {
+    "batchnorm": batchnorm,
     "mixed": mixed,
     "dropout_chain": dropout_chain,
     "deep": deep,
@@ -65,8 +76,8 @@ BUILDERS = {
     "deep_wide64": lambda: deep_wide(64),
 }
 
-IN_FEATURES = {"mixed": 12, "dropout_chain": 16, "deep": 256, "deep_wide16": 1024, "deep_wide64": 1024}
-OUT_FEATURES = {"mixed": 5, "dropout_chain": 5, "deep": 256, "deep_wide16": 1024, "deep_wide64": 1024}
+IN_FEATURES = {"batchnorm": 12, "mixed": 12, "dropout_chain": 16, "deep": 256, "deep_wide16": 1024, "deep_wide64": 1024}
+OUT_FEATURES = {"batchnorm": 5, "mixed": 5, "dropout_chain": 5, "deep": 256, "deep_wide16": 1024, "deep_wide64": 1024}
 
 
 def batch(model: str, step: int, rank: int = 0, size: int = 16) -> tuple[torch.Tensor, torch.Tensor]:

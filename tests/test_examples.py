@@ -35,6 +35,8 @@ def test_gpt_demo_starts_a_server_trains_and_reports_memory(tmp_path: Path) -> N
     first, last = (float(v) for v in text.split("\nloss ")[1].split(" in ")[0].split(" -> "))
     assert last < first  # 12 steps from random init already lower the loss
     assert "worker peak: weight ring" in text and "2 of 4 stages resident at most, peak 2" in text
+    streamed = text.split("streamed per step: ")[1].split("\n")[0]
+    assert "of weights read in place (zero-copy)" in streamed and not streamed.startswith("0 B")
     assert "sample:\nShall I " in text
     trace = json.loads((tmp_path / "trace.json").read_text())
     steps = [e for e in trace["traceEvents"] if e.get("cat") == "step"]
@@ -79,7 +81,20 @@ def test_watch_server_example_shows_status_and_metrics() -> None:
 
 def test_raw_protocol_example_talks_msgpack_by_hand() -> None:
     text = run_example("raw_protocol.py")
-    assert "status -> status_reply: protocol 5, jobs ['raw']" in text
+    assert "status -> status_reply: protocol 6, jobs ['raw']" in text
     assert "attach -> attached: session" in text and "('weight', [4, 4])" in text
     assert "error auth_failed" in text and "error bad_message" in text
     assert "status again -> status_reply" in text
+
+
+def test_vgg_batchnorm_example_streams_running_statistics(tmp_path: Path) -> None:
+    text = run_example("vgg_batchnorm.py", "--server", f"ipc://{tmp_path}/vgg.sock", "--steps", "12")
+    assert "5 stages" in text and "(18 buffers)" in text
+    first, last = (float(v) for v in text.split("\nloss ")[1].split(" in ")[0].split(" -> "))
+    assert last < first
+    assert "BatchNorm updates per layer: 24 (12 steps x 2 micro-batches" in text
+    assert "read in place (zero-copy, nothing copied)" in text  # the stats' summary
+    diff = float(re.search(r"largest logit difference from the stream (\S+)", text).group(1))
+    assert diff <= 1e-5  # the export, loaded into plain PyTorch, computes what the stream did
+    pid = int(re.search(r"started wstream-server \(pid (\d+)\)", text).group(1))
+    assert segment_paths(pid) == []

@@ -39,3 +39,28 @@ def test_a_language_model_reports_tokens_per_second_and_a_regression_only_sample
     with reg.trainer() as trainer:
         trainer.step(*models.batch("mixed", 0), models.loss_fn)
         assert trainer.stats().samples_per_s is not None and trainer.stats().tokens_per_s is None
+
+
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "copy"])
+def test_trainer_stats_read_as_a_summary_that_names_the_zero_copy_path(client: Client, zero_copy: bool) -> None:
+    """``repr(stats)`` is a short summary in units; a zero-copy worker copies no weight bytes, so
+    it says how many it read in place instead of "0 B fetched"."""
+    job = client.create_job("s", models.mixed(), token="t")
+    stage_bytes = sum(s.numel * 4 for s in job.specs)
+    with job.trainer(zero_copy=zero_copy) as trainer:
+        for step in range(2):
+            trainer.step(*models.batch("mixed", step), models.loss_fn)
+        stats = trainer.stats()
+    text = repr(stats)
+    lines = text.splitlines()
+    assert lines[0].startswith("TrainerStats: 2 steps, ") and "samples/s" in lines[0]
+    weights = next(line for line in lines if line.strip().startswith("weights:"))
+    assert stats.zero_copy is zero_copy
+    if zero_copy:
+        assert stats.bytes_fetched == 0 and stats.bytes_read_in_place >= 2 * stage_bytes
+        assert "read in place (zero-copy, nothing copied)" in weights and "0 B" not in weights
+    else:
+        assert stats.bytes_read_in_place == 0 and stats.bytes_fetched >= 2 * stage_bytes
+        assert "copied" in weights and "in place" not in weights
+    assert any(line.strip().startswith("gradients: ") and "pushes" in line for line in lines)
+    assert "LatencyWindow object" not in text and len(lines) <= 6
