@@ -36,16 +36,19 @@ def layout_on(
 
 
 def walk_chain(
-    items: Iterable[nn.Module | Tied], add_stage: Callable[[int, nn.Module], StageSpec]
+    items: Iterable[nn.Module | Tied],
+    add_stage: Callable[[int, nn.Module], StageSpec],
+    base_stages: list[StageSpec] | None = None,
 ) -> tuple[list[StageSpec], Chain]:
     """Walk a job's ``stages`` in order: ``add_stage(i, module)`` lays out (and uploads) weight
-    stage i and returns its spec; a :class:`Tied` item is checked against the stages before it.
+    stage i and returns its spec; a :class:`Tied` item is checked against the stages before it
+    (and, for a job on a frozen base, ``base_stages``: its frozen parameters are the base's).
     Every module is moved to the meta device once handled, so one at a time is materialized."""
     specs: list[StageSpec] = []
     chain: Chain = []
     for item in items:
         if isinstance(item, Tied):
-            check_tied(len(chain), item, specs)
+            check_tied(len(chain), item, specs, base_stages)
             chain.append((item.stage, skeleton_of(item.module)))
             continue
         specs.append(add_stage(len(specs), item))

@@ -231,7 +231,7 @@ class Client:
             return spec
 
         try:
-            _, chain = walk_chain(stages, upload)
+            _, chain = walk_chain(stages, upload, list(created.base_stages) if base is not None else None)
             groups.check_all_used()
             sealed, _ = self._chan.request(m.Seal(session=session), m.Attached, timeout_s=self.wait_timeout_s)
         except BaseException:
@@ -288,9 +288,8 @@ class Client:
         chain = None
         if stages is not None:
             on_base = attached.options.base is not None
-            specs, chain = walk_chain(
-                stages, lambda i, mod: layout_on(attached.base_stages if on_base else None, i, mod, groups)
-            )
+            base_stages = list(attached.base_stages) if on_base else None
+            specs, chain = walk_chain(stages, lambda i, mod: layout_on(base_stages, i, mod, groups), base_stages)
             theirs = list(attached.stages) if groups is not None else [without_groups(s) for s in attached.stages]
             mismatch = describe_mismatch(theirs, specs)
             if mismatch is not None:
@@ -467,11 +466,10 @@ class Job:
             )
             for stage, skeleton in self._chain
         ]
-        if not runners[0].trains:
+        if not any(r.trains for r in runners):
             raise LayoutError(
-                f"job {self.name!r}: the first chain position trains no parameter (stage {runners[0].stage} is frozen "
-                "whole), so its backward has nothing to differentiate, which this trainer cannot run yet; give the "
-                "frozen stage's modules to the next stage instead (a frozen stage later in the chain trains)"
+                f"job {self.name!r}: no chain position trains a parameter (every stage is frozen whole): "
+                "there is nothing to train (give some parameter requires_grad)"
             )
         client = self.client
         endpoint = WorkerEndpoint(

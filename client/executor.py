@@ -65,6 +65,9 @@ class PlanExecutor:
         self.first_use: dict[int, int] = {}  # weight stage -> its lowest position (its push follows that backward)
         for position, runner in enumerate(runners):
             self.first_use.setdefault(runner.stage, position)
+        # the lowest position with a trained parameter (a loop's body is every position): input
+        # gradients are needed only above it, and positions below it have no backward to run
+        self.lowest_trained = next((p for p, r in enumerate(runners) if r.trains), None)
         self._streams = streams
         self.device = device
         self.rng = rng
@@ -150,6 +153,9 @@ class PlanExecutor:
         assert run.current is not None
         runner = run.runner_at(i)
         stage = runner.stage
+        if not runner.trains and not self._wants_input_grad(i):
+            self._nothing_to_differentiate(run, i, runner)
+            return
         with self.stage_weights(stage, run.held) as (weights, base):
             params = runner.leaves(weights, base)
             lanes = lanes_of(run.current[1], run.k)
@@ -163,6 +169,25 @@ class PlanExecutor:
             if i == self.first_use[stage]:  # backward has no use of this stage left
                 del run.grads[stage]
                 self._push(run, runner, grads)
+
+    def _wants_input_grad(self, i: int) -> bool:
+        """Whether position i's input gradient is used: a position below it trains."""
+        return self.lowest_trained is not None and self.lowest_trained < i
+
+    def _nothing_to_differentiate(self, run: PlanRun, i: int, runner: StageRunner) -> None:
+        """The BACKWARD of a position below every trained one whose own parameters are all frozen
+        (a frozen embedding, the first stages of a fine-tune): no parameter gradient and no input
+        gradient is wanted, so nothing is recomputed. Its weights were fetched for this action
+        (the fetch order is the plan's) and are given back; its push has nothing to send."""
+        assert run.current is not None and i != run.last, "a chain that trains nothing: a bug in wstream"
+        with self.stage_weights(runner.stage, run.held):
+            pass
+        run.grad_out = [None] * len(run.current[1])
+        run.drop_current()
+        grads = run.add_grads(runner.stage, runner.stage_grads([]))
+        if i == self.first_use[runner.stage]:
+            del run.grads[runner.stage]
+            self._push(run, runner, grads)
 
     def _push(self, run: PlanRun, runner: StageRunner, grads: list[torch.Tensor | None]) -> None:
         """Send a stage's gradient, summed over its positions (with ``allreduce``: its mean over
@@ -202,7 +227,7 @@ class PlanExecutor:
         for j, (lane, lane_grad_out) in enumerate(zip(lanes, grad_lanes)):
             first = True
             while True:
-                inputs = grad_inputs_of(lane, i)
+                inputs = grad_inputs_of(lane, i, wanted=self._wants_input_grad(i))
                 with self.rng.around(run.rng, i, j), torch.enable_grad():
                     out = runner.call_with(params, inputs)
                 grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -259,10 +284,11 @@ def _roots(
     return roots, root_grads
 
 
-def grad_inputs_of(inputs: Boundary, i: int) -> Boundary:
+def grad_inputs_of(inputs: Boundary, i: int, *, wanted: bool = True) -> Boundary:
     """Position i's inputs for a run with autograd: floating-point tensors become leaves that
-    want a gradient (not at position 0, whose input is the data)."""
-    return tuple(x.detach().requires_grad_(True) if i > 0 and _wants_grad(x) else x for x in inputs)
+    want a gradient (not at position 0, whose input is the data, nor where no position below
+    trains: ``wanted`` False)."""
+    return tuple(x.detach().requires_grad_(True) if wanted and i > 0 and _wants_grad(x) else x for x in inputs)
 
 
 def _wants_grad(x: Any) -> bool:

@@ -364,7 +364,9 @@ def export_pretrained(
     ``config``: the model's config, or the folder the job was created from (then its tokenizer
     and generation files are copied too). Stages are pulled one at a time and each shard is
     written once complete, so memory holds about a shard and a stage. Tied weights are written
-    once, as ``save_pretrained`` does. ``dtype``: of the written tensors (the master is fp32).
+    once, as ``save_pretrained`` does. ``dtype``: of the written tensors (the master is fp32);
+    the config records it (``dtype``), replacing the source's, so that ``from_pretrained`` loads
+    the tensors as written.
     """
     out = Path(folder)
     stale = sorted(p.name for p in out.glob("model*.safetensors*"))
@@ -391,8 +393,9 @@ def export_pretrained(
         total = sum(numel_of(p.shape) for s in job.specs for p in s.params) * dtype.itemsize
         index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
         (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    if dtype != torch.float32:
-        cfg.dtype = dtype
+    # the dtype of the tensors written, whatever the source said: from_pretrained loads in the
+    # config's dtype by default, and fp32 weights under a bfloat16 label would be rounded silently
+    cfg.dtype = dtype
     if not getattr(cfg, "architectures", None):  # as save_pretrained records the model class
         cfg.architectures = [architecture]
     cfg.save_pretrained(out)

@@ -81,7 +81,7 @@ def spec_of(
             group = groups.index(name, p, module.get_submodule(name.rpartition(".")[0]))
         params.append((name, tuple(p.shape), group, frozen))
     spec = build_stage_spec(str(index), params)
-    validate_stage(index, spec)
+    validate_stage(index, spec, on_base=trainable_only)
     return spec
 
 
@@ -144,20 +144,46 @@ class Tied:
     module: nn.Module
 
 
-def check_tied(position: int, tied: Tied, specs: list[StageSpec]) -> None:
-    """Refuse a :class:`Tied` position whose parameters are not among its stage's."""
+def check_tied(position: int, tied: Tied, specs: list[StageSpec], base: list[StageSpec] | None = None) -> None:
+    """Refuse a :class:`Tied` position whose parameters are not among its stage's. On a frozen
+    ``base`` (the base job's layout) the stage holds only the parameters with ``requires_grad``:
+    the tied module's others are read from the base's stage, as the stage's own module reads
+    them, so they are looked for there."""
     if not 0 <= tied.stage < len(specs):
         raise LayoutError(
             f"position {position} is tied to stage {tied.stage}, but only stages 0..{len(specs) - 1} come before it"
         )
     buffers = [name for name, _ in tied.module.named_buffers()]
     if buffers:
-        raise LayoutError(f"position {position} (tied to stage {tied.stage}) has buffers {buffers[:5]}")
-    bad = _not_in(tied.module.named_parameters(), specs[tied.stage])
-    if bad is not None:
-        name, shape, theirs = bad
+        raise LayoutError(
+            f"position {position} (tied to stage {tied.stage}) has buffers {buffers[:5]}: a tied position reuses "
+            "its stage's parameters only (running the stage's buffers twice in one step would update them twice)"
+        )
+    s = tied.stage
+    if base is None:
+        bad = _not_in(tied.module.named_parameters(), specs[s])
+        if bad is not None:
+            name, shape, theirs = bad
+            why = "no such parameter" if theirs is None else f"it has shape {theirs}"
+            raise LayoutError(f"position {position}: parameter {name!r} {shape} is not one of stage {s}'s ({why})")
+        return
+    params = list(tied.module.named_parameters())
+    trained = _not_in([(n, p) for n, p in params if p.requires_grad], specs[s])
+    if trained is not None:
+        name, shape, theirs = trained
         why = "no such parameter" if theirs is None else f"it has shape {theirs}"
-        raise LayoutError(f"position {position}: parameter {name!r} {shape} is not one of stage {tied.stage}'s ({why})")
+        raise LayoutError(
+            f"position {position}: parameter {name!r} {shape} is not one of stage {s}'s or its base's: with "
+            f"requires_grad it is the job's own, and stage {s} has {why}"
+        )
+    frozen = _not_in([(n, p) for n, p in params if not p.requires_grad], base[s])
+    if frozen is not None:
+        name, shape, theirs = frozen
+        why = "no such parameter" if theirs is None else f"it has shape {theirs}"
+        raise LayoutError(
+            f"position {position}: parameter {name!r} {shape} is not one of stage {s}'s or its base's: without "
+            f"requires_grad it is read from the base's stage {s}, which has {why}"
+        )
 
 
 class StageRunner:

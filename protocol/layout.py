@@ -85,10 +85,16 @@ def _grad_layout(spec: StageSpec) -> GradLayout:
     return GradLayout(offset, tuple(offsets))
 
 
-def validate_stage(index: int, spec: StageSpec) -> None:
-    """Raise :class:`LayoutError` unless the views of ``spec`` are disjoint and inside the buffer."""
+def validate_stage(index: int, spec: StageSpec, *, on_base: bool = False) -> None:
+    """Raise :class:`LayoutError` unless the views of ``spec`` are disjoint and inside the buffer.
+
+    A stage with nothing in it is refused, except in a job on a frozen base (``on_base``): there
+    a stage frozen whole reads every weight from the base's stage and holds nothing of its own,
+    yet it must be there, since stage i trains on top of the base's stage i."""
     where = f"stage {index} ({spec.name!r})"
     if not spec.params:
+        if on_base and spec.numel == 0:
+            return
         raise LayoutError(f"{where} has no parameters: merge parameter-free modules into a neighbouring stage")
     if spec.numel > MAX_NUMEL:
         raise LayoutError(f"{where} has {spec.numel} elements, more than the limit of {MAX_NUMEL}")

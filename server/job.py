@@ -135,6 +135,7 @@ class Job:
         self.published = PublishedStages(
             record.name, options.optimizer, options.dtype, self.double_buffer, options.frozen, memory, total_numel,
             groups=options.param_groups,  # groups: the job's parameter groups
+            on_base=options.base is not None,
         )
         self.stages: list[StageState] = self.published.stages
         self.worker_table = WorkerTable(record.name, memory)

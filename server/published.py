@@ -39,7 +39,8 @@ class PublishedStages:
     """The stages of job ``name`` in one shared-memory segment at ``path``. ``total_numel``, when
     the job says it up front, is checked against free memory at once and sizes the segment.
     ``groups``: the job's parameter groups (``JobOptions.param_groups``), which its stages'
-    parameters name by index."""
+    parameters name by index. ``on_base``: the job trains on a frozen base (its stages may be
+    empty)."""
 
     def __init__(
         self,
@@ -52,12 +53,14 @@ class PublishedStages:
         total_numel: int | None = None,
         *,
         groups: Sequence[m.GroupSpec],
+        on_base: bool = False,
     ) -> None:
         self.name = name
         self.optimizer_spec = optimizer
         self.groups = tuple(groups)
         self.double_buffer = double_buffer
         self.frozen = frozen  # never updated: no optimizer state
+        self.on_base = on_base  # a stage may be empty (frozen whole: every weight is the base's)
         self.compute_dtype = dtype
         self.dtype = dtype  # of the published copies
         self.memory = memory
@@ -92,7 +95,7 @@ class PublishedStages:
         """Add the next stage, its fp32 weights in ``frames`` (``add_stage``)."""
         if msg.index != len(self.stages):
             raise LayoutError(f"job {self.name!r} expects stage {len(self.stages)} next, got stage {msg.index}")
-        validate_stage(msg.index, msg.spec)
+        validate_stage(msg.index, msg.spec, on_base=self.on_base)
         validate_groups(msg.index, msg.spec, len(self.groups))
         numel = msg.spec.numel
         expected = numel * 4

@@ -182,6 +182,27 @@ def test_export_round_trips_through_from_pretrained(client: Client, tmp_path: Pa
     assert not (tmp_path / "out-other").exists()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_export_writes_the_dtype_of_the_weights_it_saved(client: Client, tmp_path: Path, dtype: torch.dtype) -> None:
+    """A source labelled bfloat16 whose job trained in fp32: the export's config says the dtype
+    of the tensors written, so ``from_pretrained`` (dtype "auto" by default) loads them exactly."""
+    folder = save_model("llama", tmp_path / "model")
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = "bfloat16"
+    (folder / "config.json").write_text(json.dumps(config))
+    job = create_job_from_pretrained(client, "ex", folder, token="t", optimizer=AdamW(lr=1e-2))
+    with job.trainer() as trainer:
+        trainer.step(batch(0), batch(0), causal_lm_loss)
+    trained = weights_by_name(job.state_dict())
+    out = export_pretrained(job, tmp_path / "out", folder, dtype=dtype)
+    assert json.loads((out / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.dtype == dtype
+    state = loaded.state_dict()
+    for name, want in trained.items():
+        assert torch.equal(state[name], want.to(dtype)), name  # bit for bit, in the dtype written
+
+
 def test_creation_holds_one_stage_and_reads_only_its_tensors(
     client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -385,13 +385,20 @@ def test_groups_and_frozen_parameters_train_as_plain_pytorch(client: Client, mic
     assert min((got[k] - initial[k]).abs().max().item() for k in moved) > 1e-4  # every trained one moved
 
 
-def test_a_first_stage_frozen_whole_is_refused_by_the_trainer_with_a_reason(client: Client) -> None:
+@pytest.mark.parametrize("schedule", ["store_all", "revolve"])
+def test_a_first_stage_frozen_whole_trains_as_plain_pytorch(client: Client, schedule: str) -> None:
+    """Its backward has nothing to differentiate (no parameter, and its input is the data): it is
+    fetched and run forward, and pushes nothing; the stages above train as in PyTorch."""
     stages = model()
     stages[0].requires_grad_(False)
-    job = client.create_job("first", stages, optimizer=AdamW(), token="t")  # stored, pulled, exported
-    with pytest.raises(LayoutError, match="the first chain position trains no parameter"):
-        job.trainer()
-    assert job.state_dict().keys() == {f"{i}.{k}" for i, s in enumerate(model()) for k, _ in s.named_parameters()}
+    start = copy.deepcopy(stages)
+    job = client.create_job("first", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t", param_groups=groups())
+    options = {"slots": 1} if schedule == "revolve" else {}
+    with job.trainer(schedule=schedule, **options) as trainer:
+        for step in range(4):
+            trainer.step(*batch(step), loss_fn)
+        assert trainer.stats().pushes == 3 * 4  # stages 1, 3 and 4 train; 0 and 2 are frozen whole
+    assert_close(job.state_dict(), reference(start, 4))
 
 
 @pytest.mark.parametrize("staged", [False, True], ids=["direct", "staged"])

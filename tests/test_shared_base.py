@@ -12,7 +12,10 @@ from torch import nn
 
 from conftest import start_server
 from test_equivalence import assert_weights_equal
-from wstream.client import AdamW, AuthError, Client, LayoutError, StateError
+from test_ties import VOCAB, Block, Embed, TiedHead
+from test_ties import batch as lm_batch
+from test_ties import loss_fn as lm_loss
+from wstream.client import AdamW, AuthError, Client, LayoutError, StateError, Tied
 
 WIDTH, STAGES, STEPS = 16, 4, 5
 
@@ -182,3 +185,109 @@ def test_forward_of_a_job_on_a_base_reads_the_base(client: Client) -> None:
     x, _ = batch(4, 0)
     with job.trainer() as trainer, torch.no_grad():
         assert torch.allclose(trainer.forward(x), nn.Sequential(*start)(x), atol=1e-6)
+
+
+# ---- ties and stages frozen whole on a base (issue 19) -------------------------------------------------
+
+
+class Head(nn.Module):
+    """An untied LM head (its own matrix)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.out = nn.Linear(8, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(x)
+
+
+def lm_base(seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [Embed(), Block(), Block(), Block()]
+
+
+def fine_tune(base: list[nn.Module], frozen: dict[int, str]) -> list[nn.Module]:
+    """A copy of ``base`` whose stage i has ``frozen[i]``: "all" (every parameter frozen: read
+    from the base), "tok" (only the token embedding frozen) or nothing frozen."""
+    out = copy.deepcopy(base)
+    for i, how in frozen.items():
+        if how == "all":
+            out[i].requires_grad_(False)
+        elif how == "tok":
+            out[i].tok.weight.requires_grad_(False)
+    return out
+
+
+def lm_reference(stages: list[nn.Module], head: nn.Module | None, steps: int) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: the same chain, AdamW on the parameters with ``requires_grad``; without
+    ``head`` the logits use the embedding's token matrix (tied)."""
+    embed = stages[0]
+    params = [p for s in [*stages, *([head] if head is not None else [])] for p in s.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    for t in range(steps):
+        opt.zero_grad()
+        x, y = lm_batch(t)
+        h = x
+        for s in stages:
+            h = s(h)
+        logits = head(h) if head is not None else nn.functional.linear(h, embed.tok.weight)
+        lm_loss(logits, y).backward()
+        opt.step()
+    out = {}
+    for i, s in enumerate([*stages, *([head] if head is not None else [])]):
+        out.update({f"{i}.{k}": v for k, v in s.named_parameters() if v.requires_grad})
+    return out
+
+
+def test_a_head_tied_to_the_frozen_embedding_of_the_base_trains(client: Client) -> None:
+    base = lm_base()
+    client.create_job("lm-base", copy.deepcopy(base), token="base-token", frozen=True)
+    stages = fine_tune(base, {0: "tok"})  # the position table trains, the token matrix is the base's
+    want = lm_reference(copy.deepcopy(stages), None, STEPS)
+    head = TiedHead().to("meta").requires_grad_(False)  # reads the base's matrix, like the embedding
+    job = client.create_job(
+        "tied-ft", [*stages, Tied(0, head)], optimizer=AdamW(lr=1e-2), token="t", base="lm-base", base_token="base-token"
+    )
+    assert job.positions == [0, 1, 2, 3, 0]
+    assert "tok.weight" not in {p.name for p in job.specs[0].params}  # held once, by the base
+    with job.trainer() as trainer:
+        for t in range(STEPS):
+            trainer.step(*lm_batch(t), lm_loss)
+    assert_weights_equal(job.state_dict(), want, atol=1e-5)
+
+
+def test_a_tied_position_on_a_base_must_name_parameters_of_the_stage_or_its_base(client: Client) -> None:
+    client.create_job("lm-base", lm_base(), token="base-token", frozen=True)
+
+    class Wrong(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tok = nn.Embedding(VOCAB + 1, 8)
+
+    head = Wrong().to("meta").requires_grad_(False)
+    with pytest.raises(LayoutError, match=r"parameter 'tok.weight' \(18, 8\) is not one of stage 0's or its base's"):
+        client.create_job("bad", [*fine_tune(lm_base(), {0: "tok"}), Tied(0, head)], token="t", base="lm-base",
+                          base_token="base-token")
+    assert {j.name for j in client.status().jobs} == {"lm-base"}
+
+
+@pytest.mark.parametrize("frozen", [{0: "all", 2: "all"}, {0: "all", 1: "all", 2: "all"}, {2: "all", 3: "all"}],
+                         ids=["first-and-middle", "all-but-the-last-block", "the-last-blocks"])
+def test_stages_frozen_whole_on_a_base_run_and_push_nothing(client: Client, frozen: dict[int, str]) -> None:
+    """A stage frozen whole holds nothing of its own (every weight is the base's): it is fetched,
+    runs forward and backward (the input gradient, for the stages below), pushes nothing."""
+    base = [*lm_base(), Head()]
+    client.create_job("lm-base", copy.deepcopy(base), token="base-token", frozen=True)
+    stages = fine_tune(base, frozen)
+    want = lm_reference(copy.deepcopy(stages[:-1]), copy.deepcopy(stages[-1]), STEPS)
+    job = client.create_job(
+        "frozen-ft", stages, optimizer=AdamW(lr=1e-2), token="t", base="lm-base", base_token="base-token"
+    )
+    for i in frozen:
+        assert job.specs[i].params == []  # nothing of its own: every weight is the base's
+    with job.trainer() as trainer:
+        for t in range(STEPS):
+            trainer.step(*lm_batch(t), lm_loss)
+        stats = trainer.stats()
+    assert stats.pushes == (5 - len(frozen)) * STEPS  # the frozen stages push nothing
+    assert_weights_equal(job.state_dict(), want, atol=1e-5)
