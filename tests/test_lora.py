@@ -1,0 +1,130 @@
+"""LoRA adapters on a shared frozen base (client/lora.py): training equals ``peft`` + torch AdamW,
+only the adapters are held (and optimized) by the adapter job, and both exports load back, the
+adapter with ``peft``, the merged model with ``transformers``, giving the streamed logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+from test_hf_families import EPS, attn_of, batch, reference, save_model  # noqa: E402
+
+from wstream.client import AdamW, Client  # noqa: E402
+from wstream.client.hf import causal_lm_loss, create_job_from_pretrained, stages_from_pretrained  # noqa: E402
+from wstream.client.lora import PEFT_PREFIX, Lora, add_lora, export_adapter, export_merged  # noqa: E402
+from wstream.client.stages import Tied  # noqa: E402
+
+pytestmark = pytest.mark.filterwarnings(
+    # peft 0.21 reads transformers' deprecated is_gradient_checkpointing; not ours to fix
+    "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
+)
+
+TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_proj"]}
+"""GPT-2's are ``Conv1D`` layers (weight in x out), Llama's ``nn.Linear``; c_proj is in both
+GPT-2's attention and its MLP, down_proj is Llama's MLP."""
+
+
+def lora_params(item: Any) -> dict[str, torch.nn.Parameter]:
+    module = item.module if isinstance(item, Tied) else item
+    return {name: p for name, p in module.named_parameters() if ".lora_" in name}
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_lora_trains_as_peft_and_both_exports_load_back(client: Client, tmp_path: Path, kind: str) -> None:
+    folder = save_model(kind, tmp_path / "model")
+    steps, lr, wd, rank, alpha = 5, 1e-2, 0.01, 4, 8.0
+    conv1d = kind == "gpt2"
+
+    # peft + torch AdamW
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=TARGETS[kind], fan_in_fan_out=conv1d)
+    torch.manual_seed(7)
+    want = peft.get_peft_model(reference(folder, attn_of(kind)), config)
+    start = {name: p.detach().clone() for name, p in want.named_parameters() if p.requires_grad}
+    assert start and all(".lora_" in name for name in start)
+    opt = torch.optim.AdamW([p for p in want.parameters() if p.requires_grad], lr=lr, weight_decay=wd, eps=EPS)
+    want.train()
+    want_losses = []
+    for s in range(steps):
+        opt.zero_grad()
+        loss = want(input_ids=batch(s), labels=batch(s)).loss
+        loss.backward()
+        opt.step()
+        want_losses.append(loss.item())
+
+    # wstream: the pretrained weights once in a frozen base, the adapters in a job on it
+    base = create_job_from_pretrained(client, f"{kind}-base", folder, token="b", frozen=True)
+    lora = Lora(targets=TARGETS[kind], rank=rank, alpha=alpha)
+    stages = list(add_lora(stages_from_pretrained(folder, weights=False), lora))
+    for item in stages:  # peft's initial adapters (lora_B is zero on both sides; lora_A random)
+        for name, p in lora_params(item).items():
+            p.data.copy_(start[PEFT_PREFIX + name])
+    job = client.create_job(
+        f"{kind}-lora", stages, token="t", base=f"{kind}-base", base_token="b",
+        optimizer=AdamW(lr=lr, weight_decay=wd, eps=EPS),
+    )
+    assert {p.name.rsplit(".", 3)[1] for s in job.specs for p in s.params} == {"lora_A", "lora_B"}  # adapters only
+    probe = batch(99)
+    with job.trainer() as trainer:
+        losses = [trainer.step(batch(s), batch(s), causal_lm_loss) for s in range(steps)]
+        with torch.no_grad():
+            streamed = trainer.forward(probe)
+    got = {PEFT_PREFIX + key.split(".", 1)[1]: t for key, t in job.state_dict().items()}
+    trained = {name: p.detach() for name, p in want.named_parameters() if p.requires_grad}
+    assert got.keys() == trained.keys()
+    assert max((got[k] - trained[k]).abs().max().item() for k in got) < 1e-5
+    assert max((got[k] - start[k]).abs().max().item() for k in got) > 1e-3  # it did train
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+
+    # memory on the server: the base's weights once, the adapters' weights and AdamW state
+    held = {j.name: j.bytes for j in client.status().jobs}
+    adapter_numel = sum(t.numel() for t in got.values())
+    base_numel = sum(p.numel() for p in reference(folder, attn_of(kind)).parameters())  # a tied matrix once
+    aligned = 16 * 4 * sum(len(s.params) for s in job.specs + base.specs)  # each parameter 16-element aligned
+    assert base_numel * 4 <= held[f"{kind}-base"] <= base_numel * 4 + aligned  # weights once, no optimizer state
+    per_element = 4 + 8 + 4  # fp32 master (published as it is), AdamW's two moments, gradient accumulator
+    assert adapter_numel * per_element <= held[f"{kind}-lora"] <= adapter_numel * per_element + aligned * 4
+
+    with torch.no_grad():
+        # (a) the adapter alone, loaded by peft on the base model
+        adapter = export_adapter(job, tmp_path / "adapter", lora, base_model=folder)
+        assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+        loaded = peft.PeftModel.from_pretrained(reference(folder, attn_of(kind)), adapter).eval()
+        torch.testing.assert_close(loaded(input_ids=probe).logits, streamed, rtol=0, atol=1e-5)
+        torch.testing.assert_close(want.eval()(input_ids=probe).logits, streamed, rtol=0, atol=1e-5)
+        # (b) merged into the base's weights, loaded by transformers
+        merged = export_merged(job, client.attach_job(f"{kind}-base", token="b"), tmp_path / "merged", folder, lora)
+        model = transformers.AutoModelForCausalLM.from_pretrained(merged, attn_implementation=attn_of(kind)).eval()
+        torch.testing.assert_close(model(probe).logits, streamed, rtol=0, atol=1e-5)
+        torch.testing.assert_close(model(probe).logits, loaded.merge_and_unload()(probe).logits, rtol=0, atol=1e-5)
+
+
+def test_lora_refuses_targets_that_are_not_linear_or_absent(tmp_path: Path) -> None:
+    folder = save_model("llama", tmp_path / "model")
+    with pytest.raises(ValueError, match=r"target 'model.layers.0.input_layernorm' is a LlamaRMSNorm, not a linear"):
+        list(add_lora(stages_from_pretrained(folder, weights=False), targets=r"input_layernorm"))
+    with pytest.raises(ValueError, match=r"Lora targets 'k_proj_typo' picked no module of the chain"):
+        list(add_lora(stages_from_pretrained(folder, weights=False), targets="k_proj_typo"))
+    with pytest.raises(ValueError, match="rank must be >= 1"):
+        Lora(targets="q_proj", rank=0)
+
+
+def test_lora_layer_starts_equal_to_its_base_and_scales_by_alpha_over_rank() -> None:
+    from wstream.client.lora import LoraLinear
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(6, 5)
+    x = torch.randn(3, 6)
+    want = layer(x)
+    wrapped = LoraLinear(layer, Lora(targets="x", rank=2, alpha=6.0), None)
+    assert [n for n, p in wrapped.named_parameters() if p.requires_grad] == ["lora_A.default.weight", "lora_B.default.weight"]
+    torch.testing.assert_close(wrapped(x), want, rtol=0, atol=0)  # lora_B starts at zero
+    with torch.no_grad():
+        wrapped.lora_B["default"].weight.normal_()
+    delta = x @ wrapped.lora_A["default"].weight.T @ wrapped.lora_B["default"].weight.T * 3.0
+    torch.testing.assert_close(wrapped(x), want + delta)
