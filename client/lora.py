@@ -119,7 +119,8 @@ class LoraLinear(nn.Module):
         in_features, out_features = weight.shape if self.fan_in_fan_out else weight.shape[::-1]
         self.in_features, self.out_features = int(in_features), int(out_features)
         self.weight = weight.requires_grad_(False)
-        self.register_parameter("bias", layer.bias.requires_grad_(False) if layer.bias is not None else None)  # type: ignore[union-attr]
+        bias: nn.Parameter | None = layer.bias  # type: ignore[assignment]
+        self.register_parameter("bias", bias.requires_grad_(False) if bias is not None else None)
         self.scaling = lora.scaling
         self.lora_dropout = nn.ModuleDict({ADAPTER: nn.Dropout(lora.dropout) if lora.dropout else nn.Identity()})
         a = torch.empty(lora.rank, self.in_features, dtype=torch.float32)

@@ -25,9 +25,20 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"
 )
 
-TARGETS = {"llama": ["q_proj", "v_proj", "down_proj"], "gpt2": ["c_attn", "c_proj"]}
-"""GPT-2's are ``Conv1D`` layers (weight in x out), Llama's ``nn.Linear``; c_proj is in both
-GPT-2's attention and its MLP, down_proj is Llama's MLP."""
+TARGETS = {
+    "gpt2": ["c_attn", "c_proj"],
+    "llama": ["q_proj", "v_proj", "down_proj"],
+    "mistral": ["q_proj", "v_proj"],
+    "qwen2": ["q_proj", "v_proj"],
+    "phi3": ["qkv_proj", "o_proj"],
+    "gemma": ["q_proj", "v_proj"],
+    "gemma2": ["q_proj", "v_proj"],
+    "gpt_neox": ["query_key_value", "dense"],
+    "opt": ["q_proj", "v_proj", "fc1"],
+}
+"""GPT-2's are ``Conv1D`` layers (weight in x out), the others' ``nn.Linear``; GPT-2's c_proj is
+in its attention and its MLP, Llama's down_proj and OPT's fc1 in the MLP, Phi-3's qkv_proj and
+GPT-NeoX's query_key_value fused q/k/v projections."""
 
 
 def lora_params(item: Any) -> dict[str, torch.nn.Parameter]:
@@ -35,7 +46,7 @@ def lora_params(item: Any) -> dict[str, torch.nn.Parameter]:
     return {name: p for name, p in module.named_parameters() if ".lora_" in name}
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("kind", sorted(TARGETS))
 def test_lora_trains_as_peft_and_both_exports_load_back(client: Client, tmp_path: Path, kind: str) -> None:
     folder = save_model(kind, tmp_path / "model")
     steps, lr, wd, rank, alpha = 5, 1e-2, 0.01, 4, 8.0
