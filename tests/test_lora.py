@@ -139,3 +139,45 @@ def test_lora_layer_starts_equal_to_its_base_and_scales_by_alpha_over_rank() -> 
         wrapped.lora_B["default"].weight.normal_()
     delta = x @ wrapped.lora_A["default"].weight.T @ wrapped.lora_B["default"].weight.T * 3.0
     torch.testing.assert_close(wrapped(x), want + delta)
+
+
+def test_lora_dropout_is_replayed_in_recomputation_as_peft_draws_it(client: Client, tmp_path: Path) -> None:
+    """Adapter dropout (0.2) with a recomputing schedule (revolve): the same adapters as peft after
+    three steps from the same seed (the masks are drawn in the same order, and recomputation
+    replays them); a second worker attaches with the same ``add_lora`` chain built without weights."""
+    folder = save_model("llama", tmp_path / "model")
+    steps, lr = 3, 1e-2
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, target_modules=["q_proj", "v_proj"])
+    torch.manual_seed(3)
+    want = peft.get_peft_model(reference(folder, "sdpa"), config)
+    with torch.no_grad():  # lora_B off zero, so that dropout changes the first step's output too
+        for name, p in want.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    start = {name: p.detach().clone() for name, p in want.named_parameters() if p.requires_grad}
+    opt = torch.optim.AdamW([p for p in want.parameters() if p.requires_grad], lr=lr, eps=EPS)
+    want.train()
+    torch.manual_seed(11)
+    for s in range(steps):
+        opt.zero_grad()
+        want(input_ids=batch(s), labels=batch(s)).loss.backward()
+        opt.step()
+
+    create_job_from_pretrained(client, "base", folder, token="b", frozen=True)
+    lora = Lora(targets=r"q_proj|v_proj", rank=4, alpha=8, dropout=0.2)
+    stages = list(add_lora(stages_from_pretrained(folder, weights=False), lora))
+    for item in stages:
+        for name, p in lora_params(item).items():
+            p.data.copy_(start[PEFT_PREFIX + name])
+    job = client.create_job("ft", stages, token="t", base="base", base_token="b", optimizer=AdamW(lr=lr, eps=EPS))
+    torch.manual_seed(11)
+    with job.trainer(schedule="revolve") as trainer:
+        for s in range(steps):
+            trainer.step(batch(s), batch(s), causal_lm_loss)
+    got = {PEFT_PREFIX + key.split(".", 1)[1]: t for key, t in job.state_dict().items()}
+    trained = {name: p.detach() for name, p in want.named_parameters() if p.requires_grad}
+    assert max((got[k] - trained[k]).abs().max().item() for k in got) < 1e-5
+
+    other = client.attach_job("ft", token="t", stages=add_lora(stages_from_pretrained(folder, weights=False), lora))
+    with other.trainer() as trainer, torch.no_grad():
+        torch.testing.assert_close(trainer.forward(batch(99)), want.eval()(input_ids=batch(99)).logits, rtol=0, atol=1e-5)
