@@ -50,7 +50,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from wstream.protocol import StageSpec
+from wstream.protocol import LayoutError, StageSpec
 
 from .client import Job
 from .stages import Tied
@@ -90,6 +90,23 @@ class Lora:
             object.__setattr__(self, "_pattern", re.compile(self.targets))
         elif not self.targets:
             raise ValueError("Lora targets is empty: give a pattern or module names")
+
+    @classmethod
+    def from_pretrained(cls, folder: str | os.PathLike[str]) -> Lora:
+        """The settings of a ``peft`` LoRA adapter folder (its ``adapter_config.json``), to train
+        it further: ``add_lora(stages, Lora.from_pretrained(folder), weights=folder)``. Variants
+        this module does not compute (rsLoRA, DoRA, trained biases, per-layer ranks, extra
+        trained modules) are refused, naming the setting."""
+        config = json.loads((Path(folder) / CONFIG_FILE).read_text())
+        if config.get("peft_type", "LORA") != "LORA":
+            raise ValueError(f"{folder}: a {config['peft_type']} adapter, not LoRA")
+        for key in ("use_rslora", "use_dora", "bias", "modules_to_save", "rank_pattern", "alpha_pattern",
+                    "layers_to_transform", "trainable_token_indices"):
+            if config.get(key) not in (None, False, "none", {}, []):
+                raise ValueError(f"{folder}: {key}={config[key]!r} is not supported (plain LoRA only)")
+        targets = config["target_modules"]
+        return cls(targets=targets if isinstance(targets, str) else sorted(targets), rank=config["r"],
+                   alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0))
 
     @property
     def scaling(self) -> float:
@@ -148,7 +165,13 @@ def _weight_only(weight: torch.Tensor) -> nn.Linear:
     return layer
 
 
-def add_lora(stages: Iterable[nn.Module | Tied], lora: Lora | None = None, **fields: Any) -> Iterator[nn.Module | Tied]:
+def add_lora(
+    stages: Iterable[nn.Module | Tied],
+    lora: Lora | None = None,
+    *,
+    weights: str | os.PathLike[str] | None = None,
+    **fields: Any,
+) -> Iterator[nn.Module | Tied]:
     """The chain ``stages`` with a LoRA adapter on every target linear layer, one stage at a time,
     for ``Client.create_job(..., base=...)`` (or ``attach_job``). ``lora``: a :class:`Lora`, or
     its fields as keywords (``targets=r"q_proj|v_proj", rank=8, alpha=16, dropout=0.0``).
@@ -157,21 +180,62 @@ def add_lora(stages: Iterable[nn.Module | Tied], lora: Lora | None = None, **fie
     holds and trains the adapters only and reads the rest from the base (NOTE [LoRA parameters
     under peft's names]). ``stages`` may be on the meta device (``stages_from_pretrained(...,
     weights=False)``): the adapters are made on the CPU. A target that is not a linear layer, or
-    no target in the whole chain, is refused (``ValueError``)."""
+    no target in the whole chain, is refused (``ValueError``).
+
+    ``weights``: a ``peft`` adapter folder (``adapter_model.safetensors``, as :func:`export_adapter`
+    or ``PeftModel.save_pretrained`` write it) whose adapters replace the initial ones; every
+    adapter of the chain must be in it and every tensor in it must be used (``LayoutError``)."""
     if lora is None:
         lora = Lora(**fields)
     elif fields:
         raise ValueError("give a Lora or its fields as keywords, not both")
     generator = torch.Generator().manual_seed(lora.seed) if lora.seed is not None else None
+    saved = _AdapterFile(Path(weights)) if weights is not None else None
     wrapped = 0
     for i, item in enumerate(stages):
         module = item.module if isinstance(item, Tied) else item
         module.requires_grad_(False)
         if not isinstance(item, Tied):
             wrapped += _wrap(i, module, lora, generator)
+            if saved is not None:
+                saved.fill(i, module)
         yield item
     if not wrapped:
         raise ValueError(f"Lora targets {lora.targets!r} picked no module of the chain")
+    if saved is not None:
+        saved.check_all_used()
+
+
+class _AdapterFile:
+    """The tensors of a peft adapter folder, read by the chain's adapter names (:func:`peft_name`)."""
+
+    def __init__(self, folder: Path) -> None:
+        from safetensors.torch import load_file
+
+        self.path = folder / WEIGHTS_FILE
+        if not self.path.is_file():
+            raise FileNotFoundError(f"{folder}: no {WEIGHTS_FILE} (a peft adapter folder was expected)")
+        self.tensors = load_file(self.path)
+        self.used: set[str] = set()
+
+    def fill(self, index: int, stage: nn.Module) -> None:
+        for name, p in stage.named_parameters():
+            if ".lora_" not in name:
+                continue
+            key = peft_name(name)
+            if key not in self.tensors:
+                raise LayoutError(f"stage {index}: adapter {name!r} is not in {self.path} (as {key!r})")
+            saved = self.tensors[key]
+            if tuple(saved.shape) != tuple(p.shape):
+                raise LayoutError(f"{key} has shape {tuple(saved.shape)} in {self.path}, the chain's {tuple(p.shape)}")
+            with torch.no_grad():
+                p.copy_(saved)
+            self.used.add(key)
+
+    def check_all_used(self) -> None:
+        unused = sorted(set(self.tensors) - self.used)
+        if unused:
+            raise LayoutError(f"{len(unused)} tensors of {self.path} are no adapter of the chain, e.g. {unused[:3]}")
 
 
 def _wrap(index: int, stage: nn.Module, lora: Lora, generator: torch.Generator | None) -> int:

@@ -15,7 +15,7 @@ peft = pytest.importorskip("peft")
 
 from test_hf_families import EPS, attn_of, batch, reference, save_model  # noqa: E402
 
-from wstream.client import AdamW, Client  # noqa: E402
+from wstream.client import AdamW, Client, LayoutError  # noqa: E402
 from wstream.client.hf import causal_lm_loss, create_job_from_pretrained, stages_from_pretrained  # noqa: E402
 from wstream.client.lora import PEFT_PREFIX, Lora, add_lora, export_adapter, export_merged  # noqa: E402
 from wstream.client.stages import Tied  # noqa: E402
@@ -143,7 +143,7 @@ def test_lora_layer_starts_equal_to_its_base_and_scales_by_alpha_over_rank() -> 
 
 def test_lora_dropout_is_replayed_in_recomputation_as_peft_draws_it(client: Client, tmp_path: Path) -> None:
     """Adapter dropout (0.2) with a recomputing schedule (revolve): the same adapters as peft after
-    three steps from the same seed (the masks are drawn in the same order, and recomputation
+    three steps from the same seed and the same starting adapters (peft's folder, read back) (the masks are drawn in the same order, and recomputation
     replays them); a second worker attaches with the same ``add_lora`` chain built without weights."""
     folder = save_model("llama", tmp_path / "model")
     steps, lr = 3, 1e-2
@@ -154,7 +154,7 @@ def test_lora_dropout_is_replayed_in_recomputation_as_peft_draws_it(client: Clie
         for name, p in want.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=0.1)
-    start = {name: p.detach().clone() for name, p in want.named_parameters() if p.requires_grad}
+    want.save_pretrained(tmp_path / "start")  # the starting adapters, read by wstream below
     opt = torch.optim.AdamW([p for p in want.parameters() if p.requires_grad], lr=lr, eps=EPS)
     want.train()
     torch.manual_seed(11)
@@ -164,11 +164,8 @@ def test_lora_dropout_is_replayed_in_recomputation_as_peft_draws_it(client: Clie
         opt.step()
 
     create_job_from_pretrained(client, "base", folder, token="b", frozen=True)
-    lora = Lora(targets=r"q_proj|v_proj", rank=4, alpha=8, dropout=0.2)
-    stages = list(add_lora(stages_from_pretrained(folder, weights=False), lora))
-    for item in stages:
-        for name, p in lora_params(item).items():
-            p.data.copy_(start[PEFT_PREFIX + name])
+    lora = Lora.from_pretrained(tmp_path / "start")
+    stages = add_lora(stages_from_pretrained(folder, weights=False), lora, weights=tmp_path / "start")
     job = client.create_job("ft", stages, token="t", base="base", base_token="b", optimizer=AdamW(lr=lr, eps=EPS))
     torch.manual_seed(11)
     with job.trainer(schedule="revolve") as trainer:
@@ -181,3 +178,31 @@ def test_lora_dropout_is_replayed_in_recomputation_as_peft_draws_it(client: Clie
     other = client.attach_job("ft", token="t", stages=add_lora(stages_from_pretrained(folder, weights=False), lora))
     with other.trainer() as trainer, torch.no_grad():
         torch.testing.assert_close(trainer.forward(batch(99)), want.eval()(input_ids=batch(99)).logits, rtol=0, atol=1e-5)
+
+
+def test_a_peft_adapter_folder_is_read_back_into_the_chain(tmp_path: Path) -> None:
+    """``Lora.from_pretrained`` + ``add_lora(weights=)``: the settings and adapters peft saved (B
+    made non-zero first); what does not fit is refused."""
+    folder = save_model("llama", tmp_path / "model")
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.1, target_modules=["q_proj", "v_proj"])
+    want = peft.get_peft_model(reference(folder, "sdpa"), config)
+    with torch.no_grad():
+        for name, p in want.named_parameters():
+            if "lora_B" in name:
+                p.normal_()
+    want.save_pretrained(tmp_path / "adapter")
+    lora = Lora.from_pretrained(tmp_path / "adapter")
+    assert (lora.targets, lora.rank, lora.alpha, lora.dropout) == (["q_proj", "v_proj"], 4, 8, 0.1)
+    stages = list(add_lora(stages_from_pretrained(folder, weights=False), lora, weights=tmp_path / "adapter"))
+    got = {PEFT_PREFIX + name: p for item in stages for name, p in lora_params(item).items()}
+    trained = {name: p for name, p in want.named_parameters() if p.requires_grad}
+    assert got.keys() == trained.keys()
+    assert all(torch.equal(got[k], trained[k]) for k in got)
+    with pytest.raises(LayoutError, match=r"adapter 'model.layers.0.self_attn.k_proj.lora_A.default.weight' is not in"):
+        list(add_lora(stages_from_pretrained(folder, weights=False), targets="q_proj|k_proj", rank=4, weights=tmp_path / "adapter"))
+    with pytest.raises(LayoutError, match=r"4 tensors of .* are no adapter of the chain"):
+        list(add_lora(stages_from_pretrained(folder, weights=False), targets="q_proj", rank=4, weights=tmp_path / "adapter"))
+    rslora = tmp_path / "adapter" / "adapter_config.json"
+    rslora.write_text(rslora.read_text().replace('"use_rslora": false', '"use_rslora": true'))
+    with pytest.raises(ValueError, match="use_rslora=True is not supported"):
+        Lora.from_pretrained(tmp_path / "adapter")
