@@ -69,8 +69,9 @@ class Lora:
 
     targets: str | Sequence[str]
     """A regular expression that must match a module's whole path (``model.layers.0.self_attn.q_proj``)
-    or its last name (``q_proj``); or a list of names, each matching a module whose path is it or
-    ends in ``.`` + it (peft's ``target_modules`` rule for a list)."""
+    or its last name (``q_proj``; peft's string rule is the whole path only, so a pattern may pick
+    more here); or a list of names, each matching a module whose path is it or ends in ``.`` + it
+    (peft's ``target_modules`` rule for a list), kept as a tuple."""
     rank: int = 8
     """The adapter's rank r: ``lora_A`` is r x in, ``lora_B`` out x r."""
     alpha: float = 16.0
@@ -88,7 +89,9 @@ class Lora:
             raise ValueError(f"Lora dropout must be in [0, 1), got {self.dropout}")
         if isinstance(self.targets, str):
             object.__setattr__(self, "_pattern", re.compile(self.targets))
-        elif not self.targets:
+            return
+        object.__setattr__(self, "targets", tuple(self.targets))  # frozen: hashable, not shared
+        if not self.targets:
             raise ValueError("Lora targets is empty: give a pattern or module names")
 
     @classmethod

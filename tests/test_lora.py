@@ -106,6 +106,9 @@ def test_lora_trains_as_peft_and_both_exports_load_back(client: Client, tmp_path
         adapter = export_adapter(job, tmp_path / "adapter", lora, base_model=folder)
         assert sorted(p.name for p in adapter.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
         loaded = peft.PeftModel.from_pretrained(reference(folder, attn_of(kind)), adapter).eval()
+        again = add_lora(stages_from_pretrained(folder, weights=False), Lora.from_pretrained(adapter), weights=adapter)
+        reread = {PEFT_PREFIX + n: p for item in again for n, p in lora_params(item).items()}  # our export, read back
+        assert reread.keys() == got.keys() and all(torch.equal(reread[k], got[k]) for k in got)
         torch.testing.assert_close(loaded(input_ids=probe).logits, streamed, rtol=0, atol=1e-5)
         torch.testing.assert_close(want.eval()(input_ids=probe).logits, streamed, rtol=0, atol=1e-5)
         # (b) merged into the base's weights, loaded by transformers
@@ -190,19 +193,20 @@ def test_a_peft_adapter_folder_is_read_back_into_the_chain(tmp_path: Path) -> No
         for name, p in want.named_parameters():
             if "lora_B" in name:
                 p.normal_()
-    want.save_pretrained(tmp_path / "adapter")
-    lora = Lora.from_pretrained(tmp_path / "adapter")
-    assert (lora.targets, lora.rank, lora.alpha, lora.dropout) == (["q_proj", "v_proj"], 4, 8, 0.1)
-    stages = list(add_lora(stages_from_pretrained(folder, weights=False), lora, weights=tmp_path / "adapter"))
+    adapter = tmp_path / "adapter"
+    want.save_pretrained(adapter)
+    lora = Lora.from_pretrained(adapter)
+    assert (lora.targets, lora.rank, lora.alpha, lora.dropout) == (("q_proj", "v_proj"), 4, 8, 0.1)
+    stages = list(add_lora(stages_from_pretrained(folder, weights=False), lora, weights=adapter))
     got = {PEFT_PREFIX + name: p for item in stages for name, p in lora_params(item).items()}
     trained = {name: p for name, p in want.named_parameters() if p.requires_grad}
     assert got.keys() == trained.keys()
     assert all(torch.equal(got[k], trained[k]) for k in got)
     with pytest.raises(LayoutError, match=r"adapter 'model.layers.0.self_attn.k_proj.lora_A.default.weight' is not in"):
-        list(add_lora(stages_from_pretrained(folder, weights=False), targets="q_proj|k_proj", rank=4, weights=tmp_path / "adapter"))
+        list(add_lora(stages_from_pretrained(folder, weights=False), targets="q_proj|k_proj", rank=4, weights=adapter))
     with pytest.raises(LayoutError, match=r"4 tensors of .* are no adapter of the chain"):
-        list(add_lora(stages_from_pretrained(folder, weights=False), targets="q_proj", rank=4, weights=tmp_path / "adapter"))
-    rslora = tmp_path / "adapter" / "adapter_config.json"
+        list(add_lora(stages_from_pretrained(folder, weights=False), targets="q_proj", rank=4, weights=adapter))
+    rslora = adapter / "adapter_config.json"
     rslora.write_text(rslora.read_text().replace('"use_rslora": false', '"use_rslora": true'))
     with pytest.raises(ValueError, match="use_rslora=True is not supported"):
-        Lora.from_pretrained(tmp_path / "adapter")
+        Lora.from_pretrained(adapter)
