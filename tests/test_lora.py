@@ -50,10 +50,11 @@ def lora_params(item: Any) -> dict[str, torch.nn.Parameter]:
 def test_lora_trains_as_peft_and_both_exports_load_back(client: Client, tmp_path: Path, kind: str) -> None:
     folder = save_model(kind, tmp_path / "model")
     steps, lr, wd, rank, alpha = 5, 1e-2, 0.01, 4, 8.0
-    conv1d = kind == "gpt2"
 
     # peft + torch AdamW
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=TARGETS[kind], fan_in_fan_out=conv1d)
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=0.0, target_modules=TARGETS[kind], fan_in_fan_out=kind == "gpt2"
+    )
     torch.manual_seed(7)
     want = peft.get_peft_model(reference(folder, attn_of(kind)), config)
     start = {name: p.detach().clone() for name, p in want.named_parameters() if p.requires_grad}
@@ -136,7 +137,8 @@ def test_lora_layer_starts_equal_to_its_base_and_scales_by_alpha_over_rank() -> 
     x = torch.randn(3, 6)
     want = layer(x)
     wrapped = LoraLinear(layer, Lora(targets="x", rank=2, alpha=6.0), None)
-    assert [n for n, p in wrapped.named_parameters() if p.requires_grad] == ["lora_A.default.weight", "lora_B.default.weight"]
+    trained = [n for n, p in wrapped.named_parameters() if p.requires_grad]
+    assert trained == ["lora_A.default.weight", "lora_B.default.weight"]
     torch.testing.assert_close(wrapped(x), want, rtol=0, atol=0)  # lora_B starts at zero
     with torch.no_grad():
         wrapped.lora_B["default"].weight.normal_()
@@ -146,8 +148,9 @@ def test_lora_layer_starts_equal_to_its_base_and_scales_by_alpha_over_rank() -> 
 
 def test_lora_dropout_is_replayed_in_recomputation_as_peft_draws_it(client: Client, tmp_path: Path) -> None:
     """Adapter dropout (0.2) with a recomputing schedule (revolve): the same adapters as peft after
-    three steps from the same seed and the same starting adapters (peft's folder, read back) (the masks are drawn in the same order, and recomputation
-    replays them); a second worker attaches with the same ``add_lora`` chain built without weights."""
+    three steps from the same seed and the same starting adapters (peft's folder, read back): the
+    masks are drawn in the same order, and recomputation replays them. A second worker attaches
+    with the same ``add_lora`` chain built without weights."""
     folder = save_model("llama", tmp_path / "model")
     steps, lr = 3, 1e-2
     config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.2, target_modules=["q_proj", "v_proj"])
@@ -180,7 +183,8 @@ def test_lora_dropout_is_replayed_in_recomputation_as_peft_draws_it(client: Clie
 
     other = client.attach_job("ft", token="t", stages=add_lora(stages_from_pretrained(folder, weights=False), lora))
     with other.trainer() as trainer, torch.no_grad():
-        torch.testing.assert_close(trainer.forward(batch(99)), want.eval()(input_ids=batch(99)).logits, rtol=0, atol=1e-5)
+        want_logits = want.eval()(input_ids=batch(99)).logits
+        torch.testing.assert_close(trainer.forward(batch(99)), want_logits, rtol=0, atol=1e-5)
 
 
 def test_a_peft_adapter_folder_is_read_back_into_the_chain(tmp_path: Path) -> None:
