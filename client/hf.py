@@ -45,7 +45,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Protocol, Union
 
 import torch
 from torch import nn
@@ -61,7 +61,7 @@ except ImportError as exc:  # an optional extra
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from wstream.protocol import LayoutError, ParamSpec, parse_size
+from wstream.protocol import LayoutError, ParamSpec, StageSpec, parse_size
 from wstream.protocol.layout import numel_of
 
 from .chain import progress_bar
@@ -350,8 +350,22 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 # ---- export --------------------------------------------------------------------------------------
+class PulledStages(Protocol):
+    """What an export reads of a job: a :class:`Job`, or its stages with adapters merged in
+    (``wstream.client.lora.MergedStages``)."""
+
+    name: str
+    specs: list[StageSpec]
+
+    @property
+    def num_stages(self) -> int: ...
+    @property
+    def num_params(self) -> int: ...
+    def pull_stage(self, stage: int) -> dict[str, torch.Tensor]: ...
+
+
 def export_pretrained(
-    job: Job,
+    job: PulledStages,
     folder: str | os.PathLike[str],
     config: Source,
     *,
@@ -407,7 +421,7 @@ def export_pretrained(
     return out
 
 
-def _check_names(job: Job, config: PretrainedConfig) -> str:
+def _check_names(job: PulledStages, config: PretrainedConfig) -> str:
     """Refuse a job whose parameter names are not the model's (each once; a tied alias absent).
     Returns the model's class name."""
     with torch.device("meta"):
@@ -427,7 +441,7 @@ def _check_names(job: Job, config: PretrainedConfig) -> str:
     return type(model).__name__
 
 
-def _plan_shards(job: Job, max_bytes: int, itemsize: int) -> list[dict[str, None]]:
+def _plan_shards(job: PulledStages, max_bytes: int, itemsize: int) -> list[dict[str, None]]:
     """Tensor names per file, in stage order, each file at most ``max_bytes`` (unless one tensor
     alone is larger), as ``save_pretrained`` cuts them."""
     shards: list[dict[str, None]] = [{}]

@@ -64,6 +64,29 @@ def test_hf_finetune_example_trains_exports_and_reloads(tmp_path: Path) -> None:
     assert segment_paths(pid) == []
 
 
+def test_hf_finetune_example_lora_trains_adapters_on_a_frozen_base(tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    text = run_example(
+        "hf_finetune.py",
+        *("--lora", "--server", f"ipc://{tmp_path}/lora.sock", "--steps", "6", "--seq", "32", "--batch", "4"),
+        *("--out", str(tmp_path / "finetuned")),
+    )
+    assert "LoRA rank 8 on 'c_attn', 8,192 trained parameters of 224,640" in text  # 4 layers x (8x64 + 192x8)
+    first, last = (float(v) for v in text.split("\nloss ")[1].split(" in ")[0].split(" -> "))
+    assert last < first
+    base, adapters = (int(v.replace(",", "")) for v in re.search(r"base ([\d,]+) B .*adapters ([\d,]+) B", text).groups())
+    assert adapters == 8192 * 16 and base < 224_640 * 4 * 1.01  # adapters: master, AdamW, accumulator; base: weights
+    assert float(text.split("from_pretrained gives the streamed logits to ")[1].split()[0]) <= 1e-5
+    if "peft gives the streamed logits to " in text:
+        assert float(text.split("peft gives the streamed logits to ")[1].split()[0]) <= 1e-5
+    assert sorted(p.name for p in (tmp_path / "finetuned" / "adapter").iterdir()) == [
+        "adapter_config.json", "adapter_model.safetensors"
+    ]
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "finetuned" / "merged").config.n_layer == 4
+    pid = int(re.search(r"started wstream-server \(pid (\d+)\)", text).group(1))
+    assert segment_paths(pid) == []
+
+
 def test_concepts_example_equals_plain_pytorch(tmp_path: Path) -> None:
     text = run_example("concepts.py", "--server", f"ipc://{tmp_path}/c.sock", "--steps", "3")
     assert "6 stages" in text and "plan revolve: 8 forwards for 6 stages, at most 3 stage inputs live" in text
