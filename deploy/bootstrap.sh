@@ -6,7 +6,7 @@
 #
 # Creates .venv (if missing) next to this repository, installs torch FIRST, keeping a torch that
 # is already importable (set WSTREAM_TORCH to choose another requirement, e.g. a CUDA build), then
-# installs wstream itself in editable mode with its test extras (and, to test, the hf extra).
+# installs wstream itself in editable mode with its test extras (and, to test, the hf and lora extras).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -31,7 +31,7 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
 fi
 # tests: the hf extra (transformers) too, so that tests/test_hf.py runs rather than skips
 extras=test
-if [ "$what" = test ]; then extras=test,hf; fi
+if [ "$what" = test ]; then extras=test,hf,lora; fi
 "$py" -m pip install --quiet -e "$here[$extras]"
 
 cd "$here"
