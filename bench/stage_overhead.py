@@ -36,7 +36,7 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, target)
 
 
-def measure(client: Client, n: int, width: int, batch: int, steps: int) -> tuple[float, float]:
+def measure(client: Client, n: int, width: int, batch: int, steps: int, cpu_threads: int | None) -> tuple[float, float]:
     """Median seconds per step of plain PyTorch and of wstream on the chain ``n x width``."""
     stages = chain(n, width)
     ref = nn.Sequential(*copy.deepcopy(stages))
@@ -53,7 +53,7 @@ def measure(client: Client, n: int, width: int, batch: int, steps: int) -> tuple
 
     job = client.create_job(f"chain-{n}x{width}", stages, optimizer=AdamW(lr=1e-4), token="b", progress=False)
     plain, streamed = [], []
-    with job.trainer(schedule="store_all") as trainer:
+    with job.trainer(schedule="store_all", cpu_threads=cpu_threads) as trainer:
         plain_step(*data[0])
         trainer.step(*data[0], loss_fn)
         for x, y in data[1:]:
@@ -75,14 +75,18 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="timed steps of each side (after one warm-up step)")
     p.add_argument("--server-arg", action="append", default=[], help="an extra wstream-server argument (repeat)")
+    p.add_argument("--cpu-threads", type=int, default=None, help="the worker's torch threads (default: the cores the server leaves)")
     args = parse_args(p, smoke=dict(chains="4x16", steps=1))
     chains = [tuple(int(v) for v in c.split("x")) for c in args.chains.split(",")]
     print(f"machine: {machine()}")
-    print(f"wstream-server arguments: {args.server_arg or 'defaults'}; batch {args.batch}; {args.steps} timed steps")
+    print(
+        f"wstream-server arguments: {args.server_arg or 'defaults'}; worker threads: "
+        f"{args.cpu_threads or 'the cores the server leaves'}; batch {args.batch}; {args.steps} timed steps"
+    )
     print(f"{'chain':>12} {'plain ms/step':>14} {'wstream ms/step':>16} {'ratio':>7} {'overhead/stage':>15}")
     with server("--memory-limit", "16GiB", *args.server_arg) as address, Client(address, timeout=120) as client:
         for n, width in chains:
-            t_plain, t_ws = measure(client, n, width, args.batch, args.steps)
+            t_plain, t_ws = measure(client, n, width, args.batch, args.steps, args.cpu_threads)
             per_stage_us = (t_ws - t_plain) / n * 1e6
             print(
                 f"{f'{n}x{width}':>12} {t_plain * 1e3:14.1f} {t_ws * 1e3:16.1f} {t_ws / t_plain:7.2f} "
