@@ -17,8 +17,10 @@ from collections.abc import Iterator
 from functools import lru_cache
 
 from .costs import StageCosts, plan_time
+from .nested import nested_plan
 from .plan import Action, Op, Plan, PlanError
 from .schedules import divide_and_conquer, revolve, segments_plan, sqrt_segments, store_all
+from .search import SEARCH_STAGES, exhaustive_plan
 from .simulate import checked_plan, simulate
 
 
@@ -30,32 +32,45 @@ def min_budget(costs: StageCosts) -> int:
 
 
 def optimal(costs: StageCosts, budget_bytes: int, *, resolution: int = 256) -> Plan:
-    """The plan of least recomputation time whose activation memory stays within ``budget_bytes``.
+    """The plan of least recomputation time whose activation memory stays within ``budget_bytes``
+    (cost and memory as :func:`~.simulate.simulate` counts them: kept inputs + the current one +
+    the next one while advancing or the tape while reversing; cost = the sum over ADVANCEs of
+    ``StageCosts.advance_cost``, forward seconds plus weight bytes / bandwidth).
 
-    Dynamic program over (first stage a, end b, memory left): reverse [a, b) from the kept x_a
-    either directly (b = a + 1) or by advancing to some k, keeping x_k, reversing [k, b) with the
-    memory x_a leaves, then [a, k) (the structure of Beaumont et al.'s DP without the "keep the
-    whole tape" option, which this executor does not have). Memory is counted in units of
-    budget/``resolution``, rounding sizes up, so the plan always fits. O(n^3 * resolution)."""
+    What it is the least over (DESIGN.md "Checkpoint plans"):
+
+    * n <= ``SEARCH_STAGES`` (8): every schedule the executor runs, by exhaustive search
+      (:func:`~.search.exhaustive_plan`, exact bytes);
+    * n <= ``FLAT_STAGES`` (36): every *nested* schedule (NOTE [Nested schedules] in
+      :mod:`.nested`): persistent ones (Revolve; the DP of Beaumont et al., "Optimal
+      checkpointing for heterogeneous chains") and those that free a kept input before its
+      stage is reversed and recompute it later. Memory on a grid of ``resolution`` levels,
+      exact when the sizes' gcd gives at most that many (else a plan at budget B is at least as
+      cheap as the best at B less a few grid steps; the least budget is always exact);
+    * longer chains: nested schedules in which, while a block of consecutive stages (about 12,
+      or fewer so that at most 36 blocks remain) is reversed from its first input, the other
+      kept inputs are block starts (blocks of blocks likewise): the cheaper of two such block
+      layouts. O(n * 12^3 * resolution) time.
+
+    Never refuses a budget of at least :func:`min_budget` (x_0 alone reversing the chain is in
+    every class above)."""
     need = min_budget(costs)
     if budget_bytes < need:
         raise PlanError(
             f"a budget of {budget_bytes} bytes cannot hold this chain: the least any plan needs is "
             f"{need} bytes (x_0, one stage's input and output, and its tape)"
         )
-    sizes = [*costs.state_bytes, *costs.tape_bytes]
-    exact = math.gcd(*sizes) if any(sizes) else 1
-    if exact and budget_bytes // exact <= 16 * resolution:
-        return _optimal_in_units(costs, budget_bytes, exact, need)  # exact: every size is a multiple
-    for res in (resolution, 4 * resolution, 16 * resolution):
-        try:
-            return _optimal_in_units(costs, budget_bytes, max(1, budget_bytes // res), need)
-        except PlanError:
-            continue
-    raise PlanError(
-        f"no plan fits {budget_bytes} bytes at a resolution of {16 * resolution} units; the least any plan "
-        f"needs is {need} bytes: give a little more memory"
-    )
+    n = costs.n
+    with _deep_recursion(n):
+        actions, cost = nested_plan(costs, budget_bytes, resolution=resolution)
+    if n <= SEARCH_STAGES:
+        found = exhaustive_plan(costs, budget_bytes, bound=cost)
+        if found is not None and found[1] < cost:
+            actions = found[0]
+    sim = simulate(n, actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes)
+    if sim.peak_bytes > budget_bytes:
+        raise AssertionError(f"optimal's plan peaks at {sim.peak_bytes} > {budget_bytes} bytes: a bug in wstream")
+    return checked_plan("optimal", n, actions)
 
 
 class _ReverseDP:
@@ -115,19 +130,6 @@ def _deep_recursion(n: int) -> Iterator[None]:
         sys.setrecursionlimit(old)
 
 
-def _optimal_in_units(costs: StageCosts, budget_bytes: int, unit: int, need: int) -> Plan:
-    n = costs.n
-    dp = _ReverseDP(costs, unit)
-    budget = budget_bytes // unit
-    with _deep_recursion(n):
-        if dp.best(0, n, budget)[0] == math.inf:  # rounding up to units lost the last few bytes
-            raise PlanError(f"no plan fits {budget_bytes} bytes in units of {unit} bytes (the least is {need})")
-        actions: list[Action] = [(Op.SNAPSHOT, 0)]
-        dp.emit(0, n, budget, actions)
-        actions.append((Op.FREE, 0))
-    return checked_plan("optimal", n, actions)
-
-
 # ---- the checkpoint subset of least peak memory --------------------------------------------------
 def min_peak(costs: StageCosts) -> Plan:
     """The checkpoint subset whose plan (:func:`segments_plan`) has the least peak activation
@@ -174,10 +176,7 @@ def auto(costs: StageCosts, budget_bytes: int) -> Plan:
         raise PlanError(f"a budget of {budget_bytes} bytes cannot hold this chain: the least any plan needs is {need} bytes")
     candidates = [store_all(n), sqrt_segments(n), sqrt_segments(n, recursive=True), divide_and_conquer(n), min_peak(costs)]
     candidates += [revolve(n, k) for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if k < n]
-    try:
-        candidates.append(optimal(costs, budget_bytes))
-    except PlanError:
-        pass  # rounding to memory units can lose a bound-hugging budget; the others still compete
+    candidates.append(optimal(costs, budget_bytes))  # never refuses a budget >= need
     if costs.host_bandwidth > 0:  # host memory is there too: its copies run beside compute
         try:
             candidates.append(offload(costs, budget_bytes))
