@@ -349,7 +349,7 @@ class _Group:
         vals = None
         for row, delta in ((ch.row1, ch.delta1), (ch.row2, ch.delta2)):
             idx = lv + ((lt - delta - self.least[row]) // u)[:, None]
-            np.clip(idx, -1, top, out=idx)  # -1: the inf column (below the part's least)
+            np.minimum(np.maximum(idx, -1, out=idx), top, out=idx)  # -1: the inf column (below the least)
             got = self.table[row[:, None], idx]
             vals = got if vals is None else np.add(vals, got, out=vals)
         assert vals is not None
@@ -368,22 +368,24 @@ class _Group:
         return _Curve(int(self.least[row]), self.table[row, :-1].copy())
 
     # ---- emission ----
-    def _level(self, row: int, mem: int) -> int:
-        return min((mem - int(self.least[row])) // self.grid.unit, self.grid.levels - 1)
-
-    def _pick(self, row: int, ch: _Choices, mem: int) -> tuple[int, int, int]:
-        """A choice (kind, parameter) of the single state ``row`` that reaches its cost with
-        ``mem`` bytes, and the memory on the state's grid it was planned with."""
-        j = self._level(row, mem)
-        snapped = int(self.least[row]) + j * self.grid.unit
+    def _pick(self, ch: _Choices, mem: int) -> tuple[int, int, float]:
+        """The cheapest choice (kind, parameter, cost) of one state given exactly ``mem`` bytes:
+        parts read at the grid level below the memory each gets. At least as cheap as the
+        state's table at ``mem`` (whose level rounds ``mem`` down once more)."""
         u, top = self.grid.unit, self.grid.levels - 1
         vals = ch.const.copy()
         for r, delta in ((ch.row1, ch.delta1), (ch.row2, ch.delta2)):
-            vals += self.table[r, np.clip((snapped - delta - self.least[r]) // u, -1, top)]
+            vals += self.table[r, np.minimum(np.maximum((mem - delta - self.least[r]) // u, -1), top)]
         best = int(np.argmin(vals))
-        if vals[best] != self.table[row, j]:
-            raise AssertionError("no choice reproduces a state's cost: a bug in wstream's planner")
-        return int(ch.kind[best]), int(ch.param[best]), snapped
+        if not vals[best] < math.inf:
+            raise AssertionError("a state got less memory than it needs: a bug in wstream's planner")
+        return int(ch.kind[best]), int(ch.param[best]), float(vals[best])
+
+    def root_cost(self, mem: int) -> float:
+        """The cost :meth:`emit_s` of the whole run with ``mem`` bytes starts from."""
+        if not hasattr(self, "table"):
+            self._solve()
+        return self._pick(self._s_choices(0, np.arange(0, 1), self.w).only(0), mem)[2]
 
     def emit_s(self, a: int, c: int, e: int, mem: int, out: list[Action]) -> None:
         """Actions of S(a, c, e) with ``mem`` bytes: x_{bounds[a]} is kept and current on entry
@@ -392,36 +394,34 @@ class _Group:
             self._solve()
         pa = self.bounds[a]
         cs = np.arange(a, c + 1)  # the batch's builder wants every c from a; pick c's own rows
-        ch = self._s_choices(a, cs, e).only(c - a)
-        kind, param, snapped = self._pick(int(self.s_row[a, c, e]), ch, mem)
+        kind, param, _ = self._pick(self._s_choices(a, cs, e).only(c - a), mem)
         if kind == _UNIT:
             unit = self.units[a]
             assert unit is not None
-            unit.emit_s(0, 0, unit.w, snapped, out)
+            unit.emit_s(0, 0, unit.w, mem, out)
             unit.release()
         elif kind in (_DIRECT, _DENSE):
             self._emit_flat(kind, a, c, e, out)
             out.append((Op.FREE, pa))
         elif kind == _WHOLE:
-            self.emit_seg(a, c, e, snapped, out)
+            self.emit_seg(a, c, e, mem, out)
             out.append((Op.FREE, pa))
         elif kind == _HANDOVER:
             self._sweep(a, param, out)
             out.append((Op.FREE, pa))
-            self.emit_s(param, c, e, snapped, out)
+            self.emit_s(param, c, e, mem, out)
         else:
-            self.emit_seg(a, param, e, snapped, out)
-            self.emit_s(a, c, param, snapped, out)
+            self.emit_seg(a, param, e, mem, out)
+            self.emit_s(a, c, param, mem, out)
 
     def emit_seg(self, a: int, c: int, e: int, mem: int, out: list[Action]) -> None:
         """Actions of SEG(a, c, e): x_{bounds[a]} is kept on entry and stays kept."""
-        ch = self._seg_choices(a, np.arange(a + 1, c + 1), e).only(c - a - 1)
-        kind, param, snapped = self._pick(int(self.seg_row[a, c, e]), ch, mem)
+        kind, param, _ = self._pick(self._seg_choices(a, np.arange(a + 1, c + 1), e).only(c - a - 1), mem)
         if kind in (_DIRECT, _DENSE):
             self._emit_flat(kind, a, c, e, out)
         else:
             self._sweep(a, param, out)
-            self.emit_s(param, c, e, snapped - self.chain.x[self.bounds[a]], out)
+            self.emit_s(param, c, e, mem - self.chain.x[self.bounds[a]], out)
 
     def _sweep(self, a: int, k: int, out: list[Action]) -> None:
         """From the kept x_{bounds[a]}, compute and keep x_{bounds[k]}."""
@@ -540,15 +540,7 @@ def nested_plan(costs: StageCosts, budget: int, *, resolution: int = 256) -> tup
         tops = [_Group(chain, grid, list(range(n + 1)), [None] * n)]
     else:
         tops = [_hierarchy(chain, grid, bounds) for bounds in _layouts(chain, budget)]
-    best: tuple[float, _Group] | None = None
-    for top in tops:
-        row = int(top.s_row[0, 0, top.w])
-        if budget < int(top.least[row]):
-            raise AssertionError("the least budget was refused: a bug in wstream's planner")
-        cost = float(top.table[row, top._level(row, budget)])
-        if best is None or cost < best[0]:
-            best = (cost, top)
-    assert best is not None
+    top = min(tops, key=lambda t: t.root_cost(budget))  # raises if the least budget were refused
     actions: list[Action] = [(Op.SNAPSHOT, 0)]
-    best[1].emit_s(0, 0, best[1].w, budget, actions)
-    return actions, best[0]
+    top.emit_s(0, 0, top.w, budget, actions)
+    return actions, sum(costs.advance_cost(i) for op, i in actions if op == Op.ADVANCE)
