@@ -196,7 +196,8 @@ def test_rounding_costs_at_most_what_the_exact_grid_finds_plus_the_loss_it_is_al
         exact_actions, exact = nested_plan(costs, budget, resolution=10**5)  # a unit of 1 byte
         assert replayed(costs, actions)[1] <= budget and replayed(costs, exact_actions)[1] <= budget
         assert cost >= exact - 1e-9
-        unit = nested._grid(nested._Chain(costs), budget, resolution).unit
+        # the coarsest grid of any state: its least memory is at least one stage's input + tape
+        unit = max(1, -(-(budget - min(x + t for x, t in zip(xs, tapes))) // resolution))
         # each state's memory is rounded down to its grid once per level of the recursion (< 3n)
         less = budget - (3 * n + 2) * unit
         if less >= low:

@@ -2,7 +2,7 @@
 memory must stay within a number of bytes.
 
 ``min_budget`` (the least memory any plan needs), ``optimal`` (least recomputation time within a
-budget, by dynamic program), ``min_peak`` (the kept subset of least peak memory), ``offload``
+budget: exhaustive search for short chains, the nested-schedule DP of :mod:`.nested` beyond), ``min_peak`` (the kept subset of least peak memory), ``offload``
 (asynchronous multistage checkpointing to host memory, with ``offload_spacing``) and ``auto``
 (the fastest plan of every planner's that fits). Separate from :mod:`.schedules` because these
 read a profile of the stages' sizes and times, not only their number.
@@ -74,10 +74,11 @@ def optimal(costs: StageCosts, budget_bytes: int, *, resolution: int = 256) -> P
 
 
 class _ReverseDP:
-    """The dynamic program behind :func:`optimal` (and the segments of :func:`offload`): the least
-    recomputation time to reverse [a, b) from the kept x_a within ``mem`` units of memory (x_a's
-    included), either directly (b = a + 1) or by advancing to some k, keeping x_k, reversing
-    [k, b) with the memory x_a leaves, then [a, k). Sizes are rounded up to ``unit`` bytes."""
+    """The persistent dynamic program that reverses :func:`offload`'s segments (and :func:`optimal`
+    did before issue 18): the least recomputation time to reverse [a, b) from the kept x_a within
+    ``mem`` units of memory (x_a's included), either directly (b = a + 1) or by advancing to some
+    k, keeping x_k, reversing [k, b) with the memory x_a leaves, then [a, k). Sizes are rounded
+    up to ``unit`` bytes. O(n^3 * memory units); x_k stays kept until BACKWARD k (persistent)."""
 
     def __init__(self, costs: StageCosts, unit: int) -> None:
         self.x = [-(-b // unit) for b in costs.state_bytes]

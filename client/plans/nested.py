@@ -1,6 +1,6 @@
 """The dynamic program behind :func:`~.budget.optimal`: least recomputation time over *nested*
-schedules, which free a kept input before its own stage is reversed and recompute it later where
-that pays, within a byte budget.
+schedules, which may free a kept input before its own stage is reversed and recompute it later,
+within a byte budget.
 
 NOTE [Nested schedules]
 =======================
@@ -9,44 +9,43 @@ the current input when it is not kept, plus x_{i+1} during ADVANCE i or tape_i d
 a plan costs the sum over its ADVANCEs of ``StageCosts.advance_cost`` (forward seconds plus
 weight bytes / bandwidth).
 
-A kept input x_a is an *anchor*. An anchor *serves* a contiguous range of stages [c, e), c >= a:
-it reverses them (BACKWARD e-1 .. c) and is then freed. It does so by cutting [c, e) into
-segments, highest first; each segment is either
-
-1. *direct*: every stage i of it by a sweep ADVANCE a .. i-1 then BACKWARD i (i = a: BACKWARD a);
-2. a *child*: a sweep to some k (a < k <= segment start), SNAPSHOT k, and the anchor x_k serves
-   the segment with the memory x_a leaves (x_a stays kept meanwhile);
-3. the last one only (the one holding c, when c > a): a *hand-over*: a sweep to some k <= c,
-   SNAPSHOT k, FREE a, and x_k serves the segment with all of x_a's memory.
-
-The root anchor x_0 serves [0, n). A *persistent* schedule (every kept input stays until its own
-stage is reversed: Revolve, the DP of Beaumont et al., "Optimal checkpointing for heterogeneous
-chains", arXiv 1911.13214) is the case c = a everywhere; a child that serves [c', e) with c' > k
-is freed before BACKWARD k and x_k is recomputed later from its parent, and a hand-over frees the
-parent early. Issue 18's chain (x = 1, 1, 2, 1; tapes 0, 0, 2, 2; budget 5) needs exactly that:
-x_1 serves [2, 4) (BACKWARD 3, then a hand-over to x_2 that frees x_1 before BACKWARD 2), and
-x_0 serves [0, 2): 5 advances where every persistent schedule needs 6.
-
-The DP's states are S(a, c, e) (anchor a serves [c, e)) and SEG(a, c', e) (a segment [c', e)
-served while x_a stays kept), each a curve: least cost for every amount of memory. With W stages
-that is O(W^3) states of O(W) choices each: O(W^4 * L) time for L memory levels. An exhaustive
-search over every executor schedule (tests/test_optimal.py; ``exhaustive_plan``) finds no
-schedule cheaper than the best nested one on thousands of random chains; nested schedules are
-what ``optimal`` is exact over, and ``exhaustive_plan`` is exact over all schedules for small n.
-
-Long chains (more than ``FLAT_STAGES`` stages) are planned in levels: stages are grouped into
-blocks of about ``GROUP`` consecutive stages; each block's curve (the least cost to reverse it
-from its kept first input, for every amount of memory) comes from the DP over its stages, and
-the level above runs the same DP over blocks, a block's reversal being one "stage" with that
-curve, and direct segments still sweeping stage by stage (so x_0 alone can always reverse the
-chain: the least budget is never refused). Across a block the only kept inputs are block starts;
-the class is the nested schedules with that restriction. O(n * GROUP^3 * L) time in all.
-
-Memory: each curve is kept on a grid of L levels, u bytes apart, starting at the state's exact
-least memory (so the least budget is exact). u = the gcd of all sizes when the budget spans at
-most ``resolution`` of them (then the DP is exact), else (budget - smallest need) / resolution.
-Combining curves rounds the memory a part gets *down* to its grid, so plans always fit; a plan
-at budget B is at least as cheap as the best one at about B - depth * u.
+1. A kept input x_a is an *anchor*. An anchor *serves* a range of stages [c, e), c >= a: it
+   reverses them (BACKWARD e-1 .. c) and is then freed. The root anchor x_0 serves [0, n).
+2. An anchor cuts its range into segments, highest first. Each segment is reversed
+   * *directly*: each stage i by a sweep ADVANCE a .. i-1, then BACKWARD i (i = a: BACKWARD a);
+   * *densely*: one sweep from x_a keeping every input of the segment, then its BACKWARDs;
+   * by a *child*: a sweep to some k (a < k <= the segment's start), SNAPSHOT k, and x_k serves
+     the segment with the memory x_a leaves (x_a stays kept meanwhile);
+   * the lowest segment (the one holding c) only, when c > a: by a *hand-over*: a sweep to some
+     k <= c, SNAPSHOT k, FREE a, and x_k serves the segment with all of x_a's memory.
+3. A *persistent* schedule (every kept input stays until its own stage is reversed: Revolve; the
+   DP of Beaumont et al., "Optimal checkpointing for heterogeneous chains", arXiv 1911.13214) is
+   the case c = a everywhere. A child serving [c', e) with c' > k is freed before BACKWARD k and
+   x_k is recomputed later from its parent; a hand-over frees the parent early. Issue 18's chain
+   (x = 1, 1, 2, 1; tapes 0, 0, 2, 2; budget 5): x_1 serves [2, 4) (BACKWARD 3, then a hand-over
+   to x_2 that frees x_1 before BACKWARD 2) and x_0 serves [0, 2): 5 advances, where every
+   persistent schedule needs 6.
+4. States: S(a, c, e) (anchor a serves [c, e)) and SEG(a, c', e) (segment [c', e) while x_a stays
+   kept), each a *curve*: the least cost for every amount of memory. O(W^3) states of O(W)
+   choices for W units: O(W^4 * L) time for L memory levels. The states of one (a, e) do not
+   depend on each other and are computed in one numpy pass. An exhaustive search over every
+   executor schedule (:mod:`.search`; tests/test_optimal.py has its own) has found no schedule
+   cheaper than the best nested one on any chain tried; it is not proven that none exists.
+5. Long chains (more than ``FLAT_STAGES`` stages) are planned over *blocks* of consecutive stages:
+   a block's curve is the DP over its stages (its reversal from its kept first input), and the
+   DP runs again over blocks, a block being one unit with that curve, while direct and dense
+   segments still sweep stage by stage (so x_0 alone can always reverse the chain, and the least
+   budget is never refused). Blocks of ``GROUP`` stages, grouped again past ``FLAT_STAGES``
+   blocks; when the chain allows it, also the finest cut that leaves at most ``FLAT_STAGES``
+   blocks; the cheaper plan wins. Stages that leave no room beside x_0 for any other kept input
+   get blocks of their own. Across a block being reversed, the only kept inputs are block
+   starts: the class is nested schedules with that restriction. O(n * GROUP^3 * L) time.
+6. Memory: every curve is on a grid of L levels u bytes apart, from the state's exact least
+   memory up. u = the gcd of all sizes when the budget spans at most ``resolution`` of them (the
+   DP is then exact), else (budget - the smallest need) / ``resolution``. A part reads its curve
+   at the level below the memory it gets (plans always fit); emission re-evaluates each state at
+   the exact bytes it has. The least memory of every state is exact, so the root's is the least
+   budget; a plan at budget B costs at most the best nested one at B - (3n + 2) u.
 """
 
 from __future__ import annotations
@@ -150,17 +149,25 @@ class _Chain:
 
 @dataclass(frozen=True, slots=True)
 class _Grid:
-    """The memory grid shared by every curve: level j of a state is its least memory + j * unit."""
+    """The memory grids of the curves: level j of a state is its least memory + j * its unit,
+    ``levels`` levels reaching the budget: the unit is the sizes' gcd where that many levels of
+    it reach, else (budget - least) / (levels - 1), rounded up."""
 
-    unit: int
+    budget: int
+    gcd: int
     levels: int
+
+    def unit(self, least: np.ndarray) -> np.ndarray:
+        span = np.maximum(self.budget - least, 0)
+        return np.maximum(self.gcd, -(-span // (self.levels - 1)))
 
 
 @dataclass(slots=True)
 class _Curve:
-    """Least cost for each memory level, from ``least`` bytes up (inf where nothing fits)."""
+    """Least cost for each memory level, from ``least`` bytes up by ``unit`` (inf where nothing fits)."""
 
     least: int
+    unit: int
     values: np.ndarray
 
 
@@ -224,7 +231,7 @@ class _Group:
     def release(self) -> None:
         """Drop the tables (a block's curve is all its parent needs until the plan is emitted;
         :meth:`emit_s` solves again if it must)."""
-        for name in ("table", "least", "s_row", "seg_row", "flat", "flat_need", "cost", "peak"):
+        for name in ("table", "least", "unit", "s_row", "seg_row", "flat", "flat_need", "cost", "peak"):
             if hasattr(self, name):
                 delattr(self, name)
 
@@ -250,6 +257,7 @@ class _Group:
         self.table[0, :-1] = 0.0
         self.least = np.full(rows, _NO_MEM, dtype=np.int64)
         self.least[0] = 0
+        self.unit = np.ones(rows, dtype=np.int64)  # the zero row's unit: 1 byte (its bounds are exact)
         pos = bounds
         self.cost = np.zeros((w + 1, w + 1))
         self.peak = np.full((w + 1, w + 1), _NO_MEM, dtype=np.int64)
@@ -262,6 +270,7 @@ class _Group:
             if unit is not None:
                 curve = unit._curve
                 self.least[1 + j] = curve.least
+                self.unit[1 + j] = curve.unit
                 self.table[1 + j, :-1] = curve.values
         for a in range(w - 1, -1, -1):
             for e in range(a + 1, w + 1):
@@ -336,19 +345,18 @@ class _Group:
         starts = np.searchsorted(ch.target, np.arange(len(rows)))
         least_t = np.minimum.reduceat(need, starts)
         self.least[rows] = least_t
-        u, top = self.grid.unit, self.grid.levels - 1
-        lt = least_t[ch.target]
-        keep = need <= lt + top * u  # fits at some level of the grid
+        self.unit[rows] = unit_t = self.grid.unit(least_t)
+        keep = need <= self.grid.budget  # no state ever has more
         if not keep.all():
             ch = _Choices(*(getattr(ch, f)[keep] for f in _Choices.__slots__))  # type: ignore[attr-defined]
-            lt = lt[keep]
-            if len(lt) == 0:
+            if len(ch.target) == 0:
                 return
             starts = np.searchsorted(ch.target, np.arange(len(rows)))
-        lv = self._lv[None, :]
+        top = self.grid.levels - 1
+        mem = least_t[ch.target][:, None] + self._lv[None, :] * unit_t[ch.target][:, None]  # each level's bytes
         vals = None
         for row, delta in ((ch.row1, ch.delta1), (ch.row2, ch.delta2)):
-            idx = lv + ((lt - delta - self.least[row]) // u)[:, None]
+            idx = (mem - (delta + self.least[row])[:, None]) // self.unit[row][:, None]
             np.minimum(np.maximum(idx, -1, out=idx), top, out=idx)  # -1: the inf column (below the least)
             got = self.table[row[:, None], idx]
             vals = got if vals is None else np.add(vals, got, out=vals)
@@ -365,17 +373,17 @@ class _Group:
     def curve(self) -> _Curve:
         """The curve of S(0, 0, w): this run reversed from its kept first input."""
         row = int(self.s_row[0, 0, self.w])
-        return _Curve(int(self.least[row]), self.table[row, :-1].copy())
+        return _Curve(int(self.least[row]), int(self.unit[row]), self.table[row, :-1].copy())
 
     # ---- emission ----
     def _pick(self, ch: _Choices, mem: int) -> tuple[int, int, float]:
         """The cheapest choice (kind, parameter, cost) of one state given exactly ``mem`` bytes:
         parts read at the grid level below the memory each gets. At least as cheap as the
         state's table at ``mem`` (whose level rounds ``mem`` down once more)."""
-        u, top = self.grid.unit, self.grid.levels - 1
+        top = self.grid.levels - 1
         vals = ch.const.copy()
         for r, delta in ((ch.row1, ch.delta1), (ch.row2, ch.delta2)):
-            vals += self.table[r, np.minimum(np.maximum((mem - delta - self.least[r]) // u, -1), top)]
+            vals += self.table[r, np.minimum(np.maximum((mem - delta - self.least[r]) // self.unit[r], -1), top)]
         best = int(np.argmin(vals))
         if not vals[best] < math.inf:
             raise AssertionError("a state got less memory than it needs: a bug in wstream's planner")
@@ -454,15 +462,12 @@ class _Group:
 
 
 def _grid(chain: _Chain, budget: int, resolution: int) -> _Grid:
-    """The memory grid: exact (unit = the gcd of every size) when the budget spans at most
-    ``resolution`` gcds above the smallest need of any state, else ``resolution`` levels."""
-    low = min(chain.xt)
-    span = max(budget - low, 0)
+    """``resolution`` + 1 levels per curve, in units of the gcd of every size where that reaches
+    the budget (then the DP is exact)."""
     sizes = [*chain.x, *chain.xt]
-    g = math.gcd(*sizes) if any(sizes) else 1
-    g = max(g, 1)
-    unit = g if span // g <= resolution else -(-span // resolution)
-    return _Grid(unit, span // unit + 1)
+    g = max(math.gcd(*sizes), 1)
+    widest = -(-max(budget - min(chain.xt), 0) // g)  # the most gcds any state's curve spans
+    return _Grid(budget, g, max(1, min(resolution, widest)) + 1)
 
 
 def _blocks(x: Sequence[int], lo: int, hi: int, size: int, breaks: Sequence[int] = ()) -> list[int]:
@@ -501,32 +506,37 @@ def _tight(chain: _Chain, budget: int) -> list[int]:
 
 
 def _layouts(chain: _Chain, budget: int) -> list[list[int]]:
-    """Block boundaries to try on a chain longer than ``FLAT_STAGES``: blocks of ``GROUP``
-    stages, and (when the chain is short enough for one level above them) blocks of the fewest
-    stages that leave at most ``FLAT_STAGES`` blocks; the stages only x_0 can serve get blocks
-    of their own in both."""
+    """Bottom blocks to try on a chain longer than ``FLAT_STAGES``: of about ``GROUP`` stages,
+    and of the size that makes the levels above as even as possible; the stages only x_0 can
+    serve get blocks of their own."""
     n = chain.n
     tight = _tight(chain, budget)
-    out = [_blocks(chain.x, 0, n, GROUP, tight)]
-    small = max(2, -(-n // FLAT_STAGES))
-    if small < GROUP:
-        fine = _blocks(chain.x, 0, n, small, tight)
-        if fine != out[0] and len(fine) - 1 <= FLAT_STAGES * GROUP:
-            out.append(fine)
+    per_top = n / FLAT_STAGES  # stages under each unit of the top DP
+    levels = max(1, math.ceil(math.log(per_top) / math.log(GROUP) - 1e-9))
+    even = max(2, math.ceil(per_top ** (1 / levels)))
+    out = [_blocks(chain.x, 0, n, even, tight)]
+    if even != GROUP and n <= 2000:  # the second layout doubles the time; it pays on shorter chains
+        out.append(_blocks(chain.x, 0, n, GROUP, tight))
     return out
 
 
 def _hierarchy(chain: _Chain, grid: _Grid, bounds: list[int]) -> _Group:
-    """The top group over blocks cut at ``bounds`` (grouped again until one DP can take them)."""
+    """The top group over blocks cut at ``bounds``, grouped again (as evenly as the level count
+    allows) until at most ``FLAT_STAGES`` units are left for the top DP."""
     units: list[_Group | None] = []
     for s, e in zip(bounds, bounds[1:]):
         block = _Group(chain, grid, list(range(s, e + 1)), [None] * (e - s))
         block.release()
         units.append(block)
     while len(units) > FLAT_STAGES:
-        cut = _blocks([0] * len(units), 0, len(units), GROUP)
-        units = [_Group(chain, grid, [bounds[j] for j in range(s, e + 1)], units[s:e]) for s, e in zip(cut, cut[1:])]
-        bounds = [bounds[j] for j in cut]
+        count = len(units)
+        levels = max(1, math.ceil(math.log(count / FLAT_STAGES) / math.log(GROUP) - 1e-9))
+        size = max(2, math.ceil((count / FLAT_STAGES) ** (1 / levels)))
+        cut = _blocks([0] * count, 0, count, size)
+        groups = [_Group(chain, grid, [bounds[j] for j in range(s, e + 1)], units[s:e]) for s, e in zip(cut, cut[1:])]
+        for group in groups:
+            group.release()  # its curve is all the level above needs; emission solves it again
+        units, bounds = list(groups), [bounds[j] for j in cut]
     return _Group(chain, grid, bounds, units)
 
 
