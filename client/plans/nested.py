@@ -50,6 +50,7 @@ weight bytes / bandwidth).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -149,25 +150,25 @@ class _Chain:
 
 @dataclass(frozen=True, slots=True)
 class _Grid:
-    """The memory grids of the curves: level j of a state is its least memory + j * its unit,
-    ``levels`` levels reaching the budget: the unit is the sizes' gcd where that many levels of
-    it reach, else (budget - least) / (levels - 1), rounded up."""
+    """The memory grids of the curves, in units of the sizes' gcd (the chain is planned divided
+    by it): level j of a state is its least memory + j << its shift, where the shift is the
+    least that lets ``levels`` levels reach the budget (0, exact, when the span allows)."""
 
     budget: int
-    gcd: int
     levels: int
 
-    def unit(self, least: np.ndarray) -> np.ndarray:
+    def shift(self, least: np.ndarray) -> np.ndarray:
         span = np.maximum(self.budget - least, 0)
-        return np.maximum(self.gcd, -(-span // (self.levels - 1)))
+        steps = -(-span // (self.levels - 1))  # the unit that reaches, rounded up to a power of 2
+        return np.ceil(np.log2(np.maximum(steps, 1))).astype(np.int64)
 
 
 @dataclass(slots=True)
 class _Curve:
-    """Least cost for each memory level, from ``least`` bytes up by ``unit`` (inf where nothing fits)."""
+    """Least cost for each memory level, from ``least`` up by 1 << ``shift`` (inf where nothing fits)."""
 
     least: int
-    unit: int
+    shift: int
     values: np.ndarray
 
 
@@ -231,7 +232,7 @@ class _Group:
     def release(self) -> None:
         """Drop the tables (a block's curve is all its parent needs until the plan is emitted;
         :meth:`emit_s` solves again if it must)."""
-        for name in ("table", "least", "unit", "s_row", "seg_row", "flat", "flat_need", "cost", "peak"):
+        for name in ("table", "least", "shift", "s_row", "seg_row", "flat", "flat_need", "cost", "peak", "_buf"):
             if hasattr(self, name):
                 delattr(self, name)
 
@@ -257,7 +258,7 @@ class _Group:
         self.table[0, :-1] = 0.0
         self.least = np.full(rows, _NO_MEM, dtype=np.int64)
         self.least[0] = 0
-        self.unit = np.ones(rows, dtype=np.int64)  # the zero row's unit: 1 byte (its bounds are exact)
+        self.shift = np.zeros(rows, dtype=np.int64)  # the zero row's: unit 1 (its bounds are exact)
         pos = bounds
         self.cost = np.zeros((w + 1, w + 1))
         self.peak = np.full((w + 1, w + 1), _NO_MEM, dtype=np.int64)
@@ -266,11 +267,12 @@ class _Group:
                 self.cost[a, k] = chain.cost(pos[a], pos[k])
                 self.peak[a, k] = chain.peak(pos[a], pos[k])
         self._lv = np.arange(grid.levels)
+        self._buf = (np.empty((0, grid.levels), np.int64),) * 2 + (np.empty((0, grid.levels)),) * 2
         for j, unit in enumerate(units):
             if unit is not None:
                 curve = unit._curve
                 self.least[1 + j] = curve.least
-                self.unit[1 + j] = curve.unit
+                self.shift[1 + j] = curve.shift
                 self.table[1 + j, :-1] = curve.values
         for a in range(w - 1, -1, -1):
             for e in range(a + 1, w + 1):
@@ -340,12 +342,21 @@ class _Group:
         least = self.least
         return np.maximum(least[ch.row1] + ch.delta1, least[ch.row2] + ch.delta2)
 
+    def _scratch(self, count: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Work arrays for ``count`` choices, reused across batches: a fresh array of this size
+        per operation would be mapped and faulted in anew each time (allocations past glibc's
+        mmap threshold), which costs more than the arithmetic."""
+        if count > len(self._buf[0]):
+            shape = (max(count, 2 * len(self._buf[0])), self.grid.levels)
+            self._buf = (np.empty(shape, np.int64), np.empty(shape, np.int64), np.empty(shape), np.empty(shape))
+        return tuple(b[:count] for b in self._buf)  # type: ignore[return-value]
+
     def _store(self, rows: np.ndarray, ch: _Choices) -> None:
         need = self._need(ch)
         starts = np.searchsorted(ch.target, np.arange(len(rows)))
         least_t = np.minimum.reduceat(need, starts)
         self.least[rows] = least_t
-        self.unit[rows] = unit_t = self.grid.unit(least_t)
+        self.shift[rows] = shift_t = self.grid.shift(least_t)
         keep = need <= self.grid.budget  # no state ever has more
         if not keep.all():
             ch = _Choices(*(getattr(ch, f)[keep] for f in _Choices.__slots__))  # type: ignore[attr-defined]
@@ -353,14 +364,19 @@ class _Group:
                 return
             starts = np.searchsorted(ch.target, np.arange(len(rows)))
         top = self.grid.levels - 1
-        mem = least_t[ch.target][:, None] + self._lv[None, :] * unit_t[ch.target][:, None]  # each level's bytes
-        vals = None
-        for row, delta in ((ch.row1, ch.delta1), (ch.row2, ch.delta2)):
-            idx = (mem - (delta + self.least[row])[:, None]) // self.unit[row][:, None]
-            np.minimum(np.maximum(idx, -1, out=idx), top, out=idx)  # -1: the inf column (below the least)
-            got = self.table[row[:, None], idx]
-            vals = got if vals is None else np.add(vals, got, out=vals)
-        assert vals is not None
+        width = self.grid.levels + 1
+        flat = self.table.reshape(-1)
+        mem, idx, got, vals = self._scratch(len(ch.target))
+        np.left_shift(self._lv[None, :], shift_t[ch.target][:, None], out=mem)
+        mem += least_t[ch.target][:, None]  # the bytes of each level of each choice's state
+        for part, (row, delta) in enumerate(((ch.row1, ch.delta1), (ch.row2, ch.delta2))):
+            np.subtract(mem, (delta + self.least[row])[:, None], out=idx)
+            np.right_shift(idx, self.shift[row][:, None], out=idx)  # the part's level: floor
+            np.maximum(idx, -1, out=idx)  # -1: the inf column below the part's least
+            np.minimum(idx, top, out=idx)
+            idx += (row * width)[:, None]
+            np.take(flat, idx, out=vals if part == 0 else got)
+        vals += got
         vals += ch.const[:, None]
         present = np.zeros(len(rows), dtype=bool)
         present[ch.target] = True
@@ -373,7 +389,7 @@ class _Group:
     def curve(self) -> _Curve:
         """The curve of S(0, 0, w): this run reversed from its kept first input."""
         row = int(self.s_row[0, 0, self.w])
-        return _Curve(int(self.least[row]), int(self.unit[row]), self.table[row, :-1].copy())
+        return _Curve(int(self.least[row]), int(self.shift[row]), self.table[row, :-1].copy())
 
     # ---- emission ----
     def _pick(self, ch: _Choices, mem: int) -> tuple[int, int, float]:
@@ -383,7 +399,7 @@ class _Group:
         top = self.grid.levels - 1
         vals = ch.const.copy()
         for r, delta in ((ch.row1, ch.delta1), (ch.row2, ch.delta2)):
-            vals += self.table[r, np.minimum(np.maximum((mem - delta - self.least[r]) // self.unit[r], -1), top)]
+            vals += self.table[r, np.minimum(np.maximum((mem - delta - self.least[r]) >> self.shift[r], -1), top)]
         best = int(np.argmin(vals))
         if not vals[best] < math.inf:
             raise AssertionError("a state got less memory than it needs: a bug in wstream's planner")
@@ -462,12 +478,9 @@ class _Group:
 
 
 def _grid(chain: _Chain, budget: int, resolution: int) -> _Grid:
-    """``resolution`` + 1 levels per curve, in units of the gcd of every size where that reaches
-    the budget (then the DP is exact)."""
-    sizes = [*chain.x, *chain.xt]
-    g = max(math.gcd(*sizes), 1)
-    widest = -(-max(budget - min(chain.xt), 0) // g)  # the most gcds any state's curve spans
-    return _Grid(budget, g, max(1, min(resolution, widest)) + 1)
+    """``resolution`` + 1 levels per curve at most (fewer when the widest span needs fewer)."""
+    widest = max(budget - min(chain.xt), 0)  # no state needs less than one stage's input and tape
+    return _Grid(budget, max(1, min(resolution, widest)) + 1)
 
 
 def _blocks(x: Sequence[int], lo: int, hi: int, size: int, breaks: Sequence[int] = ()) -> list[int]:
@@ -515,7 +528,7 @@ def _layouts(chain: _Chain, budget: int) -> list[list[int]]:
     levels = max(1, math.ceil(math.log(per_top) / math.log(GROUP) - 1e-9))
     even = max(2, math.ceil(per_top ** (1 / levels)))
     out = [_blocks(chain.x, 0, n, even, tight)]
-    if even != GROUP and n <= 2000:  # the second layout doubles the time; it pays on shorter chains
+    if even != GROUP and n <= 400:  # the second layout doubles the time; it pays on shorter chains
         out.append(_blocks(chain.x, 0, n, GROUP, tight))
     return out
 
@@ -543,6 +556,14 @@ def _hierarchy(chain: _Chain, grid: _Grid, bounds: list[int]) -> _Group:
 def nested_plan(costs: StageCosts, budget: int, *, resolution: int = 256) -> tuple[list[Action], float]:
     """The actions and cost of the cheapest nested schedule within ``budget`` bytes (see NOTE
     [Nested schedules]); ``budget`` must be at least :func:`~.budget.min_budget`."""
+    g = max(math.gcd(*costs.state_bytes, *costs.tape_bytes), 1)
+    if g > 1:  # plan in units of the gcd: exact, and finer grids for the same levels
+        costs = dataclasses.replace(
+            costs,
+            state_bytes=tuple(v // g for v in costs.state_bytes),
+            tape_bytes=tuple(v // g for v in costs.tape_bytes),
+        )
+        budget //= g
     chain = _Chain(costs)
     n = chain.n
     grid = _grid(chain, budget, resolution)
