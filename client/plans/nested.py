@@ -35,17 +35,21 @@ weight bytes / bandwidth).
    a block's curve is the DP over its stages (its reversal from its kept first input), and the
    DP runs again over blocks, a block being one unit with that curve, while direct and dense
    segments still sweep stage by stage (so x_0 alone can always reverse the chain, and the least
-   budget is never refused). Blocks of ``GROUP`` stages, grouped again past ``FLAT_STAGES``
-   blocks; when the chain allows it, also the finest cut that leaves at most ``FLAT_STAGES``
-   blocks; the cheaper plan wins. Stages that leave no room beside x_0 for any other kept input
-   get blocks of their own. Across a block being reversed, the only kept inputs are block
-   starts: the class is nested schedules with that restriction. O(n * GROUP^3 * L) time.
-6. Memory: every curve is on a grid of L levels u bytes apart, from the state's exact least
-   memory up. u = the gcd of all sizes when the budget spans at most ``resolution`` of them (the
-   DP is then exact), else (budget - the smallest need) / ``resolution``. A part reads its curve
-   at the level below the memory it gets (plans always fit); emission re-evaluates each state at
-   the exact bytes it has. The least memory of every state is exact, so the root's is the least
-   budget; a plan at budget B costs at most the best nested one at B - (3n + 2) u.
+   budget is never refused). Blocks are grouped again until at most ``FLAT_STAGES`` units are
+   left for the top DP, the levels as even as their count (log base ``GROUP`` of n / 36) allows,
+   so that the top DP, which chooses the first sweep's kept inputs, stays wide; up to 400 stages
+   blocks of ``GROUP`` stages are tried too and the cheaper plan wins. Stages that leave no room
+   beside x_0 for any other kept input get blocks of their own. While a block is reversed the
+   only other kept inputs are block starts: the class is nested schedules with that restriction.
+   O(n * b^3 * L) time for blocks of b units, plus the top DP's 36^4 * L.
+6. Memory: the chain is planned in units of the gcd of all sizes (exact), and every curve on a
+   grid of at most L = ``resolution`` + 1 levels (:func:`default_resolution`: 256, more on short
+   chains) from the state's exact least memory up, its step
+   the least power of two (in gcd units) that reaches the budget: 1, exact, where the budget is
+   at most L - 1 units above the least. A part reads its curve at the level below the memory it
+   gets (plans always fit); emission re-evaluates each state at the exact memory it has. The
+   least memory of every state is exact, so the root's is the least budget; a plan at budget B
+   costs at most the best nested one at B - (3n + 2) * the coarsest step.
 """
 
 from __future__ import annotations
@@ -66,6 +70,14 @@ GROUP = 12
 """Blocks and groups of blocks hold about this many units in longer chains."""
 
 _NO_MEM = 1 << 62  # the least memory of a state no memory makes feasible
+
+
+def default_resolution(n: int) -> int:
+    """Memory levels per curve when none is asked for: 256, and on short chains as many more (up
+    to 4,096) as keep the flat DP's O(n^4 * levels) work at a quarter of a 36-stage chain's, since
+    rounding loses most on a few coarse steps (BENCHMARKS.md)."""
+    units = min(n, FLAT_STAGES)
+    return max(256, min(4096, FLAT_STAGES**4 * 64 // max(units, 1) ** 4))
 
 
 class _Sparse:
@@ -553,7 +565,7 @@ def _hierarchy(chain: _Chain, grid: _Grid, bounds: list[int]) -> _Group:
     return _Group(chain, grid, bounds, units)
 
 
-def nested_plan(costs: StageCosts, budget: int, *, resolution: int = 256) -> tuple[list[Action], float]:
+def nested_plan(costs: StageCosts, budget: int, *, resolution: int | None = None) -> tuple[list[Action], float]:
     """The actions and cost of the cheapest nested schedule within ``budget`` bytes (see NOTE
     [Nested schedules]); ``budget`` must be at least :func:`~.budget.min_budget`."""
     g = max(math.gcd(*costs.state_bytes, *costs.tape_bytes), 1)
@@ -566,7 +578,7 @@ def nested_plan(costs: StageCosts, budget: int, *, resolution: int = 256) -> tup
         budget //= g
     chain = _Chain(costs)
     n = chain.n
-    grid = _grid(chain, budget, resolution)
+    grid = _grid(chain, budget, resolution if resolution is not None else default_resolution(n))
     if n <= FLAT_STAGES:
         tops = [_Group(chain, grid, list(range(n + 1)), [None] * n)]
     else:
