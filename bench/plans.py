@@ -1,17 +1,25 @@
-"""Checkpoint plans: recomputation and peak memory against depth, and step time against theory.
+"""Checkpoint plans: recomputation and peak memory against depth, ``optimal``'s planner time and
+losses, and step time against theory.
 
 Part 1 (no training): for chains of n = 10 .. 100,000 equal tiny stages, every planner's
 recomputed forwards and peak live stage inputs, as a table and a plot (bench/out/plans.png).
-Part 2 (training on this CPU): step time of each plan over store_all on a chain whose stages are
+Part 2 (no training; ``--part planner`` alone): ``optimal`` on heterogeneous chains: planner time
+at n = 100, 1,000, 10,000 for a few budgets, its cost against the count-based planners; the
+rounding loss of its memory grid (against exact bytes); what blocks lose on long chains; what
+freeing a checkpoint early gains over persistent schedules.
+Part 3 (training on this CPU): step time of each plan over store_all on a chain whose stages are
 big enough to time, next to the ratio the plan's forward/backward counts predict
 (forward = 1, backward = 2 units; every BACKWARD re-runs its stage with autograd).
 
-    python bench/plans.py [--max-n 100000] [--stages 16] [--width 768] [--steps 4] [--budget-mib 16]
+    python bench/plans.py [--part all|depth|planner|training] [--max-n 100000]
+        [--planner-ns 100,1000,10000] [--stages 16] [--width 768] [--steps 4] [--budget-mib 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import math
 import statistics
 import time
 from pathlib import Path
@@ -21,17 +29,25 @@ from torch import nn
 
 from common import machine, parse_args, server
 from wstream.client import AdamW, Client
+import random
+
+import wstream.client.plans.nested as nested
 from wstream.client.plans import (
     StageCosts,
     divide_and_conquer,
+    min_budget,
     min_peak,
     offload,
     optimal,
+    plan_time,
     revolve,
+    revolve_cost,
     simulate,
     sqrt_segments,
     store_all,
 )
+from wstream.client.plans.nested import nested_plan
+from wstream.client.plans.search import exhaustive_plan
 
 
 def uniform(n: int) -> StageCosts:
@@ -50,7 +66,7 @@ def depth_table(max_n: int) -> dict[str, list[tuple[int, int, int]]]:
         "dnc": (divide_and_conquer, None),
         "revolve(8)": (lambda n: revolve(n, 8), None),
         "min_peak": (lambda n: min_peak(uniform(n)), 3000),
-        "optimal(12 B)": (lambda n: optimal(uniform(n), 12), 100),
+        "optimal(12 B)": (lambda n: optimal(uniform(n), 12), 1000),
         "offload(12 B, k=4)": (lambda n: offload(uniform(n), 12, 0.25), None),
     }
     rows: dict[str, list[tuple[int, int, int]]] = {name: [] for name in planners}
@@ -94,6 +110,154 @@ def plot(rows: dict[str, list[tuple[int, int, int]]]) -> Path | None:
     path = OUT / "plans.png"
     fig.savefig(path, dpi=110)
     return path
+
+
+# ---- part 2: optimal's planner time and losses -------------------------------------------------
+MIB = 1 << 20
+
+
+def hetero(n: int, seed: int) -> StageCosts:
+    """n stages of random forward time (0.5-2 s), input (1-4 MiB) and tape (1-8 MiB) sizes, in
+    bytes of no common divisor (so the memory grid is never exact)."""
+    rng = random.Random(seed)
+    return StageCosts(
+        forward_s=tuple(rng.uniform(0.5, 2.0) for _ in range(n)),
+        state_bytes=tuple(rng.randint(MIB, 4 * MIB) | 1 for _ in range(n)),
+        tape_bytes=tuple(rng.randint(MIB, 8 * MIB) for _ in range(n)),
+    )
+
+
+def peak(costs: StageCosts, plan) -> int:  # noqa: ANN001
+    return simulate(costs.n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes).peak_bytes
+
+
+def best_count_based(costs: StageCosts, budget: int) -> tuple[float, str]:
+    """The cheapest plan of the planners that ignore sizes, among those that fit."""
+    n = costs.n
+    plans = [store_all(n), sqrt_segments(n), sqrt_segments(n, recursive=True), divide_and_conquer(n)]
+    # (revolve with few slots on a long chain is tens of millions of actions: not built past 100 n)
+    plans += [revolve(n, k) for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if k < n and revolve_cost(n, k) <= 100 * n]
+    fits = [(plan_time(costs, p), p.name if p.name != "revolve" else f"revolve({p.peak_slots})") for p in plans
+            if peak(costs, p) <= budget]
+    return min(fits) if fits else (math.inf, "-")
+
+
+def planner_times(ns: list[int]) -> None:
+    print("\noptimal on heterogeneous chains (hetero(n)): planner time, cost / least possible cost"
+          " (each stage once), and the best count-based plan that fits")
+    print(f"{'n':>7} {'budget':>14} {'time s':>7} {'optimal':>8} {'best other':>22}")
+    for n in ns:
+        costs = hetero(n, n)
+        low, top = min_budget(costs), peak(costs, store_all(n))
+        least = plan_time(costs, store_all(n))
+        budgets = [("min", low), ("min+2%", low + (top - low) // 50), ("min+10%", low + (top - low) // 10),
+                   ("min+30%", low + 3 * (top - low) // 10)]
+        for label, budget in budgets[n > 2000 :]:  # at the least budget a long chain's plan is ~n^2/2 advances
+            t0 = time.perf_counter()
+            plan = optimal(costs, budget)
+            took = time.perf_counter() - t0
+            assert peak(costs, plan) <= budget
+            other, name = best_count_based(costs, budget)
+            print(f"{n:>7,} {label:>14} {took:>7.2f} {plan_time(costs, plan) / least:>8.2f} "
+                  f"{other / least:>12.2f} {name:>9}", flush=True)
+
+
+def rounding_loss(chains: int) -> None:
+    """The memory grid's loss: plan cost / the exact optimum, sizes of no common divisor."""
+    print("\nrounding loss of the memory grid: cost / exact optimum, sizes of no common divisor")
+    rng = random.Random(256)
+    rows: dict[str, list[float]] = {}
+    for _ in range(chains):
+        n = rng.choice((4, 6, 8))  # exact: every schedule, by exhaustive search in bytes
+        xs = tuple(rng.randint(10_000, 1_000_000) | 1 for _ in range(n))
+        costs = StageCosts(tuple(rng.uniform(0.5, 2) for _ in range(n)), xs, tuple(rng.randint(0, 2_000_000) for _ in range(n)))
+        low, top = min_budget(costs), peak(costs, store_all(n))
+        for label, budget in (("at min_budget", low), ("+1% of the range", low + (top - low) // 100),
+                              ("random budget", rng.randint(low, top))):
+            found = exhaustive_plan(costs, budget)
+            assert found is not None
+            for name, res in (("DP, 256 levels", 256), ("DP, default levels", None)):
+                rows.setdefault(f"n 4-8, {name}, {label}", []).append(nested_plan(costs, budget, resolution=res)[1] / found[1])
+            rows.setdefault(f"n 4-8, optimal, {label}", []).append(plan_time(costs, optimal(costs, budget)) / found[1])
+    for _ in range(max(1, chains // 3)):  # exact: the DP with a grid of one byte (sizes of hundreds)
+        m = 16
+        xs = tuple(rng.randint(100, 600) | 1 for _ in range(m))
+        costs = StageCosts(tuple(rng.uniform(0.5, 2) for _ in range(m)), xs, tuple(rng.randint(0, 1200) for _ in range(m)))
+        low, top = min_budget(costs), peak(costs, store_all(m))
+        budget = rng.randint(low, low + (top - low) // 2)
+        _, exact = nested_plan(costs, budget, resolution=10**6)
+        for name, res in (("DP, 64 levels", 64), ("DP, 256 levels", 256), ("optimal (1,640 levels)", None)):
+            rows.setdefault(f"n 16, {name}, random budget", []).append(nested_plan(costs, budget, resolution=res)[1] / exact)
+    print(f"{'chains':<50} {'cases':>5} {'median':>7} {'90th':>7} {'worst':>7} {'exact':>6}")
+    for label, r in rows.items():
+        r.sort()
+        print(f"{label:<50} {len(r):>5} {statistics.median(r):>7.4f} {r[int(0.9 * (len(r) - 1))]:>7.4f} {r[-1]:>7.4f}"
+              f" {sum(v < 1 + 1e-9 for v in r) / len(r):>6.0%}")
+
+
+def persistent_cost(costs: StageCosts, budget: int) -> float:
+    """The least cost of a persistent schedule (every kept input kept until its own stage is
+    reversed; the DP optimal had before issue 18), exact bytes: reverse [a, b) from the kept x_a
+    directly (b = a + 1) or advance to k, keep x_k, reverse [k, b) beside x_a, then [a, k)."""
+    x, tape = costs.state_bytes, costs.tape_bytes
+    pre = [0.0]
+    for i in range(costs.n):
+        pre.append(pre[-1] + costs.advance_cost(i))
+
+    @functools.lru_cache(maxsize=None)
+    def best(a: int, b: int, mem: int) -> float:
+        if b - a == 1:
+            return 0.0 if x[a] + tape[a] <= mem else math.inf
+        out, peak = math.inf, x[a] + x[a + 1]
+        for k in range(a + 1, b):
+            if k > a + 1:
+                peak = max(peak, x[a] + x[k - 1] + x[k])
+            if peak > mem:
+                break
+            out = min(out, pre[k] - pre[a] + best(k, b, mem - x[a]) + best(a, k, mem))
+        return out
+
+    return best(0, costs.n, budget)
+
+
+def class_losses(chains: int, long_n: int) -> None:
+    """What blocks lose against the DP over every stage, and what freeing a checkpoint before its
+    stage gains over persistent schedules (both exact: small sizes, one-byte grid)."""
+    rng = random.Random(36)
+    blocks: list[float] = []
+    gains: list[float] = []
+    for _ in range(chains):
+        n = long_n
+        xs = tuple(rng.randint(1, 8) for _ in range(n))
+        costs = StageCosts(tuple(rng.uniform(0.5, 2) for _ in range(n)), xs, tuple(rng.randint(0, 16) for _ in range(n)))
+        low, top = min_budget(costs), peak(costs, store_all(n))
+        budget = rng.randint(low, low + (top - low) // 3)
+        _, production = nested_plan(costs, budget)  # n > FLAT_STAGES: blocks
+        old = nested.FLAT_STAGES
+        nested.FLAT_STAGES = n
+        try:
+            _, flat = nested_plan(costs, budget)
+        finally:
+            nested.FLAT_STAGES = old
+        blocks.append(production / flat)
+        m = 16
+        sub = StageCosts(costs.forward_s[:m], costs.state_bytes[:m], costs.tape_bytes[:m])
+        lo2, top2 = min_budget(sub), peak(sub, store_all(m))
+        b2 = rng.randint(lo2, lo2 + (top2 - lo2) // 3)
+        pers = persistent_cost(sub, b2)
+        _, nest = nested_plan(sub, b2)
+        gains.append(nest / pers)
+    for label, r in ((f"blocks at n = {long_n} / every stage", blocks), ("nested / persistent, n = 16", gains)):
+        r.sort()
+        print(f"{label:<40} {len(r):>4} chains: median {statistics.median(r):.3f}, best {r[0]:.3f}, worst {r[-1]:.3f}")
+
+
+def planner_part(args: argparse.Namespace) -> None:
+    if args.planner_ns:
+        planner_times([int(v) for v in args.planner_ns.split(",")])
+    rounding_loss(args.loss_chains)
+    print(f"\nclass losses (budgets between min_budget and a third of the way to store_all's peak):")
+    class_losses(max(1, args.loss_chains // 5), args.long_n)
 
 
 def units(plan) -> int:  # noqa: ANN001
@@ -160,13 +324,25 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--budget-mib", type=int, default=16, help="memory budget of the budgeted schedules")
-    args = parse_args(p, smoke=dict(max_n=100, stages=4, width=32, batch=8, steps=1, budget_mib=1))
+    p.add_argument("--part", choices=("all", "depth", "planner", "training"), default="all")
+    p.add_argument("--planner-ns", default="100,1000,10000", help="chain lengths of optimal's planner times")
+    p.add_argument("--loss-chains", type=int, default=60, help="random chains per rounding-loss row")
+    p.add_argument("--long-n", type=int, default=48, help="chain length of the blocks-against-flat comparison")
+    args = parse_args(
+        p,
+        smoke=dict(max_n=100, stages=4, width=32, batch=8, steps=1, budget_mib=1, planner_ns="40,60", loss_chains=3,
+                   long_n=38),
+    )
     print(f"machine: {machine()}")
-    rows = depth_table(args.max_n)
-    path = plot(rows)
-    if path:
-        print(f"plot: {path}")
-    timed_steps(args)
+    if args.part in ("all", "depth"):
+        rows = depth_table(args.max_n)
+        path = plot(rows)
+        if path:
+            print(f"plot: {path}")
+    if args.part in ("all", "planner"):
+        planner_part(args)
+    if args.part in ("all", "training"):
+        timed_steps(args)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ each does). Nothing here imports torch: planners are pure functions, plans are c
   ``divide_and_conquer``, ``revolve``, ``OnlineBisection``, ``segments_plan``);
 * :mod:`.costs` -- the cost model: ``StageCosts`` and ``plan_time``;
 * :mod:`.budget` -- the byte-budget planners (``optimal``, ``min_peak``, ``auto``, ``offload``);
+* :mod:`.nested` -- ``optimal``'s dynamic program over nested schedules (``nested_plan``);
+* :mod:`.search` -- ``exhaustive_plan``: the least-cost schedule of all, for short chains;
 * :mod:`.registry` -- every schedule by name, and ``resolve`` for ``job.trainer(schedule=...)``.
 """
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from .budget import auto, min_budget, min_peak, offload, offload_spacing, optimal
 from .costs import StageCosts, plan_time
+from .nested import nested_plan
 from .plan import Action, Op, Plan, PlanError
 from .registry import PLANNERS, SCHEDULES, Schedule, resolve
 from .schedules import (
@@ -31,6 +34,7 @@ from .schedules import (
     sqrt_segments,
     store_all,
 )
+from .search import exhaustive_plan
 from .simulate import Simulation, simulate
 
 __all__ = [
@@ -47,8 +51,10 @@ __all__ = [
     "auto",
     "beta",
     "divide_and_conquer",
+    "exhaustive_plan",
     "min_budget",
     "min_peak",
+    "nested_plan",
     "offload",
     "offload_spacing",
     "optimal",

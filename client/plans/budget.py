@@ -2,7 +2,7 @@
 memory must stay within a number of bytes.
 
 ``min_budget`` (the least memory any plan needs), ``optimal`` (least recomputation time within a
-budget, by dynamic program), ``min_peak`` (the kept subset of least peak memory), ``offload``
+budget: exhaustive search for short chains, the nested-schedule DP of :mod:`.nested` beyond), ``min_peak`` (the kept subset of least peak memory), ``offload``
 (asynchronous multistage checkpointing to host memory, with ``offload_spacing``) and ``auto``
 (the fastest plan of every planner's that fits). Separate from :mod:`.schedules` because these
 read a profile of the stages' sizes and times, not only their number.
@@ -11,14 +11,16 @@ read a profile of the stages' sizes and times, not only their number.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import sys
 from collections.abc import Iterator
-from functools import lru_cache
 
 from .costs import StageCosts, plan_time
+from .nested import nested_plan
 from .plan import Action, Op, Plan, PlanError
 from .schedules import divide_and_conquer, revolve, segments_plan, sqrt_segments, store_all
+from .search import SEARCH_STAGES, exhaustive_plan
 from .simulate import checked_plan, simulate
 
 
@@ -29,80 +31,47 @@ def min_budget(costs: StageCosts) -> int:
     return _reverse_need(costs, 0, costs.n)
 
 
-def optimal(costs: StageCosts, budget_bytes: int, *, resolution: int = 256) -> Plan:
-    """The plan of least recomputation time whose activation memory stays within ``budget_bytes``.
+def optimal(costs: StageCosts, budget_bytes: int, *, resolution: int | None = None) -> Plan:
+    """The plan of least recomputation time whose activation memory stays within ``budget_bytes``
+    (cost and memory as :func:`~.simulate.simulate` counts them: kept inputs + the current one +
+    the next one while advancing or the tape while reversing; cost = the sum over ADVANCEs of
+    ``StageCosts.advance_cost``, forward seconds plus weight bytes / bandwidth).
 
-    Dynamic program over (first stage a, end b, memory left): reverse [a, b) from the kept x_a
-    either directly (b = a + 1) or by advancing to some k, keeping x_k, reversing [k, b) with the
-    memory x_a leaves, then [a, k) (the structure of Beaumont et al.'s DP without the "keep the
-    whole tape" option, which this executor does not have). Memory is counted in units of
-    budget/``resolution``, rounding sizes up, so the plan always fits. O(n^3 * resolution)."""
+    What it is the least over (DESIGN.md "Checkpoint plans"):
+
+    * n <= ``SEARCH_STAGES`` (8): every schedule the executor runs, by exhaustive search
+      (:func:`~.search.exhaustive_plan`, exact bytes);
+    * n <= ``FLAT_STAGES`` (36): every *nested* schedule (NOTE [Nested schedules] in
+      :mod:`.nested`): persistent ones (Revolve; the DP of Beaumont et al., "Optimal
+      checkpointing for heterogeneous chains") and those that free a kept input before its
+      stage is reversed and recompute it later. O(n^4 * L) time for L = ``resolution`` + 1
+      memory levels per state (None: 256, up to 4,096 on short chains), exact when the budget spans at most ``resolution`` gcds of the
+      sizes above a state's least memory (else a plan at budget B is at least as cheap as the
+      best nested one at B less a few grid steps);
+    * longer chains: nested schedules in which, while a block of consecutive stages is reversed
+      from its first input, the other kept inputs are block starts (blocks of blocks likewise,
+      at most 36 units in the top DP): about 3-6 s at n = 1,000 and 30 s at 10,000 on a
+      2-core machine (BENCHMARKS.md).
+
+    Never refuses a budget of at least :func:`min_budget` (x_0 alone reversing the chain is in
+    every class above)."""
     need = min_budget(costs)
     if budget_bytes < need:
         raise PlanError(
             f"a budget of {budget_bytes} bytes cannot hold this chain: the least any plan needs is "
             f"{need} bytes (x_0, one stage's input and output, and its tape)"
         )
-    sizes = [*costs.state_bytes, *costs.tape_bytes]
-    exact = math.gcd(*sizes) if any(sizes) else 1
-    if exact and budget_bytes // exact <= 16 * resolution:
-        return _optimal_in_units(costs, budget_bytes, exact, need)  # exact: every size is a multiple
-    for res in (resolution, 4 * resolution, 16 * resolution):
-        try:
-            return _optimal_in_units(costs, budget_bytes, max(1, budget_bytes // res), need)
-        except PlanError:
-            continue
-    raise PlanError(
-        f"no plan fits {budget_bytes} bytes at a resolution of {16 * resolution} units; the least any plan "
-        f"needs is {need} bytes: give a little more memory"
-    )
-
-
-class _ReverseDP:
-    """The dynamic program behind :func:`optimal` (and the segments of :func:`offload`): the least
-    recomputation time to reverse [a, b) from the kept x_a within ``mem`` units of memory (x_a's
-    included), either directly (b = a + 1) or by advancing to some k, keeping x_k, reversing
-    [k, b) with the memory x_a leaves, then [a, k). Sizes are rounded up to ``unit`` bytes."""
-
-    def __init__(self, costs: StageCosts, unit: int) -> None:
-        self.x = [-(-b // unit) for b in costs.state_bytes]
-        self.tape = [-(-b // unit) for b in costs.tape_bytes]
-        self.prefix = [0.0]
-        for i in range(costs.n):
-            self.prefix.append(self.prefix[-1] + costs.advance_cost(i))
-        self.best = lru_cache(maxsize=None)(self._best)
-
-    def _best(self, a: int, b: int, mem: int) -> tuple[float, int]:
-        """(cost, split); split 0 means reverse directly."""
-        x, tape = self.x, self.tape
-        if b - a == 1:
-            return (0.0, 0) if x[a] + tape[a] <= mem else (math.inf, -1)
-        top: tuple[float, int] = (math.inf, -1)
-        peak = x[a] + x[a + 1]  # advancing from x_a (kept and current) to x_{a+1}
-        for k in range(a + 1, b):
-            if k > a + 1:
-                peak = max(peak, x[a] + x[k - 1] + x[k])
-            if peak > mem:
-                break
-            right = self.best(k, b, mem - x[a])[0]
-            if right == math.inf:
-                continue
-            left = self.best(a, k, mem)[0]
-            total = self.prefix[k] - self.prefix[a] + right + left
-            if total < top[0]:
-                top = (total, k)
-        return top
-
-    def emit(self, a: int, b: int, mem: int, out: list[Action]) -> None:
-        _, k = self.best(a, b, mem)
-        if k == 0:
-            out.append((Op.BACKWARD, a))
-            return
-        out.extend((Op.ADVANCE, i) for i in range(a, k))
-        out.append((Op.SNAPSHOT, k))
-        self.emit(k, b, mem - self.x[a], out)
-        out += [(Op.FREE, k), (Op.RESTORE, a)]
-        self.emit(a, k, mem, out)
+    n = costs.n
+    with _deep_recursion(n):
+        actions, cost = nested_plan(costs, budget_bytes, resolution=resolution)
+    if n <= SEARCH_STAGES:
+        found = exhaustive_plan(costs, budget_bytes, bound=cost)
+        if found is not None and found[1] < cost:
+            actions = found[0]
+    sim = simulate(n, actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes)
+    if sim.peak_bytes > budget_bytes:
+        raise AssertionError(f"optimal's plan peaks at {sim.peak_bytes} > {budget_bytes} bytes: a bug in wstream")
+    return checked_plan("optimal", n, actions)
 
 
 @contextlib.contextmanager
@@ -113,19 +82,6 @@ def _deep_recursion(n: int) -> Iterator[None]:
         yield
     finally:
         sys.setrecursionlimit(old)
-
-
-def _optimal_in_units(costs: StageCosts, budget_bytes: int, unit: int, need: int) -> Plan:
-    n = costs.n
-    dp = _ReverseDP(costs, unit)
-    budget = budget_bytes // unit
-    with _deep_recursion(n):
-        if dp.best(0, n, budget)[0] == math.inf:  # rounding up to units lost the last few bytes
-            raise PlanError(f"no plan fits {budget_bytes} bytes in units of {unit} bytes (the least is {need})")
-        actions: list[Action] = [(Op.SNAPSHOT, 0)]
-        dp.emit(0, n, budget, actions)
-        actions.append((Op.FREE, 0))
-    return checked_plan("optimal", n, actions)
 
 
 # ---- the checkpoint subset of least peak memory --------------------------------------------------
@@ -174,10 +130,7 @@ def auto(costs: StageCosts, budget_bytes: int) -> Plan:
         raise PlanError(f"a budget of {budget_bytes} bytes cannot hold this chain: the least any plan needs is {need} bytes")
     candidates = [store_all(n), sqrt_segments(n), sqrt_segments(n, recursive=True), divide_and_conquer(n), min_peak(costs)]
     candidates += [revolve(n, k) for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if k < n]
-    try:
-        candidates.append(optimal(costs, budget_bytes))
-    except PlanError:
-        pass  # rounding to memory units can lose a bound-hugging budget; the others still compete
+    candidates.append(optimal(costs, budget_bytes))  # never refuses a budget >= need
     if costs.host_bandwidth > 0:  # host memory is there too: its copies run beside compute
         try:
             candidates.append(offload(costs, budget_bytes))
@@ -224,7 +177,7 @@ def offload(
     bandwidth: float | None = None,
     *,
     spacing: int | None = None,
-    resolution: int = 256,
+    resolution: int | None = None,
 ) -> Plan:
     """Asynchronous multistage checkpointing (after Kukreja, Hueckelheim and Gorman, 2018).
 
@@ -232,8 +185,8 @@ def offload(
     often as the transfer keeps up with compute: :func:`offload_spacing`). Backward: segment by
     segment from the last, the next segment's start is prefetched ahead while the current one is
     reversed in the device memory the budget leaves, by the dynamic program of :func:`optimal`
-    (least recomputation time, weight fetches included; on equal stages it recomputes as Revolve
-    does). Recomputation per stage depends on the spacing and the budget only, so it is the same
+    (least recomputation time over nested schedules, weight fetches included; on equal stages it
+    recomputes as Revolve does, or less). Recomputation per stage depends on the spacing and the budget only, so it is the same
     for any n."""
     n = costs.n
     bw = bandwidth if bandwidth is not None else costs.host_bandwidth
@@ -253,11 +206,22 @@ def offload(
             f"a budget of {budget_bytes} bytes cannot hold the offload plan: it needs at least {need} bytes "
             "(a segment's start, the current input and the next or a tape, and the next segment's start)"
         )
-    sizes = [*costs.state_bytes, *costs.tape_bytes]
-    exact = math.gcd(*sizes) if any(sizes) else 1
-    unit = exact if exact and budget_bytes // exact <= 16 * resolution else max(1, budget_bytes // (16 * resolution))
-    dp = _ReverseDP(costs, unit)
-    budget = budget_bytes // unit
+    segments: dict[tuple[StageCosts, int], list[Action]] = {}  # equal segments are planned once
+
+    def reverse(s0: int, e0: int, mem: int) -> list[Action]:
+        """Segment [s0, e0) reversed by optimal's DP from the kept x_{s0}, which it frees."""
+        sub = dataclasses.replace(
+            costs,
+            forward_s=costs.forward_s[s0:e0],
+            state_bytes=costs.state_bytes[s0:e0],
+            tape_bytes=costs.tape_bytes[s0:e0],
+            weight_bytes=costs.weight_bytes[s0:e0] if costs.weight_bytes else (),
+        )
+        key = (sub, mem)
+        if key not in segments:
+            segments[key] = nested_plan(sub, mem, resolution=resolution)[0][1:]  # x_{s0} is kept already
+        return [(op, i + s0) for op, i in segments[key]]
+
     actions: list[Action] = []
     for j, s0 in enumerate(starts):  # the forward sweep, offloading segment starts
         actions.append((Op.OFFLOAD, s0))
@@ -268,16 +232,12 @@ def offload(
     with _deep_recursion(k):
         for j in range(last, -1, -1):
             s0, e0 = starts[j], ends[j]
-            mem = budget
+            mem = budget_bytes
             if j > 0:
                 actions.append((Op.PREFETCH, starts[j - 1]))  # overlaps this segment's reversal
-                mem -= dp.x[starts[j - 1]]
-            if dp.best(s0, e0, mem)[0] == math.inf:
-                raise PlanError(
-                    f"no offload plan fits {budget_bytes} bytes in units of {unit} bytes (the least is {need})"
-                )
-            dp.emit(s0, e0, mem, actions)
-            actions += [(Op.FREE, s0), (Op.FREE_HOST, s0)]
+                mem -= x[starts[j - 1]]
+            actions += reverse(s0, e0, mem)  # mem >= the segment's need: checked above
+            actions.append((Op.FREE_HOST, s0))
             if j > 0:
                 actions.append((Op.RESTORE, starts[j - 1]))
     return checked_plan("offload", n, actions)
