@@ -48,17 +48,26 @@ def job_step(address: str, name: str) -> int | None:
     return jobs[name].step if name in jobs else None
 
 
-def wait_for_workers(address: str, name: str, originals: int, newcomers: int, deadline_s: float = 120.0) -> None:
-    """Poll until job ``name`` has exactly ``originals`` workers that joined at step 0 and
-    ``newcomers`` that joined later (so a dead original is detached and its replacement in)."""
+def wait_for_replacement(address: str, name: str, world_size: int, deadline_s: float = 120.0) -> None:
+    """Poll until job ``name`` has ``world_size`` workers, at most ``world_size - 1`` of them from
+    step 0 and at least one that joined later: a dead original is detached and its replacement in.
+
+    Not "exactly world_size - 1 originals": on a loaded machine a live original may outlive its
+    lease too and come back as a newcomer, which is the recovery under test, not a failure."""
     deadline = time.monotonic() + deadline_s
+    seen: list[tuple[int, int]] = []
     while time.monotonic() < deadline:
         with Client(address, timeout=5) as c:
             workers = {j.name: j for j in c.status().jobs}[name].workers
-        if sum(w.first_step == 0 for w in workers) == originals and sum(w.first_step > 0 for w in workers) == newcomers:
+        originals = sum(w.first_step == 0 for w in workers)
+        newcomers = len(workers) - originals
+        if not seen or seen[-1] != (originals, newcomers):
+            seen.append((originals, newcomers))
+        if len(workers) == world_size and originals < world_size and newcomers >= 1:
             return
         time.sleep(0.02)
-    raise AssertionError(f"job {name!r} did not get to {originals} + {newcomers} workers within {deadline_s:g} s")
+    raise AssertionError(f"job {name!r} did not get a replacement worker within {deadline_s:g} s "
+                         f"((originals, newcomers) seen: {seen})")
 
 
 def wait_for_step(address: str, name: str, step: int, deadline_s: float = 120.0) -> int:
@@ -145,7 +154,7 @@ def test_workers_killed_or_stopped_mid_step_leave_the_others_training(tmp_path: 
         procs[workers] = spawn_worker(address, "dp", steps, workers, tmp_path, *extra)  # a replacement
         reports = {}
         if workers > 1:
-            wait_for_workers(address, "dp", workers - 1, 1)  # the dead one detached, the replacement in
+            wait_for_replacement(address, "dp", workers)  # the dead one detached, the replacement in
             joined_by = job_step(address, "dp")
             assert joined_by is not None  # from joined_by + 1 on, every step is every live worker's
             wait_for_step(address, "dp", max(joined_by + 2, rng.randint(10, 14)))
