@@ -46,6 +46,7 @@ from .groups import GroupAssigner, ParamGroup, export_metadata
 from .job_options import job_options, options_difference
 from .options import Checkpointing, Parallelism, Precision, Transport, trainer_options
 from .stages import DTYPE_OF_BUFFER, StageRunner, Tied, flatten, frozen_params
+from .units import UnitCutter, Units
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,7 @@ class Client:
         exist_ok: bool = False,
         progress: bool | None = None,
         param_groups: Sequence[ParamGroup] = (),
+        unit_bytes: int | None = None,
         **option_fields: Any,
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
@@ -174,6 +176,12 @@ class Client:
         (``optimizer=AdamW(lr=1e-3), dtype="bfloat16"``), not both. With ``base`` give
         ``base_token`` too (the base's token): stage i trains its parameters that have
         ``requires_grad`` and reads the others, by name, from stage i of the frozen base.
+
+        ``unit_bytes``: coalesce runs of consecutive small stages into transfer units of at
+        least this many bytes (in the compute dtype), each stored, fetched, pushed and updated by
+        the server as one stage, while checkpoint plans still run over every stage (NOTE
+        [Transfer units] in ``client/units.py``): for deep chains of small stages, where the cost
+        per server stage dominates. None (default): one server stage per stage. Not with ``base``.
 
         ``exist_ok=True``: when a job of this name exists (a restarted rank, a rerun script),
         attach to it instead, without uploading anything, if ``token`` opens it and its layout and
@@ -200,6 +208,9 @@ class Client:
         base = options.base
         if (base is None) != (base_token is None):
             raise ValueError("base= and base_token= go together")
+        if unit_bytes is not None and base is not None:
+            raise ValueError("unit_bytes cannot be used with base=: stage i of a job on a base trains on its base's stage i")
+        cutter = None if unit_bytes is None else UnitCutter(unit_bytes, torch.empty((), dtype=getattr(torch, options.dtype)).element_size())
         own = (lambda p: p.requires_grad) if base is not None else (lambda p: True)
         total = None
         if isinstance(stages, Sequence):  # known up front: let the server refuse before uploading
@@ -223,17 +234,35 @@ class Client:
         self._keys.add(signer)
         bar = progress_bar(progress, total, f"uploading {name}")
 
+        added = 0  # server stages uploaded
+
+        def add(spec: StageSpec, flat: torch.Tensor) -> None:
+            nonlocal added
+            self._chan.request(m.AddStage(session=session, index=added, spec=spec), m.Ok, tensor_frames(flat))
+            added += 1
+
         def upload(i: int, module: nn.Module) -> StageSpec:
             spec = layout_on(created.base_stages if base is not None else None, i, module, groups)
             flat = flatten(module, spec)
-            self._chan.request(m.AddStage(session=session, index=i, spec=spec), m.Ok, tensor_frames(flat))
+            if cutter is None:
+                add(spec, flat)
+            else:
+                for _, unit, unit_flat in cutter.add(spec, flat, has_buffers=any(p.buffer for p in spec.params)):
+                    assert unit_flat is not None
+                    add(unit, unit_flat)
             bar.update(sum(numel_of(p.shape) for p in spec.params))
             return spec
 
         try:
             _, chain = walk_chain(stages, upload, list(created.base_stages) if base is not None else None)
+            units = None
+            if cutter is not None:
+                for _, unit, unit_flat in cutter.finish():
+                    assert unit_flat is not None
+                    add(unit, unit_flat)
+                units = cutter.counts
             groups.check_all_used()
-            sealed, _ = self._chan.request(m.Seal(session=session), m.Attached, timeout_s=self.wait_timeout_s)
+            sealed, _ = self._chan.request(m.Seal(session=session, units=units), m.Attached, timeout_s=self.wait_timeout_s)
         except BaseException:
             try:  # leave nothing half-made on the server
                 self._chan.request(m.DropJob(session=session), m.Ok, timeout_s=5.0)
@@ -290,6 +319,13 @@ class Client:
             on_base = attached.options.base is not None
             base_stages = list(attached.base_stages) if on_base else None
             specs, chain = walk_chain(stages, lambda i, mod: layout_on(base_stages, i, mod, groups), base_stages)
+            if attached.options.units is not None:
+                units = Units(tuple(attached.options.units))
+                if len(specs) != units.stages:
+                    raise LayoutError(
+                        f"the given stages do not match job {name!r}: {len(specs)} stages given, the job has {units.stages}"
+                    )
+                specs = units.unit_specs(specs)
             theirs = list(attached.stages) if groups is not None else [without_groups(s) for s in attached.stages]
             mismatch = describe_mismatch(theirs, specs)
             if mismatch is not None:
@@ -407,8 +443,14 @@ class Job:
         self.name = attached.job
         self.session = attached.session
         self._signer = signer  # keeps the session's key in the client's keyring
-        self.specs: list[StageSpec] = list(attached.stages)
         self.options: m.JobOptions = attached.options
+        self.units: Units | None = None if attached.options.units is None else Units(tuple(attached.options.units))
+        """Coalesced stages (NOTE [Transfer units] in ``client/units.py``): which server stage holds
+        each stage; None when each stage is a server stage of its own."""
+        self.unit_specs: list[StageSpec] = list(attached.stages)
+        """The server's stages: the units' layouts (the stages' own without units)."""
+        self.specs: list[StageSpec] = list(self.unit_specs) if self.units is None else self.units.chain_specs(self.unit_specs)
+        """Each stage's layout (with units: its own part of its unit's, names without the prefix)."""
         """How the job trains (optimizer, dtype, delayed update, base...), as the server holds it."""
         self.base_stages: list[StageSpec] = list(attached.base_stages)
         self._token = token
@@ -416,7 +458,8 @@ class Job:
 
     @property
     def num_stages(self) -> int:
-        """Weight stages: what the server stores, updates and streams."""
+        """Weight stages: the modules given to ``create_job`` (their parameters' owners). The
+        server stores, updates and streams them one by one, or ``len(unit_specs)`` units of them."""
         return len(self.specs)
 
     @property
@@ -424,6 +467,20 @@ class Job:
         """The weight stage each chain position runs on (``[0, 1, ..., n-1]`` without ties);
         None for a job attached without its stages."""
         return None if self._chain is None else [stage for stage, _ in self._chain]
+
+    def _runner(self, stage: int, skeleton: nn.Module) -> StageRunner:
+        """The runner of a position on weight stage ``stage``: on its own server stage, on its
+        frozen base's, or on its unit (a view of its part, NOTE [Transfer units])."""
+        if self.units is not None:
+            unit = self.units.unit_of[stage]
+            return StageRunner(unit, skeleton, self.unit_specs[unit], prefix=f"{stage}.")
+        return StageRunner(
+            stage,
+            skeleton,
+            self.specs[stage],
+            base_spec=self.base_stages[stage] if self.base_stages else None,
+            frozen=frozen_params(stage, skeleton, self.base_stages[stage]) if self.base_stages else (),
+        )
 
     @property
     def num_params(self) -> int:
@@ -456,16 +513,7 @@ class Job:
             )
         groups = {"checkpointing": checkpointing, "transport": transport, "precision": precision, "parallelism": parallelism}
         chosen = trainer_options(groups, options)
-        runners = [
-            StageRunner(
-                stage,
-                skeleton,
-                self.specs[stage],
-                base_spec=self.base_stages[stage] if self.base_stages else None,
-                frozen=frozen_params(stage, skeleton, self.base_stages[stage]) if self.base_stages else (),
-            )
-            for stage, skeleton in self._chain
-        ]
+        runners = [self._runner(stage, skeleton) for stage, skeleton in self._chain]
         if not any(r.trains for r in runners):
             raise LayoutError(
                 f"job {self.name!r}: no chain position trains a parameter (every stage is frozen whole): "
@@ -481,7 +529,7 @@ class Job:
             wait_report_s=client.wait_report_s,
             job=self.name,
             token=self._token,
-            stages=tuple(self.specs),
+            stages=tuple(self.unit_specs),
             base_stages=tuple(self.base_stages),
             register=client._trainers.add,
             unregister=client._trainers.discard,
@@ -495,16 +543,25 @@ class Job:
         ``progress``: a progress bar on stderr (None: only when stderr is a terminal)."""
         out: dict[str, torch.Tensor] = {}
         with progress_bar(progress, self.num_params, f"pulling {self.name}") as bar:
-            for i, spec in enumerate(self.specs):
-                out.update({f"{i}.{name}": t for name, t in self.pull_stage(i).items()})
+            for j, spec in enumerate(self.unit_specs):
+                tensors = self._pull(j)  # with units, named "<stage>.<param>" already
+                out.update(tensors if self.units is not None else {f"{j}.{name}": t for name, t in tensors.items()})
                 bar.update(sum(numel_of(p.shape) for p in spec.params))
         return out
 
     def pull_stage(self, stage: int) -> dict[str, torch.Tensor]:
         """Stage ``stage``'s current fp32 weights, ``{param: tensor}``: one stage in memory at a
-        time, for exports of models larger than this process's memory."""
-        spec = self.specs[stage]
-        _, data = self.client._chan.request(m.Pull(session=self.session, stage=stage), m.Master)
+        time, for exports of models larger than this process's memory. With units, its unit is
+        pulled whole and cut (``state_dict`` pulls each unit once)."""
+        if self.units is None:
+            return self._pull(stage)
+        prefix = f"{stage}."
+        tensors = self._pull(self.units.unit_of[stage])
+        return {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+
+    def _pull(self, server_stage: int) -> dict[str, torch.Tensor]:
+        spec = self.unit_specs[server_stage]
+        _, data = self.client._chan.request(m.Pull(session=self.session, stage=server_stage), m.Master)
         return stage_tensors(spec, data)
 
     def save(self, timeout: float | None = None) -> tuple[int, str]:

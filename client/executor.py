@@ -48,7 +48,7 @@ from .loss_scale import LossScaler, all_finite, unscaled
 from .offload import HostMover
 from .plan_run import PlanRun, add_into
 from .plans import Op
-from .prefetch import Prefetcher
+from .prefetch import Fetched, Prefetcher
 from .push import GradientPusher
 from .rng import StageRng
 from .stages import Boundary, Buffers, StageRunner, as_boundary, join_lanes, lanes_of
@@ -96,26 +96,50 @@ class PlanExecutor:
         self.reader = allreduce is not None and allreduce.rank != 0  # a rank that pushes nothing
         self.tracer: Tracer | None = None  # set while ``Trainer.trace`` records a timeline
         self._mover: HostMover | None = None
+        self._resident: Fetched | None = None  # the last fetch, kept while positions on its stage follow
 
     def stages_of(self, positions: list[int]) -> list[int]:
-        """The weight stages to fetch for a plan's compute positions (its ``fetch_order``)."""
-        return [self.runners[p].stage for p in positions]
+        """The weight stages to fetch for a plan's compute positions (its ``fetch_order``): one
+        per run of consecutive positions on one stage, which share a fetch (``stage_weights``)."""
+        out: list[int] = []
+        for p in positions:
+            stage = self.runners[p].stage
+            if not out or out[-1] != stage:
+                out.append(stage)
+        return out
 
     @contextlib.contextmanager
     def stage_weights(
         self, stage: int, held: dict[int, torch.Tensor] | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         """Stage ``stage``'s weights and its frozen base's (if any), for the block's compute: held
-        for the whole step (a loop body, in ``held``), or the prefetcher's next fetch, released to
-        the ring once the block is done. A block that raises leaves the buffer to the step's
-        abort (the prefetcher's ``reset`` frees every buffer)."""
+        for the whole step (a loop body, in ``held``), or the prefetcher's next fetch. A fetch
+        stays *resident* after the block while the next compute is on the same stage (the
+        positions of a transfer unit, NOTE [Transfer units] in units.py; ``stages_of`` fetches
+        such a run once), and goes back to the ring when a block needs another stage or at
+        :meth:`end_fetches`. A block that raises leaves the buffer to the step's abort (the
+        prefetcher's ``reset`` frees every buffer; :meth:`forget_resident`)."""
         if held is not None and stage in held:
             yield held[stage], None
             return
-        prefetcher = self._streams.prefetcher
-        fetched = prefetcher.get(stage)
-        yield fetched.weights, fetched.base
-        prefetcher.release(fetched)
+        resident = self._resident
+        if resident is None or resident.stage != stage:
+            prefetcher = self._streams.prefetcher
+            if resident is not None:
+                self._resident = None
+                prefetcher.release(resident)
+            resident = self._resident = prefetcher.get(stage)
+        yield resident.weights, resident.base
+
+    def end_fetches(self) -> None:
+        """The step's (or forward's) last compute is done: give the resident fetch back."""
+        resident, self._resident = self._resident, None
+        if resident is not None:
+            self._streams.prefetcher.release(resident)
+
+    def forget_resident(self) -> None:
+        """After an abort: the prefetcher's ``reset`` freed every buffer, the resident one too."""
+        self._resident = None
 
     def close(self) -> None:
         if self._mover is not None:
@@ -187,7 +211,7 @@ class PlanExecutor:
             run.grad_out = grad_out
             del params
             self._done_with(run, i)
-            grads = run.add_grads(stage, runner.stage_grads(param_grads))
+            grads = run.add_grads(stage, len(runner.spec.params), runner.grad_indices, param_grads)
             if i == self.first_use[stage]:  # backward has no use of this stage left
                 del run.grads[stage]
                 self._push(run, runner, grads)
@@ -207,7 +231,7 @@ class PlanExecutor:
         run.grad_out = [None] * len(run.current[1])
         run.drop_current()
         self._done_with(run, i)
-        grads = run.add_grads(runner.stage, runner.stage_grads([]))
+        grads = run.add_grads(runner.stage, len(runner.spec.params), (), ())
         if i == self.first_use[runner.stage]:
             del run.grads[runner.stage]
             self._push(run, runner, grads)

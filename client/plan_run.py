@@ -110,13 +110,18 @@ class PlanRun:
         self._arriving_bytes += pending.nbytes
         self._account()
 
-    def add_grads(self, stage: int, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Add one position's gradients (``spec.params`` order) to its stage's sum; return the sum."""
+    def add_grads(
+        self, stage: int, size: int, indices: Sequence[int], grads: Sequence[torch.Tensor | None]
+    ) -> list[torch.Tensor | None]:
+        """Add one position's gradients to its stage's sum (``size`` entries, ``spec.params``
+        order): ``grads[k]`` goes to entry ``indices[k]``; return the sum. Only the position's own
+        entries are touched, so a unit of many stages costs each position its own parameters."""
         acc = self.grads.get(stage)
         if acc is None:
-            self.grads[stage] = acc = list(grads)
-            return acc
-        add_into(acc, grads)
+            self.grads[stage] = acc = [None] * size
+        for k, g in zip(indices, grads):
+            if g is not None:
+                acc[k] = g if acc[k] is None else acc[k].add_(g)
         return acc
 
     def _account(self) -> None:

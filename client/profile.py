@@ -106,7 +106,7 @@ def measure_profile(
     size (for the fetch bandwidth, which a zero-copy worker does not spend)."""
     runners = executor.runners
     device = executor.device
-    prefetcher.start(step, [r.stage for r in runners])
+    prefetcher.start(step, executor.stages_of(list(range(len(runners)))))
     forward_s: list[float] = []
     state_bytes: list[int] = []
     tape_bytes: list[int] = []
@@ -130,10 +130,13 @@ def measure_profile(
                 host_s += time.perf_counter() - t0
                 current = as_boundary(out)
     except BaseException:
+        executor.forget_resident()
         prefetcher.reset()
         raise
+    executor.end_fetches()
     elapsed = time.perf_counter() - t_fetch
-    weight_bytes = tuple(stage_bytes[r.stage] for r in runners)
+    # a position's own weights: its stage's, or its part of a unit (NOTE [Transfer units])
+    weight_bytes = tuple(stage_bytes[r.stage] * r.own_numel // max(r.spec.numel, 1) for r in runners)
     fetch_s = max(elapsed - sum(forward_s) - host_s, 1e-9)
     bandwidth = 0.0 if zero_copy else sum(weight_bytes) / fetch_s
     return StageCosts(

@@ -236,7 +236,8 @@ class StageRunner:
     ``stage`` is the weight stage (whose ``spec`` lays out the flat buffer); the skeleton may use
     only some of its parameters (a :class:`Tied` position), and only those become views. A stage
     of a job on a frozen base also reads ``frozen`` parameters from the base's flat weights
-    (``base_spec`` lays them out)."""
+    (``base_spec`` lays them out). With transfer units (``client/units.py``) ``stage`` is the
+    unit and the skeleton's parameter ``name`` is the unit's ``prefix + name``."""
 
     def __init__(
         self,
@@ -246,24 +247,33 @@ class StageRunner:
         *,
         base_spec: StageSpec | None = None,
         frozen: Iterable[str] = (),
+        prefix: str = "",
     ) -> None:
         self.stage = stage
         self.skeleton = skeleton
         self.spec = spec
         self.base_spec = base_spec
-        used = {name for name, _ in skeleton.named_parameters()}
+        self.prefix = prefix
+        cut = len(prefix)
+        used = {prefix + name for name, _ in skeleton.named_parameters()}
         # the trained parameters this position uses: its autograd leaves, in ``leaves`` order
         self._used = [k for k, p in enumerate(spec.params) if p.name in used and not p.frozen]
         self._views = [
-            (p.name, p.offset, numel_of(p.shape), tuple(p.shape), p.frozen) for p in spec.params if p.name in used
+            (p.name[cut:], p.offset, numel_of(p.shape), tuple(p.shape), p.frozen) for p in spec.params if p.name in used
         ]
-        named_buffers = {name for name, _ in skeleton.named_buffers()}
+        if prefix and len(self._views) != len(used):
+            missing = sorted(used - {p.name for p in spec.params})
+            raise LayoutError(f"stage {stage} has no parameter {missing[0]!r}: a bug in wstream (layouts were checked)")
+        named_buffers = {prefix + name for name, _ in skeleton.named_buffers()}
         # the stage's buffers this position runs with: (index in spec.params, name, offset, numel, shape, dtype)
         self._buffers = [
-            (k, p.name, p.offset, numel_of(p.shape), tuple(p.shape), DTYPE_OF_BUFFER[p.buffer])
+            (k, p.name[cut:], p.offset, numel_of(p.shape), tuple(p.shape), DTYPE_OF_BUFFER[p.buffer])
             for k, p in enumerate(spec.params)
             if p.buffer and p.name in named_buffers
         ]
+        # the elements of the server stage this position reads: its own part of a unit, else the stage
+        own = sum(n for _, _, n, _, _ in self._views) + sum(b[3] for b in self._buffers)
+        self.own_numel = own if prefix else spec.numel
         wanted = set(frozen)
         self._base_views = [
             (p.name, p.offset, numel_of(p.shape), tuple(p.shape))
@@ -342,6 +352,11 @@ class StageRunner:
 
     def call_with(self, params: dict[str, torch.Tensor], inputs: Boundary) -> Any:
         return torch.func.functional_call(self.skeleton, params, inputs)
+
+    @property
+    def grad_indices(self) -> list[int]:
+        """Where each of :meth:`leaves`' gradients goes in ``spec.params`` (PlanRun.add_grads)."""
+        return self._used
 
     def stage_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Gradients of the used trained parameters (in :meth:`leaves` order) spread over all of

@@ -272,6 +272,7 @@ class Trainer:
                 for op, i in planner.finish():  # position 0's backward pushes the sum over applications
                     ex.execute(run, op, i, loss_fn)
                 assert run.pushed, "the loop body's gradient was not pushed: a bug in wstream"
+            ex.end_fetches()
             self._commit(run)
         except BaseException:
             self._abort_step(run.pushed)
@@ -287,7 +288,7 @@ class Trainer:
         self._check_open()
         runners = self.executor.runners
         modes = [r.skeleton.training for r in runners]
-        self.connection.prefetcher.start(self._step, [r.stage for r in runners])
+        self.connection.prefetcher.start(self._step, self.executor.stages_of(list(range(len(runners)))))
         current = as_boundary(place(inputs, self.device, self.compute_dtype))  # as step() places them
         out: Any = None
         try:
@@ -297,7 +298,9 @@ class Trainer:
                 with self.executor.stage_weights(runner.stage) as (weights, base), torch.no_grad():
                     out = runner(weights, current, base)
                 current = as_boundary(out)
+            self.executor.end_fetches()
         except BaseException:
+            self.executor.forget_resident()
             self.connection.prefetcher.reset()
             raise
         finally:
@@ -380,6 +383,7 @@ class Trainer:
         try:
             for op, i in plan.actions:
                 ex.execute(run, op, i, loss_fn)
+            ex.end_fetches()
             self._commit(run)
         except (ServerUnavailable, SessionExpiredError):
             self._abort_step(run.pushed, recoverable=self.options.transport.reconnect_s > 0)
@@ -414,6 +418,7 @@ class Trainer:
 
     def _abort_step(self, pushed_any: bool, *, recoverable: bool = False) -> None:
         conn = self.connection
+        self.executor.forget_resident()
         conn.prefetcher.reset()
         if recoverable:  # the caller reconnects: the server discards this worker's step
             conn.pusher.forget_outstanding()

@@ -15,7 +15,7 @@ from msgspec import Meta, Struct
 
 from .lr_schedules import Constant, Schedule
 
-PROTOCOL_VERSION = 6
+PROTOCOL_VERSION = 7
 """Carried in every header; a server answers any other value with ``version_mismatch``.
 docs/protocol.md lists what changed in each version."""
 
@@ -23,6 +23,8 @@ docs/protocol.md lists what changed in each version."""
 MAX_HEADER_BYTES = 64 * 2**20
 MAX_STAGES = 1_000_000
 MAX_PARAMS_PER_STAGE = 65_536
+MAX_UNITS = 1 << 20
+"""The most server stages a ``JobOptions.units`` list may describe."""
 MAX_DIMS = 8
 MAX_NUMEL = 2**40
 MAX_GRAD_SLOTS = 64
@@ -209,6 +211,11 @@ class JobOptions(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     param_groups: Annotated[list[GroupSpec], Meta(max_length=MAX_PARAM_GROUPS)] = []
     """Parameter groups: a parameter whose ``ParamSpec.group`` is k >= 1 is updated with
     ``param_groups[k - 1]``'s weight decay and learning-rate scale."""
+    units: Annotated[list[Annotated[int, Meta(ge=1)]], Meta(max_length=MAX_UNITS)] | None = None
+    """Coalesced stages (protocol 7): the server's stage j holds ``units[j]`` consecutive stages of
+    the creator's chain, their parameters named ``"<chain stage>.<name>"`` (NOTE [Transfer units] in
+    ``client/units.py``). None: one server stage per chain stage. Only the clients read it; the
+    server checks at ``seal`` that it has one entry per stage. A creator gives it in ``seal``."""
 
     def __post_init__(self) -> None:
         if len(self.param_groups) > MAX_PARAM_GROUPS:
@@ -276,6 +283,10 @@ class AddStage(SessionMessage, tag="add_stage"):
 
 class Seal(SessionMessage, tag="seal"):
     """End creation: the job becomes ready for workers. Replied with ``attached``."""
+
+    units: Annotated[list[Annotated[int, Meta(ge=1)]], Meta(max_length=MAX_UNITS)] | None = None
+    """Protocol 7: the job's ``JobOptions.units``, known only once the chain is cut (a creator that
+    streams its stages from a generator learns it at the end); it replaces the options' field."""
 
 
 class Attach(Message, tag="attach"):

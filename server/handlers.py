@@ -306,7 +306,7 @@ class Handlers:
     def _on_seal(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing | None:
         assert isinstance(msg, m.Seal)
         _, job = self.sessions.job_session(msg.session)
-        job.seal()
+        job.seal(msg.units)
         log.info(
             "job %r sealed: %d stages, %d bytes reserved (%d bytes free)",
             job.name,

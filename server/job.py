@@ -218,7 +218,9 @@ class Job:
         self._trained += self.stages[-1].trained
         self.last_activity = time.monotonic()
 
-    def seal(self) -> None:
+    def seal(self, units: list[int] | None = None) -> None:
+        """Make the job ready for workers; ``units`` (protocol 7, from ``seal``) becomes its
+        ``options.units``."""
         if self.sealed:
             raise StateError(f"job {self.name!r} is already sealed")
         if not self.stages:
@@ -228,7 +230,15 @@ class Job:
                 f"job {self.name!r} has {len(self.stages)} stages; its base {self.base.name!r} has "
                 f"{len(self.base.stages)}: stage i of a job trains on top of stage i of its base"
             )
+        units = self.options.units if units is None else units
+        if units is not None and len(units) != len(self.stages):
+            raise LayoutError(
+                f"job {self.name!r} has {len(self.stages)} stages, but its options' units list {len(units)}: "
+                "one entry per stage (how many chain stages each holds)"
+            )
         self.published.seal()
+        if units is not None:
+            self.options = msgspec.structs.replace(self.options, units=list(units))
         self.sealed = True
 
     def close(self) -> None:

@@ -1,0 +1,181 @@
+"""Transfer units: consecutive small stages stored, streamed and updated as one server stage
+(NOTE [Transfer units] in client/units.py), trained to the very weights of one stage per unit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from test_equivalence import assert_weights_equal, reference_train
+from test_ties import TiedHead, batch as tied_batch, chain as tied_chain, loss_fn as tied_loss, reference as tied_reference
+from wstream.client import AdamW, Client, LayoutError, Tied
+from wstream.client.stages import spec_of
+from wstream.client.units import UnitCutter, Units, split_unit, unit_spec
+
+STEPS = 5
+LR, WD = 3e-3, 0.05
+
+
+def adamw(p):  # type: ignore[no-untyped-def]
+    return torch.optim.AdamW(p, lr=LR, weight_decay=WD)
+
+
+def test_a_unit_layout_is_its_stages_back_to_back_and_splits_back() -> None:
+    specs = [spec_of(i, m) for i, m in enumerate(models.mixed())]
+    unit = unit_spec(2, specs[2:5])
+    assert unit.numel == sum(s.numel for s in specs[2:5])
+    assert [p.name for p in unit.params][:3] == ["2.0.weight", "2.0.bias", "2.1.weight"]
+    assert split_unit(2, 3, unit) == [spec_of(i, m) for i, m in list(enumerate(models.mixed()))[2:5]]
+    units = Units((2, 3))
+    assert units.unit_of == (0, 0, 1, 1, 1) and units.first_of == (0, 2)
+    assert units.chain_specs(units.unit_specs(specs)) == specs
+    with pytest.raises(LayoutError, match="not named"):
+        split_unit(0, 2, unit)
+
+
+def test_units_are_cut_greedily_and_big_or_buffered_stages_stand_alone() -> None:
+    modules = [
+        nn.Linear(4, 4),  # 20 params (32 with alignment) = 128 B
+        nn.Linear(4, 4),
+        nn.Linear(4, 4),
+        nn.Linear(32, 32),  # over 256 B: alone
+        nn.Linear(4, 4),
+        nn.BatchNorm1d(4),  # buffers: alone
+        nn.Linear(4, 4),
+    ]
+    cutter = UnitCutter(256, 4)
+    closed = []
+    for i, mod in enumerate(modules):
+        spec = spec_of(i, mod)
+        closed += cutter.add(spec, None, has_buffers=any(p.buffer for p in spec.params))
+    closed += cutter.finish()
+    assert cutter.counts == [2, 1, 1, 1, 1, 1]
+    assert [first for first, _, _ in closed] == [0, 2, 3, 4, 5, 6]
+
+
+@pytest.mark.parametrize(
+    ("schedule", "mode"),
+    [("store_all", "zero-copy"), ("store_all", "shm-copy"), ("store_all", "frames"), ("revolve", "zero-copy"), ("dnc", "shm-copy")],
+)
+def test_a_job_of_units_trains_to_the_weights_of_plain_pytorch(client: Client, schedule: str, mode: str) -> None:
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    job = client.create_job("units", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t", unit_bytes=32 * 1024)
+    assert job.units is not None and sum(job.units.counts) == 5 and len(job.units.counts) < 5
+    assert max(job.units.counts) > 1  # some unit really holds several stages
+    assert job.num_stages == 5 and len(job.unit_specs) == len(job.units.counts)
+    status = {j.name: j for j in client.status().jobs}["units"]
+    assert status.stages == len(job.units.counts)  # what the server stores
+    transport = {"shm": mode != "frames", "zero_copy": mode == "zero-copy" if mode != "frames" else None}
+    options = {"slots": 1} if schedule == "revolve" else {}
+    with job.trainer(schedule=schedule, prefetch=1, **transport, **options) as trainer:
+        losses = [trainer.step(*models.batch("mixed", s), models.loss_fn) for s in range(STEPS)]
+        stats = trainer.stats()
+        fetch_order = trainer.planning.fetch_order
+    want_losses: list[float] = []
+    want = reference_train(start, adamw, "mixed", STEPS, losses=want_losses)
+    got = job.state_dict()
+    assert got.keys() == want.keys()  # the same names as a job without units
+    assert_weights_equal(got, want, atol=1e-6)
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    # one push per unit and step; one fetch per run of positions on one unit
+    assert stats.pushes == len(job.units.counts) * STEPS
+    assert stats.fetches == len(fetch_order) * STEPS
+    assert all(a != b for a, b in zip(fetch_order, fetch_order[1:]))
+    if schedule == "store_all":
+        assert len(fetch_order) == 2 * len(job.units.counts) - 1
+    # the chain-stage view: each stage's own tensors, as a job without units gives them
+    own = job.pull_stage(3)
+    assert own.keys() == {k.removeprefix("3.") for k in want if k.startswith("3.")}
+    for name, t in own.items():
+        torch.testing.assert_close(t, want[f"3.{name}"], rtol=0, atol=1e-6)
+
+
+def test_a_deep_chain_of_units_fetches_each_unit_once_per_pass(client: Client) -> None:
+    stages = models.deep(40, 16)
+    start = copy.deepcopy(stages)
+    job = client.create_job("deep", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t", unit_bytes=4096)
+    assert job.units is not None
+    units = len(job.units.counts)
+    assert units == 10  # 272 fp32 elements (1,088 B) per stage: four stages make a unit
+    with job.trainer(schedule="store_all") as trainer:
+        for s in range(STEPS):
+            x = torch.randn(16, 16, generator=torch.Generator().manual_seed(s))
+            trainer.step(x, torch.zeros(16, 16), models.loss_fn)
+        stats = trainer.stats()
+    assert stats.fetches == (2 * units - 1) * STEPS and stats.pushes == units * STEPS
+    ref = nn.Sequential(*start)
+    opt = adamw(ref.parameters())
+    for s in range(STEPS):
+        x = torch.randn(16, 16, generator=torch.Generator().manual_seed(s))
+        opt.zero_grad()
+        models.loss_fn(ref(x), torch.zeros(16, 16)).backward()
+        opt.step()
+    assert_weights_equal(job.state_dict(), ref.state_dict(), atol=1e-6)
+
+
+def test_a_worker_that_attaches_rebuilds_the_units_from_its_own_stages(client: Client) -> None:
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    job = client.create_job("att", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t", unit_bytes=32 * 1024)
+    with torch.device("meta"):
+        skeleton = models.mixed()
+    other = client.attach_job("att", token="t", stages=skeleton)
+    assert other.units == job.units and other.specs == job.specs
+    with other.trainer() as trainer:
+        for s in range(STEPS):
+            trainer.step(*models.batch("mixed", s), models.loss_fn)
+    assert_weights_equal(job.state_dict(), reference_train(start, adamw, "mixed", STEPS), atol=1e-6)
+    with torch.device("meta"):
+        fewer = models.mixed()[:4]
+    with pytest.raises(LayoutError, match="4 stages given, the job has 5"):
+        client.attach_job("att", token="t", stages=fewer)
+    with torch.device("meta"):
+        changed = models.mixed()
+        changed[3] = nn.Sequential(nn.Linear(48, 24))
+    with pytest.raises(LayoutError, match="do not match"):
+        client.attach_job("att", token="t", stages=changed)
+
+
+def test_a_tied_head_on_a_unit_trains_as_one_shared_parameter(client: Client) -> None:
+    embed, blocks = tied_chain()
+    want, want_losses = tied_reference(copy.deepcopy(embed), copy.deepcopy(blocks), 4)
+    job = client.create_job(
+        "tied", [embed, *blocks, Tied(0, TiedHead().to("meta"))], optimizer=AdamW(lr=1e-2, weight_decay=0.01),
+        token="t", unit_bytes=2**20,
+    )
+    assert job.units is not None and job.units.counts == (4,)  # one unit holds every stage
+    assert job.positions == [0, 1, 2, 3, 0]
+    with job.trainer(schedule="store_all") as trainer:
+        losses = [trainer.step(*tied_batch(s), tied_loss) for s in range(4)]
+        stats = trainer.stats()
+    assert stats.fetches == 4 and stats.pushes == 4  # the whole chain on one resident fetch
+    got = job.state_dict()
+    assert got.keys() == want.keys()
+    assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-5
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+
+
+def test_units_with_batchnorm_stages_keep_their_running_statistics(client: Client) -> None:
+    stages = models.batchnorm()
+    start = copy.deepcopy(stages)
+    job = client.create_job("bn", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t", unit_bytes=2**20)
+    assert job.units is not None and job.units.counts == (1, 1, 1)  # stages with buffers stand alone
+    with job.trainer() as trainer:
+        for s in range(STEPS):
+            trainer.step(*models.batch("batchnorm", s), models.loss_fn)
+    want = reference_train(start, adamw, "batchnorm", STEPS)
+    got = job.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k].to(want[k].dtype), want[k], rtol=0, atol=1e-5)
+
+
+def test_unit_bytes_is_refused_on_a_base(client: Client) -> None:
+    client.create_job("base", models.mixed(), token="b", frozen=True)
+    with pytest.raises(ValueError, match="unit_bytes cannot be used with base"):
+        client.create_job("on", models.mixed(), token="t", base="base", base_token="b", unit_bytes=4096)
