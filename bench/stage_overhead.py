@@ -10,6 +10,7 @@ until its updates are done. Printed per chain: the median step times, their rati
 overhead per stage, ``(wstream - plain) / n``.
 
     python bench/stage_overhead.py [--chains 100x48,1000x48,10000x48,60x256,30x1024] [--batch 16] [--steps 3]
+        [--unit-bytes auto|none|N]   # transfer units (client/units.py): the default, none, or N bytes
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.mse_loss(out, target)
 
 
-def measure(client: Client, n: int, width: int, batch: int, steps: int, cpu_threads: int | None) -> tuple[float, float]:
+def measure(
+    client: Client, n: int, width: int, batch: int, steps: int, cpu_threads: int | None, unit_bytes: str = "auto"
+) -> tuple[float, float]:
     """Median seconds per step of plain PyTorch and of wstream on the chain ``n x width``."""
     stages = chain(n, width)
     ref = nn.Sequential(*copy.deepcopy(stages))
@@ -51,7 +54,10 @@ def measure(client: Client, n: int, width: int, batch: int, steps: int, cpu_thre
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    job = client.create_job(f"chain-{n}x{width}", stages, optimizer=AdamW(lr=1e-4), token="b", progress=False)
+    job = client.create_job(
+        f"chain-{n}x{width}", stages, optimizer=AdamW(lr=1e-4), token="b", progress=False,
+        unit_bytes=None if unit_bytes == "none" else "auto" if unit_bytes == "auto" else int(unit_bytes),
+    )
     plain, streamed = [], []
     with job.trainer(schedule="store_all", cpu_threads=cpu_threads) as trainer:
         plain_step(*data[0])
@@ -63,7 +69,7 @@ def measure(client: Client, n: int, width: int, batch: int, steps: int, cpu_thre
             t0 = time.perf_counter()
             trainer.step(x, y, loss_fn)
             trainer.flush()
-            job.pull_stage(n - 1)  # its update is the last to run: the step's work is done
+            job.pull_stage(n - 1)  # its (unit's) update is the last to run: the step's work is done
             streamed.append(time.perf_counter() - t0)
     job.drop()
     return statistics.median(plain), statistics.median(streamed)
@@ -76,17 +82,22 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed steps of each side (after one warm-up step)")
     p.add_argument("--server-arg", action="append", default=[], help="an extra wstream-server argument (repeat)")
     p.add_argument("--cpu-threads", type=int, default=None, help="the worker's torch threads (default: the cores the server leaves)")
+    p.add_argument(
+        "--unit-bytes", default="auto",
+        help="create_job(unit_bytes=): 'auto' (the default, 1 MiB units), 'none' (a server stage per stage), or bytes",
+    )
     args = parse_args(p, smoke=dict(chains="4x16", steps=1))
     chains = [tuple(int(v) for v in c.split("x")) for c in args.chains.split(",")]
     print(f"machine: {machine()}")
     print(
         f"wstream-server arguments: {args.server_arg or 'defaults'}; worker threads: "
-        f"{args.cpu_threads or 'the cores the server leaves'}; batch {args.batch}; {args.steps} timed steps"
+        f"{args.cpu_threads or 'the cores the server leaves'}; batch {args.batch}; {args.steps} timed steps; "
+        f"unit_bytes {args.unit_bytes}"
     )
     print(f"{'chain':>12} {'plain ms/step':>14} {'wstream ms/step':>16} {'ratio':>7} {'overhead/stage':>15}")
     with server("--memory-limit", "16GiB", *args.server_arg) as address, Client(address, timeout=120) as client:
         for n, width in chains:
-            t_plain, t_ws = measure(client, n, width, args.batch, args.steps, args.cpu_threads)
+            t_plain, t_ws = measure(client, n, width, args.batch, args.steps, args.cpu_threads, args.unit_bytes)
             per_stage_us = (t_ws - t_plain) / n * 1e6
             print(
                 f"{f'{n}x{width}':>12} {t_plain * 1e3:14.1f} {t_ws * 1e3:16.1f} {t_ws / t_plain:7.2f} "

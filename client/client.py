@@ -6,7 +6,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import msgspec
 import torch
@@ -46,7 +46,7 @@ from .groups import GroupAssigner, ParamGroup, export_metadata
 from .job_options import job_options, options_difference
 from .options import Checkpointing, Parallelism, Precision, Transport, trainer_options
 from .stages import DTYPE_OF_BUFFER, StageRunner, Tied, flatten, frozen_params
-from .units import UnitCutter, Units
+from .units import AUTO_UNIT_BYTES, UnitCutter, Units
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -154,7 +154,7 @@ class Client:
         exist_ok: bool = False,
         progress: bool | None = None,
         param_groups: Sequence[ParamGroup] = (),
-        unit_bytes: int | None = None,
+        unit_bytes: int | Literal["auto"] | None = None,
         **option_fields: Any,
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
@@ -181,7 +181,8 @@ class Client:
         least this many bytes (in the compute dtype), each stored, fetched, pushed and updated by
         the server as one stage, while checkpoint plans still run over every stage (NOTE
         [Transfer units] in ``client/units.py``): for deep chains of small stages, where the cost
-        per server stage dominates. None (default): one server stage per stage. Not with ``base``.
+        per server stage dominates. ``"auto"``: 1 MiB units. None (default): one server stage
+        per stage. Not with ``base``. Units change no result, only what moves per message.
 
         ``exist_ok=True``: when a job of this name exists (a restarted rank, a rerun script),
         attach to it instead, without uploading anything, if ``token`` opens it and its layout and
@@ -208,9 +209,12 @@ class Client:
         base = options.base
         if (base is None) != (base_token is None):
             raise ValueError("base= and base_token= go together")
-        if unit_bytes is not None and base is not None:
+        if unit_bytes == "auto":
+            unit_bytes = None if base is not None or options.frozen else AUTO_UNIT_BYTES
+        elif unit_bytes is not None and base is not None:
             raise ValueError("unit_bytes cannot be used with base=: stage i of a job on a base trains on its base's stage i")
-        cutter = None if unit_bytes is None else UnitCutter(unit_bytes, torch.empty((), dtype=getattr(torch, options.dtype)).element_size())
+        itemsize = torch.empty((), dtype=getattr(torch, options.dtype)).element_size()
+        cutter = None if unit_bytes is None else UnitCutter(unit_bytes, itemsize)
         own = (lambda p: p.requires_grad) if base is not None else (lambda p: True)
         total = None
         if isinstance(stages, Sequence):  # known up front: let the server refuse before uploading
@@ -319,14 +323,15 @@ class Client:
             on_base = attached.options.base is not None
             base_stages = list(attached.base_stages) if on_base else None
             specs, chain = walk_chain(stages, lambda i, mod: layout_on(base_stages, i, mod, groups), base_stages)
-            if attached.options.units is not None:
+            theirs = list(attached.stages)
+            if attached.options.units is not None:  # compared stage by stage, named as the chain's
                 units = Units(tuple(attached.options.units))
                 if len(specs) != units.stages:
                     raise LayoutError(
                         f"the given stages do not match job {name!r}: {len(specs)} stages given, the job has {units.stages}"
                     )
-                specs = units.unit_specs(specs)
-            theirs = list(attached.stages) if groups is not None else [without_groups(s) for s in attached.stages]
+                theirs = units.chain_specs(theirs)
+            theirs = theirs if groups is not None else [without_groups(s) for s in theirs]
             mismatch = describe_mismatch(theirs, specs)
             if mismatch is not None:
                 raise LayoutError(f"the given stages do not match job {name!r}: {mismatch}")

@@ -28,6 +28,8 @@ def options_difference(theirs: m.JobOptions, ours: m.JobOptions) -> str | None:
             log.warning("the job's %s differ from those given (changed on the live job?); the job's are kept", changed)
         ours = msgspec.structs.replace(ours, optimizer=msgspec.structs.replace(ours.optimizer, **live))
     for field in m.JobOptions.__struct_fields__:
+        if field == "units":  # how the stages are cut for transfer, not how the job trains (a layout
+            continue  # matter, compared stage by stage at attach; client/units.py)
         a, b = getattr(theirs, field), getattr(ours, field)
         if a != b:
             return f"{field}: the job has {a!r}, asked {b!r}"

@@ -38,6 +38,10 @@ from wstream.protocol.layout import build_stage_spec
 from wstream.protocol.messages import MAX_PARAMS_PER_STAGE
 
 
+AUTO_UNIT_BYTES = 1 << 20
+"""``create_job(unit_bytes="auto")``'s size (the default): stages under 1 MiB are coalesced."""
+
+
 def unit_spec(first: int, specs: Sequence[StageSpec]) -> StageSpec:
     """The layout of a unit holding chain stages ``first, first + 1, ...`` laid out as ``specs``
     (rule 2): their parameters back to back, each named ``"<chain stage>.<name>"``."""

@@ -137,8 +137,11 @@ def test_a_worker_that_attaches_rebuilds_the_units_from_its_own_stages(client: C
     with torch.device("meta"):
         changed = models.mixed()
         changed[3] = nn.Sequential(nn.Linear(48, 24))
-    with pytest.raises(LayoutError, match="do not match"):
+    with pytest.raises(LayoutError, match="do not match job 'att': stage 3"):  # the chain's stage, not its unit
         client.attach_job("att", token="t", stages=changed)
+    # create_job(exist_ok=True) attaches to the job of units, whatever unit_bytes it is given
+    again = client.create_job("att", models.mixed(), optimizer=AdamW(lr=LR, weight_decay=WD), token="t", exist_ok=True)
+    assert again.units == job.units
 
 
 def test_a_tied_head_on_a_unit_trains_as_one_shared_parameter(client: Client) -> None:
