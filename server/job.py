@@ -512,6 +512,8 @@ class Job:
             st.gathered.add(worker.id)
             st.sumsq = (self.attempt, 1, msg.sumsq)
             self.counters.held_gradients += 1
+            now = time.monotonic_ns()  # taken without a task: an instant in the gather category
+            self.timeline.add(f"held {st.index}", "gather", "held gradients", now, now, st.index, self.open_step)
             return self._check_complete([st], submit)
         st.gathering += 1
         submit(GatherTask(self, st, worker.id, source, self.attempt, expected, msg.sumsq if expected == 1 else None))
