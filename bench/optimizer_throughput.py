@@ -1,10 +1,20 @@
 """(2) The server's per-stage update vs torch.optim.AdamW(fused=True) on a flat tensor.
 
-Runs the server's own per-stage work of one step on a real `Job`: each worker's gradient added into
-the stage's accumulator (`GatherTask.run`, the last one also taking the norm for clipping), then
-`UpdateTask.run` (mean and clip folded into fused AdamW on the fp32 master, publication) and, as the baseline, a bare
-`torch.optim.AdamW([p], fused=True).step()` on a flat tensor of the same size, alternately in this
-process. Ratio = baseline time / wstream time (1.0 = as fast as bare fused AdamW).
+Runs the server's own per-stage work of one step on a real `Job`, as the job hands it to its pool
+(NOTE [Held gradient slots] in server/job.py):
+
+* *held* (a lone worker's push that sent its norm, where the ring allows: always for the step's
+  last pushes): no gather; `UpdateTask.run` reads the gradient in place from the worker's slot
+  (mean and clip folded into fused AdamW on the fp32 master, publication);
+* *gathered, worker's norm* (a lone worker's earlier pushes when the ring is smaller than the
+  step): `GatherTask.run` copies the slot into the stage's accumulator, then the update;
+* *gathered, server's norm* (before protocol 7, or a push without its norm): the copy and a norm
+  pass over the accumulator, then the update;
+* W workers: each gradient added into the accumulator, the last gather taking the norm of the
+  sum, then the update on the mean.
+
+As the baseline, a bare `torch.optim.AdamW([p], fused=True).step()` on a flat tensor of the same
+size, alternately in this process. Ratio = baseline time / wstream time (1.0 = as fast as bare fused AdamW).
 
 Where DeepSpeed is installed (``pip install deepspeed``; its CPU Adam op is built by its JIT with
 the host's C++ compiler on first use, about a minute), its bare ``DeepSpeedCPUAdam`` step on the
@@ -27,27 +37,39 @@ from common import machine, median_time, parse_args
 from wstream.protocol import AdamW
 from wstream.protocol import messages as m
 from wstream.protocol.layout import build_stage_spec
+from wstream.protocol.shm import create_segment, map_segment, unlink_segment
 from wstream.server.job import Job
 from wstream.server.stage_state import GatherTask, UpdateTask
 from wstream.server.memory import MemoryAccount
 
 
-def make_job(numel: int, *, double_buffer: bool, workers: int) -> tuple[Job, Callable[[], None]]:
+def make_job(numel: int, *, double_buffer: bool, workers: int, path: str = "held") -> tuple[Job, Callable[[], None]]:
+    """``path``: "held", "gathered" (the worker's norm) or "measured" (the server's norm); W > 1
+    workers are always gathered."""
     options = m.JobOptions(optimizer=AdamW(lr=1e-4), double_buffer=double_buffer)
     created = m.CreateJob(name="b", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=options)
     job = Job.create(created, MemoryAccount(2**40))
     spec = build_stage_spec("0", [("w", (numel,))])
     job.add_stage(m.AddStage(session=b"s" * 16, index=0, spec=spec), [zmq.Frame(torch.randn(spec.numel).numpy().tobytes())])
     job.seal()
-    grads = [torch.randn(spec.numel) * 1e-3 for _ in range(workers)]
+    # each worker's gradient in a shared-memory slot, as in its ring (unlinked at once: mapped)
+    grads = []
+    for _ in range(workers):
+        segment = create_segment(spec.numel * 4)
+        grads.append(map_segment(segment, spec.numel * 4)[: spec.numel * 4].view(torch.float32))
+        unlink_segment(segment)
+        grads[-1].copy_(torch.randn(spec.numel) * 1e-3)
     st = job.stages[0]
-    gathers = [GatherTask(job, st, w, g, job.attempt, workers) for w, g in enumerate(grads)]
-    update = UpdateTask(job, st, grad_scale=float(workers), lr=1e-4)
+    held = workers == 1 and path == "held"
+    sumsq = float(torch.linalg.vector_norm(grads[0])) ** 2 if workers == 1 and path == "gathered" else None
+    gathers = [] if held else [GatherTask(job, st, w, g, job.attempt, workers, sumsq) for w, g in enumerate(grads)]
+    update = UpdateTask(job, st, grad_scale=float(workers), lr=1e-4, source=grads[0] if held else None)
 
     def one_stage_step() -> None:
         """Everything the server does to one stage in one step: add each worker's gradient into
-        the accumulator (the last one also takes its norm), then the update and its publication.
-        run() does not flip the version (the loop does), so this can be repeated."""
+        the accumulator (the last one also takes its norm) unless the slot is held, then the
+        update and its publication. run() does not flip the version (the loop does), so this
+        can be repeated."""
         st.acc = (-1, 0)
         for g in gathers:
             g.run()
@@ -76,15 +98,17 @@ def main() -> None:
         print(f"DeepSpeedCPUAdam (adamw_mode), flat tensor: {numel / t_ds / 1e9:5.2f} G params/s")
 
     cases = [
-        ("1 worker, fp32 published in place (default)", False, 1),
-        ("1 worker, double-buffered publish", True, 1),
-        ("2 workers (mean of gradients)", False, 2),
+        ("1 worker, held (read in place), fp32 in place", False, 1, "held"),
+        ("1 worker, gathered, worker's norm", False, 1, "gathered"),
+        ("1 worker, gathered, server's norm (protocol 6)", False, 1, "measured"),
+        ("1 worker, held, double-buffered publish", True, 1, "held"),
+        ("2 workers (mean of gradients)", False, 2, "gathered"),
     ]
-    for label, double, workers in cases:
-        job, one_stage_step = make_job(numel, double_buffer=double, workers=workers)
+    for label, double, workers, path in cases:
+        job, one_stage_step = make_job(numel, double_buffer=double, workers=workers, path=path)
         t = median_time(one_stage_step, repeat=args.repeat)
         t_base = median_time(opt.step, repeat=args.repeat)  # re-measured next to each case
-        line = f"wstream update, {label:45}: {numel / t / 1e9:5.2f} G params/s   ratio {t_base / t:.2f}"
+        line = f"wstream update, {label:48}: {numel / t / 1e9:5.2f} G params/s   ratio {t_base / t:.2f}"
         if ds_step is not None:
             line += f"   vs DeepSpeed {median_time(ds_step, repeat=args.repeat) / t:.2f}"
         print(line)

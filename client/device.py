@@ -30,14 +30,14 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
 
 from wstream.protocol import StageSpec
 from wstream.protocol.frames import copy_frames_into
-from wstream.protocol.layout import push_layout
+from wstream.protocol.layout import grad_layout, push_layout
 from wstream.protocol.units import format_bytes
 
 from .stages import scatter_grads
@@ -313,6 +313,7 @@ class GradientStager:
         self.engine = engine
         staged = device.type != "cpu" if staged is None else staged
         self.buffers = [torch.empty(max_numel, dtype=torch.float32, device=device) for _ in range(2)] if staged else []
+        self._pinned = device.type == "cuda"
         self._last: list[CopyTicket] = [DONE, DONE]
         self._next = 0
 
@@ -324,18 +325,40 @@ class GradientStager:
         """Start writing ``grads`` into ``slot``'s first ``push_layout(spec).numel`` elements (the
         stage's gradient, in which frozen parameters have none, then its buffers' values); the
         ticket says when it is there."""
+        return self.write_measured(slot, spec, grads)[0]
+
+    def write_measured(
+        self, slot: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor | None]
+    ) -> tuple[CopyTicket, Callable[[], float]]:
+        """:meth:`write`, and the squared norm of the gradient part, the float a push carries
+        (``Push.sumsq``): ``float(torch.linalg.vector_norm(g)) ** 2`` of the fp32 gradient
+        written (buffers left out). On a CPU worker it is measured on the slot at once; staged,
+        on the device buffer on the compute stream, its one float copied with the gradient. Call
+        the function once the ticket is done."""
         numel = push_layout(spec).numel
+        grad_numel = grad_layout(spec).numel
         if not self.buffers:
             scatter_grads(slot[:numel], spec, grads)
-            return DONE
+            sumsq = squared_norm(slot[:grad_numel])
+            return DONE, lambda: sumsq
         k = self._next
         self._next = 1 - k
         self._last[k].wait_stream()  # the compute stream waits until its last D2H has read it
         buf = self.buffers[k][:numel]
         scatter_grads(buf, spec, grads)
-        ticket = self.engine.copy(slot[:numel], buf, after=[self.engine.mark()])
-        self._last[k] = ticket
-        return ticket
+        norm = torch.linalg.vector_norm(buf[:grad_numel])  # on the compute stream, before the mark
+        host = torch.empty((), dtype=torch.float32, pin_memory=self._pinned)  # one per push: read later
+        after = [self.engine.mark()]
+        self._last[k] = self.engine.copy(slot[:numel], buf, after=after)
+        ticket = self.engine.copy(host, norm, after=after)  # the same stream, after the gradient
+        kept = (host, norm)  # ``norm`` lives until the copy stream has read it (the ticket)
+        return ticket, lambda: float(kept[0]) ** 2
+
+
+def squared_norm(grad: torch.Tensor) -> float:
+    """``float(torch.linalg.vector_norm(grad)) ** 2``: a float32 L2 norm, squared in float64 (the
+    server's ``squared_norm``, which a push's ``sumsq`` stands in for)."""
+    return float(torch.linalg.vector_norm(grad)) ** 2
 
 
 def host_staging(device: torch.device) -> bool:

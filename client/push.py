@@ -9,6 +9,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
 import torch
 import zmq
 
@@ -34,6 +35,8 @@ class _Unsent:
     message: m.Push | m.Commit
     frames: list[object]
     ticket: CopyTicket
+    sumsq: Callable[[], float] | None = None
+    """The push's ``sumsq`` (the gradient's squared norm), read once the ticket is done."""
 
 
 @dataclass(slots=True)
@@ -85,11 +88,11 @@ class GradientPusher:
         slot = self._acquire(stage)
         t0 = time.monotonic_ns()
         numel = push_layout(spec).numel  # the stage's gradient (frozen parameters have none), then its buffers
-        ticket = self._stager.write(self._slots[slot], spec, grads)
+        ticket, sumsq = self._stager.write_measured(self._slots[slot], spec, grads)
         frames: list[object] = [] if self._shm else list(tensor_frames(self._slots[slot][:numel]))
         msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
         with self._cond:
-            self._unsent.append(_Unsent(msg, frames, ticket))
+            self._unsent.append(_Unsent(msg, frames, ticket, sumsq))
         self._wake.wake()
         if self._sc.tracer is not None:
             self._sc.tracer.add(f"grad copy {stage}", "push", "compute", t0, stage=stage, step=step)
@@ -201,9 +204,12 @@ class GradientPusher:
                 return False
             item = self._unsent[0]
         item.ticket.synchronize()
-        sent = time.monotonic_ns()
-        rid = chan.send(item.message, item.frames, copy=False)
         msg = item.message
+        if item.sumsq is not None:  # the server may take it for the stage's norm (NOTE [Held gradient slots])
+            assert isinstance(msg, m.Push)
+            msg = msgspec.structs.replace(msg, sumsq=item.sumsq())
+        sent = time.monotonic_ns()
+        rid = chan.send(msg, item.frames, copy=False)
         with self._cond:
             if self._unsent and self._unsent[0] is item:  # not forgotten meanwhile
                 self._unsent.popleft()

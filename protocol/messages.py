@@ -333,6 +333,15 @@ class Push(SessionMessage, tag="push"):
     numel: Numel
     dtype: Dtype = "float32"
     nframes: FrameCount = 0
+    sumsq: float | None = None
+    """The squared L2 norm of the slot's gradient part (its first ``grad_layout(stage).numel``
+    elements, buffers left out), as the worker measured it: ``float(torch.linalg.vector_norm(g))
+    ** 2`` of those fp32 elements (a float32 norm, squared in float64), or nan/inf when the gradient
+    is not finite. When this worker is the only one the step waits for, the server takes this
+    float as the stage's share of the global norm instead of reading the gradient again (protocol
+    7; None: the server measures it); the server may then read the gradient from the slot in place
+    until the stage's update (NOTE [Held gradient slots] in server/job.py) and answer ``pushed``
+    only then."""
 
 
 class Commit(SessionMessage, tag="commit"):
@@ -479,8 +488,10 @@ class Weights(Message, tag="weights"):
 
 
 class Pushed(Message, tag="pushed"):
-    """The gradient is added into the stage's accumulator for the step and ``slot`` is free again
-    (the update itself waits for the step's commit: see ``commit``)."""
+    """The gradient is taken and ``slot`` is free again: added into the stage's accumulator for
+    the step (the update itself waits for the step's commit: see ``commit``), or, for a slot the
+    server held (NOTE [Held gradient slots] in server/job.py), read by the stage's update, which
+    is done."""
 
     stage: StageIndex
     step: Step

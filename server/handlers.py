@@ -348,7 +348,7 @@ class Handlers:
     def _on_push(self, identity: bytes, msg: m.Message, data: list[Any]) -> None:
         assert isinstance(msg, m.Push)
         s, job = self.sessions.job_session(msg.session)
-        job.push(msg, data, identity, job.worker_of(s.id), self.submit)
+        self.outbox.send_all(job.push(msg, data, identity, job.worker_of(s.id), self.submit))
 
     def _on_commit(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing | None:
         assert isinstance(msg, m.Commit)

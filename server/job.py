@@ -52,6 +52,35 @@ its workers in :mod:`~wstream.server.workers`; this module keeps the rules that 
 # 6. A delayed-update job may push (i, t + 1) while stage i is still at t (its forward read
 #    t - 1); such a push is held (``waiting_push``) until the stage reaches t + 1.
 #
+# NOTE [Held gradient slots]
+# A step's gradient must live somewhere from its push to its commit. With several workers it is
+# their sum, in the stage's accumulator ``grad`` (a gather copies or adds each slot into it and
+# frees the slot). With one worker the sum *is* its slot, so the copy (8 bytes/parameter, plus 4
+# for the norm) is avoidable: the update can read the slot in place. But the ring is small (2
+# slots by default) and a step pushes every trained stage, so slots held until the commit would
+# leave the worker without a free slot before its last push, and the commit waits for that push:
+# a deadlock. So a push is *held* only when holding cannot block the worker:
+# 1. It carries its norm (``Push.sumsq``: the worker measured its gradient, so no server pass
+#    does), the job is not delayed (its updates of step t run during step t + 1) and its worker
+#    is the only one the open step waits for (the start barrier opened; ``expected`` can only
+#    shrink once a gradient of the step is accepted: a worker joining then trains the next step,
+#    NOTE [The step commit point] rule 5).
+# 2. ``held + 1 + remaining <= ring``: the worker's slots held already (by this step or an
+#    update of the last one still running), this one, and one for each push the worker still owes
+#    the step (trained stages it has not pushed yet) fit in its ring. Every later push then finds
+#    a slot that no hold keeps (gathered slots come back without waiting for anything), so the
+#    worker never waits on a hold before its commit. In a backward pass this holds the step's
+#    last ``ring`` pushes: stages 0, 1 of a chain, which the next step's forward reads first.
+# 3. A held push counts as gathered at once (its norm is the worker's); the stage's update
+#    reads the gradient (and the buffers' values) from the slot and answers ``pushed`` when it is
+#    done, which frees the slot. A step discarded before its commit answers held pushes with the
+#    error as it does pending ones; a committed step's held slot stays mapped (the server holds
+#    its own mapping) until its update, even when its worker left meanwhile.
+# Otherwise the push is gathered as before; a lone worker's norm still spares the gather's norm
+# pass. The norm each stage adds to the global one is the same float either way: the fp32
+# ``vector_norm`` of that stage's gradient sum, squared in float64 (``squared_norm``; the worker
+# computes it on its slot, which with one worker is that sum).
+#
 # NOTE [Buffers]
 # A stage's buffers (``ParamSpec.buffer``: BatchNorm's running statistics and count) are frozen
 # entries of its layout: in the master, published, snapshotted and pulled like weights, with no
@@ -101,6 +130,7 @@ from .stage_state import (
     Deferred,
     DeferredPush,
     GatherTask,
+    HeldPush,
     NormTask,
     PoolTask,
     StageState,
@@ -254,6 +284,9 @@ class Job:
                 error(d.identity, d.request_id)
             for p in st.pending.values():
                 error(p.identity, p.request_id)
+            if st.held is not None:
+                error(st.held.push.identity, st.held.push.request_id)
+                st.held = None
             for w in st.waiting_push:
                 error(w.identity, w.msg.id)
             st.waiting_fetch.clear()
@@ -386,6 +419,13 @@ class Job:
             for p in st.pending.values():  # their gathers add nothing now; the slots die with the sessions
                 out.append(Outgoing.error(p.identity, p.request_id, gone))
             st.pending = {}
+            if st.held is not None and st.held.attempt == self.attempt - 1:  # of the discarded step
+                out.append(Outgoing.error(st.held.push.identity, st.held.push.request_id, gone))
+                held_by = self.workers.get(st.held.worker)
+                if held_by is not None:
+                    held_by.held.discard(st.held.push.slot)
+                    held_by.busy.discard(st.held.push.slot)
+                st.held = None
         for d, _ in self.waiting_commit:
             out.append(Outgoing.error(d.identity, d.request_id, gone))
         self.waiting_commit = []
@@ -431,18 +471,20 @@ class Job:
         base = self.base.stages[st.index] if self.base is not None else None
         return st.weights_reply(version, identity, request_id, shm, base, self.counters.served)
 
-    def push(self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker, submit: Submit) -> None:
+    def push(self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker, submit: Submit) -> list[Outgoing]:
+        """Accept a gradient (its gather queued, or its slot held); returns the replies of a step
+        that this push completes (a held push may commit the step at once)."""
         st = self.stage(msg.stage)
         if self.options.delayed_update and st.version < msg.step <= self.open_step + 1:
             if len(st.waiting_push) >= len(worker.slots) * max(1, len(self.workers)):
                 raise StateError(f"too many pushes held for stage {st.index}: wait for their replies")
             st.waiting_push.append(DeferredPush(msg, frames, identity, worker))  # NOTE rule 6
-            return
-        self._accept_push(st, msg, frames, identity, worker, submit)
+            return []
+        return self._accept_push(st, msg, frames, identity, worker, submit)
 
     def _accept_push(
         self, st: StageState, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker, submit: Submit
-    ) -> None:
+    ) -> list[Outgoing]:
         if msg.step != self.open_step and msg.step == st.version:
             raise StaleStepError(
                 f"gradient of stage {msg.stage} step {msg.step}: the job gathers step {self.open_step}"
@@ -452,10 +494,30 @@ class Job:
         self.counters.gradients += 1
         assert st.grad is not None
         self.counters.gradient_bytes += st.grad.numel() * 4
-        st.gathering += 1
-        expected = len(self.worker_table.expected(self.open_step)) if self.worker_table.started else 0
+        attempt, pushes = worker.pushes
+        pushes = pushes + 1 if attempt == self.attempt else 1
+        worker.pushes = (self.attempt, pushes)
+        expected_set = self.worker_table.expected(self.open_step) if self.worker_table.started else set()
+        expected = len(expected_set)
         source = worker.slots[pending.slot][: st.grad.numel()]
-        submit(GatherTask(self, st, worker.id, source, self.attempt, expected))
+        if (  # NOTE [Held gradient slots] rules 1 and 2
+            msg.sumsq is not None
+            and not self.options.delayed_update
+            and expected_set == {worker.id}
+            and len(worker.held) + 1 + (self._trained - pushes) <= len(worker.slots)
+        ):
+            del st.pending[worker.id]
+            st.held = HeldPush(worker.id, pending, source, self.attempt)
+            worker.held.add(pending.slot)
+            st.gathered.add(worker.id)
+            st.sumsq = (self.attempt, 1, msg.sumsq)
+            self.counters.held_gradients += 1
+            now = time.monotonic_ns()  # taken without a task: an instant in the gather category
+            self.timeline.add(f"held {st.index}", "gather", "held gradients", now, now, st.index, self.open_step)
+            return self._check_complete([st], submit)
+        st.gathering += 1
+        submit(GatherTask(self, st, worker.id, source, self.attempt, expected, msg.sumsq if expected == 1 else None))
+        return []
 
     def commit(self, msg: m.Commit, identity: bytes, worker: Worker) -> Outgoing | None:
         """Answer when step ``msg.step`` commits (held until then; a delayed job's worker may
@@ -551,7 +613,10 @@ class Job:
             st.updating = True
             self._updating += 1
             st.gathered.clear()
-            submit(UpdateTask(self, st, grad_scale=workers / clip, lr=lr, apply=not skipped, workers=workers, submitted_ns=now))
+            source = st.held.source if st.held is not None else None
+            submit(UpdateTask(
+                self, st, grad_scale=workers / clip, lr=lr, apply=not skipped, workers=workers, source=source, submitted_ns=now,
+            ))
         self.open_step = t + 1
         self.attempt += 1  # the accumulators start again for the next step
         self.contributors.clear()
@@ -577,24 +642,40 @@ class Job:
             for d in waiting:
                 if d.worker is not None:
                     d.worker.waiting -= 1
-            return [Outgoing.error(d.identity, d.request_id, failed) for d in waiting]
+            held = [Outgoing.error(o.identity, o.message.id, failed) for o in self._release_held(st)]
+            return [Outgoing.error(d.identity, d.request_id, failed) for d in waiting] + held
+        out = self._release_held(st)
         self._set_version(st, st.version + 1)
         if task.apply:
             self.counters.optimizer.observe(task.seconds)
             st.updates += 1
             st.optimizer_s += task.seconds
             st.last_optimizer_s = task.seconds
-        out = self._answer_waiters(st)
+        out += self._answer_waiters(st)
         held = st.waiting_push
         st.waiting_push = []
         for d in held:  # NOTE rule 6: a delayed job's pushes of the step the stage reached now
             if d.worker.id not in self.workers:
                 continue
             try:
-                self._accept_push(st, d.msg, d.frames, d.identity, d.worker, submit)
+                out += self._accept_push(st, d.msg, d.frames, d.identity, d.worker, submit)
             except Exception as exc:  # answered as the push would have been
                 out.append(Outgoing.error(d.identity, d.msg.id, exc))
         return out
+
+    def _release_held(self, st: StageState) -> list[Outgoing]:
+        """The stage's update has read its held slot: free it and answer its push (NOTE [Held
+        gradient slots] rule 3)."""
+        h = st.held
+        if h is None:
+            return []
+        st.held = None
+        w = self.workers.get(h.worker)
+        if w is None:  # it left after the commit: its session is gone, nobody waits for the reply
+            return []
+        w.held.discard(h.push.slot)
+        w.busy.discard(h.push.slot)
+        return [Outgoing(h.push.identity, m.Pushed(id=h.push.request_id, stage=st.index, step=st.version, slot=h.push.slot))]
 
     def _set_version(self, st: StageState, version: int) -> None:
         old = st.version

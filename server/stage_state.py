@@ -56,6 +56,18 @@ class PendingPush:
 
 
 @dataclass(slots=True)
+class HeldPush:
+    """A lone worker's gradient read in place from its slot by the stage's update (NOTE [Held
+    gradient slots] in job.py): ``pushed`` is answered when that update is done."""
+
+    worker: int
+    push: PendingPush
+    source: torch.Tensor
+    """The slot's first push-layout elements: the gradient, then the buffers' values."""
+    attempt: int
+
+
+@dataclass(slots=True)
 class DeferredPush:
     """A push of a delayed-update job that came before its stage reached its step (NOTE [The
     step commit point] in job.py, rule 6): accepted once the stage's update to it is done."""
@@ -110,7 +122,11 @@ class StageState:
     ``grad_lock``; a task of a newer attempt starts the sum again."""
     sumsq: tuple[int, int, float] | None = None
     """(attempt, gradients, squared L2 norm of ``grad``), computed by the gather task that added
-    the last expected gradient (or by a :class:`NormTask`)."""
+    the last expected gradient (or by a :class:`NormTask`), or sent by the step's only worker
+    with its push (``Push.sumsq``)."""
+    held: HeldPush | None = None
+    """The open or committed step's gradient when it stays in its worker's slot (NOTE [Held
+    gradient slots] in job.py): the update reads it there, and ``grad`` is not used."""
     updates: int = 0
     optimizer_s: float = 0.0
     last_optimizer_s: float = 0.0
@@ -202,6 +218,8 @@ class StageState:
             )
         if msg.dtype != "float32":
             raise GradientError(f"{where}: dtype {msg.dtype}; this server takes float32 gradients")
+        if msg.sumsq is not None and msg.sumsq < 0:
+            raise GradientError(f"{where}: a squared norm of {msg.sumsq} (it is never negative)")
         if worker.shm and frames:
             raise GradientError(f"{where}: a shared-memory worker sends no data frame (the slot holds it)")
         if not worker.shm:
@@ -225,6 +243,9 @@ class GatherTask:
     source: torch.Tensor
     attempt: int
     expected: int
+    sumsq: float | None = None
+    """The worker's squared norm of its gradient (``Push.sumsq``): the stage's when it is the only
+    gradient expected, so that no pass over the sum is needed."""
     seconds: float = 0.0
     submitted_ns: int = field(default_factory=time.monotonic_ns)
     started_ns: int = 0
@@ -248,7 +269,8 @@ class GatherTask:
                 count += 1
                 st.acc = (self.attempt, count)
                 if count == self.expected:
-                    st.sumsq = (self.attempt, count, squared_norm(st.gradient))
+                    norm = self.sumsq if count == 1 and self.sumsq is not None else squared_norm(st.gradient)
+                    st.sumsq = (self.attempt, count, norm)
         self.seconds = time.perf_counter() - t0
         return self
 
@@ -295,6 +317,9 @@ class UpdateTask:
     lr: float | None = None
     apply: bool = True
     workers: int = 1
+    source: torch.Tensor | None = None
+    """The step's gradient (then the buffers) when it is read in place from a held slot; None:
+    the stage's accumulator ``grad``."""
     seconds: float = 0.0
     submitted_ns: int = field(default_factory=time.monotonic_ns)
     started_ns: int = 0
@@ -310,13 +335,14 @@ class UpdateTask:
             snap.capture_before_update(st.index, st.lock, st.capture, st.state_nbytes)
         with st.lock:
             if self.apply and st.grad is not None:
-                st.optimizer.step(st.gradient, grad_scale=None if self.grad_scale == 1.0 else self.grad_scale, lr=self.lr)
+                grad = st.grad if self.source is None else self.source
+                st.optimizer.step(grad[: st.grad_numel], grad_scale=None if self.grad_scale == 1.0 else self.grad_scale, lr=self.lr)
                 for master_at, at, n, counts in st.buffers:  # the workers' mean (the sum divided: exact for W = 1)
                     target = st.master[master_at : master_at + n]
                     if counts:
-                        target.add_(st.grad[at : at + n] / self.workers)
+                        target.add_(grad[at : at + n] / self.workers)
                     else:
-                        torch.div(st.grad[at : at + n], self.workers, out=target)
+                        torch.div(grad[at : at + n], self.workers, out=target)
             target = st.slots[st.slot_for(st.version + 1)]
             if target is not st.master:
                 target.copy_(st.master)

@@ -39,6 +39,11 @@ class Worker:
     reserved: int
     reader: bool = False  # fetches only (see Join.reader)
     busy: set[int] = field(default_factory=set)
+    held: set[int] = field(default_factory=set)
+    """Busy slots that a stage's update reads in place (NOTE [Held gradient slots] in job.py): free
+    again when that update is done, not when a gather is."""
+    pushes: tuple[int, int] = (-1, 0)
+    """(attempt, pushes accepted from this worker in that attempt of the open step)."""
     last_seen: float = field(default_factory=time.monotonic)
     waiting: int = 0  # its fetches deferred now
 

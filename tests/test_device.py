@@ -176,15 +176,30 @@ class _HeldTicket:
         return self.released.is_set()
 
 
+def test_the_pushed_norm_is_the_gradient_parts_staged_or_not() -> None:
+    """``Push.sumsq``: the fp32 norm of the gradient part squared, the same float either way."""
+    module = models.Residual(32, 64)
+    spec = spec_of(0, module)
+    grads = [torch.randn_like(p) for p in module.parameters()]
+    want = torch.empty(spec.numel)
+    scatter_grads(want, spec, grads)
+    expected = float(torch.linalg.vector_norm(want)) ** 2
+    for staged in (False, True):
+        stager = GradientStager(torch.device("cpu"), spec.numel, CopyEngine(torch.device("cpu")), staged=staged)
+        slot = torch.full((spec.numel,), float("nan"))
+        ticket, sumsq = stager.write_measured(slot, spec, grads)
+        assert ticket.done() and sumsq() == expected
+
+
 class _HeldStager:
     def __init__(self, inner: GradientStager) -> None:
         self.inner = inner
         self.ticket = _HeldTicket()
         self.nbytes = 0
 
-    def write(self, slot: torch.Tensor, spec: object, grads: list[torch.Tensor | None]) -> _HeldTicket:
-        self.inner.write(slot, spec, grads)  # type: ignore[arg-type]
-        return self.ticket
+    def write_measured(self, slot: torch.Tensor, spec: object, grads: list[torch.Tensor | None]) -> tuple[_HeldTicket, object]:
+        _, sumsq = self.inner.write_measured(slot, spec, grads)  # type: ignore[arg-type]
+        return self.ticket, sumsq
 
 
 def test_a_push_is_sent_only_once_its_copy_is_complete(client: Client) -> None:

@@ -104,7 +104,7 @@ def test_watch_server_example_shows_status_and_metrics() -> None:
 
 def test_raw_protocol_example_talks_msgpack_by_hand() -> None:
     text = run_example("raw_protocol.py")
-    assert "status -> status_reply: protocol 6, jobs ['raw']" in text
+    assert "status -> status_reply: protocol 7, jobs ['raw']" in text
     assert "attach -> attached: session" in text and "('weight', [4, 4])" in text
     assert "error auth_failed" in text and "error bad_message" in text
     assert "status again -> status_reply" in text

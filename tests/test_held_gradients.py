@@ -1,0 +1,153 @@
+"""A lone worker's gradient is read in place from its slot by the stage's update (NOTE [Held
+gradient slots] in server/job.py): the path is taken where holding cannot block the worker, and
+the weights are those of plain PyTorch (AdamW, global-norm clipping, a schedule), as through the
+gather; several workers' gradients are still gathered into their mean."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import zmq
+
+import models
+from conftest import ServerThread, run_workers
+from test_equivalence import assert_weights_equal
+from test_recipe import ADAMW, CLIP, STEPS, cosine_factor, reference
+from wstream.client import Client
+from wstream.protocol import AdamW, GradientError
+from wstream.protocol import messages as m
+from wstream.protocol.layout import build_stage_spec
+from wstream.server.job import Job
+from wstream.server.memory import MemoryAccount
+
+STAGES = len(models.mixed())
+
+
+def counters(server: ServerThread, name: str):  # noqa: ANN201 - the server's JobCounters
+    return server.inprocess.server.jobs[name].counters
+
+
+def adamw_reference(ranks: int = 1) -> tuple[dict[str, torch.Tensor], list[float]]:
+    want, norms, _ = reference(
+        models.mixed(), lambda p: torch.optim.AdamW(p, lr=3e-2, weight_decay=0.05), cosine_factor(3, 10, 0.1), CLIP,
+        STEPS, ranks=ranks,
+    )
+    return want, norms
+
+
+@pytest.mark.parametrize(("grad_slots", "held_per_step"), [(1, 1), (2, 2), (STAGES, STAGES), (8, STAGES)])
+@pytest.mark.parametrize("shm", [True, False])
+def test_a_lone_worker_is_read_in_place_and_equals_pytorch_with_clipping(
+    client: Client, server: ServerThread, grad_slots: int, held_per_step: int, shm: bool
+) -> None:
+    """Held: the step's last ``grad_slots`` pushes (with one slot, the last alone: it needs none
+    after it); the others are gathered with the worker's norm. Same weights either way."""
+    job = client.create_job("held", models.mixed(), optimizer=ADAMW, token="t")
+    norms = []
+    with job.trainer(grad_slots=grad_slots, shm=shm) as trainer:
+        for s in range(STEPS):
+            trainer.step(*models.batch("mixed", s), models.loss_fn)
+            norms.append(trainer.stats().grad_norm)
+    want, want_norms = adamw_reference()
+    assert_weights_equal(job.state_dict(), want, atol=1e-6)
+    assert norms == pytest.approx(want_norms, rel=1e-5)
+    assert sum(n > CLIP for n in want_norms) >= 3  # clipping happened
+    c = counters(server, "held")
+    assert c.gradients == STAGES * STEPS
+    assert c.held_gradients == held_per_step * STEPS
+
+
+def test_bfloat16_weights_are_the_same_held_or_gathered(client: Client, server: ServerThread) -> None:
+    """A bf16 job (fp32 master, the update casts it into the published slot): every push held and
+    all but one gathered give bit-identical masters (the same gradient, the same norm floats)."""
+    got = {}
+    for slots in (1, 8):
+        name = f"bf16-{slots}"
+        job = client.create_job(name, models.mixed(), optimizer=ADAMW, token="t", dtype="bfloat16")
+        with job.trainer(grad_slots=slots) as trainer:
+            for s in range(STEPS):
+                trainer.step(*models.batch("mixed", s), models.loss_fn)
+        got[slots] = job.state_dict()
+        assert counters(server, name).held_gradients == (1 if slots == 1 else STAGES) * STEPS
+    assert got[1].keys() == got[8].keys()
+    for k in got[1]:
+        assert torch.equal(got[1][k], got[8][k]), k
+    initial = torch.nn.Sequential(*models.mixed()).state_dict()
+    assert max((got[8][k] - initial[k]).abs().max().item() for k in initial) > 1e-3  # it trained
+
+
+def test_two_workers_are_gathered_into_their_mean(server: ServerThread, tmp_path: Path) -> None:
+    with Client(server.address, timeout=30) as c:
+        job = c.create_job("held-dp", models.mixed(), optimizer=ADAMW, token="t")
+        run_workers(server.address, "held-dp", "t", "mixed", STEPS, 2, tmp_path)
+        got = job.state_dict()
+    want, _ = adamw_reference(ranks=2)
+    assert_weights_equal(got, want, atol=1e-6)
+    assert counters(server, "held-dp").held_gradients == 0
+    assert counters(server, "held-dp").gradients == 2 * STAGES * STEPS
+
+
+def test_a_delayed_job_is_gathered(client: Client, server: ServerThread) -> None:
+    job = client.create_job("held-delayed", models.mixed(), optimizer=ADAMW, token="t", delayed_update=True)
+    with job.trainer(grad_slots=8) as trainer:
+        for s in range(3):
+            trainer.step(*models.batch("mixed", s), models.loss_fn)
+    assert counters(server, "held-delayed").held_gradients == 0
+
+
+# ---- the job's rules, without a worker process -------------------------------------------------------
+
+
+def lone_job(stages: int, slots: int) -> tuple[Job, list[m.Push], list[object]]:
+    """A sealed one-stage-per-``stages`` job with one joined worker of ``slots`` slots."""
+    created = m.CreateJob(name="j", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=AdamW(lr=1e-3)))
+    job = Job.create(created, MemoryAccount(2**30))
+    for i in range(stages):
+        spec = build_stage_spec(str(i), [("w", (10,))])
+        job.add_stage(m.AddStage(session=b"s" * 16, index=i, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
+    job.seal()
+    job.join(b"w" * 16, m.Join(session=b"w" * 16, shm=True, grad_slots=slots))
+    job.open_barrier(lambda task: None)
+    return job, [], []
+
+
+def test_a_push_without_its_norm_is_gathered_and_a_negative_norm_is_refused() -> None:
+    job, _, _ = lone_job(2, 4)
+    tasks: list[object] = []
+    try:
+        w = job.worker_of(b"w" * 16)
+        numel = job.stages[1].grad.numel()  # type: ignore[union-attr]
+        with pytest.raises(GradientError, match="negative|never negative"):
+            job.push(m.Push(session=w.session, stage=1, step=0, slot=0, numel=numel, sumsq=-1.0), [], b"id", w, tasks.append)
+        job.push(m.Push(session=w.session, stage=1, step=0, slot=0, numel=numel), [], b"id", w, tasks.append)
+        assert len(tasks) == 1 and job.stages[1].held is None  # a gather: no norm came with it
+        job.push(m.Push(session=w.session, stage=0, step=0, slot=1, numel=numel, sumsq=4.0), [], b"id", w, tasks.append)
+        assert len(tasks) == 1 and job.stages[0].held is not None and w.held == {1}
+        assert job.counters.held_gradients == 1
+    finally:
+        job.close()
+
+
+def test_holding_never_leaves_the_worker_without_a_slot_for_the_rest_of_its_step() -> None:
+    """Rule 2: with 2 slots and 5 stages pushed last to first, only the last two are held."""
+    job, _, _ = lone_job(5, 2)
+    tasks: list[object] = []
+    try:
+        w = job.worker_of(b"w" * 16)
+        numel = job.stages[0].grad.numel()  # type: ignore[union-attr]
+        held = []
+        for k, stage in enumerate(range(4, -1, -1)):
+            slot = next(s for s in range(2) if s not in w.busy)
+            job.push(m.Push(session=w.session, stage=stage, step=0, slot=slot, numel=numel, sumsq=1.0), [], b"id", w, tasks.append)
+            held.append(job.stages[stage].held is not None)
+            for t in tasks:  # the gathers complete at once here
+                t.run()  # type: ignore[attr-defined]
+                job.finish_task(t, None, tasks.append)  # type: ignore[arg-type]
+            tasks.clear()
+            assert len(w.busy) - len(w.held) == 0 and len(w.held) <= 2
+        assert held == [False, False, False, True, True]
+    finally:
+        job.close()
