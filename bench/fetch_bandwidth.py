@@ -39,6 +39,7 @@ def main() -> None:
         for _ in range(args.stages * args.rounds):
             dst.copy_(src)
 
+    initial_threads = torch.get_num_threads()
     t_memcpy_before = median_time(memcpy, repeat=args.repeat)
     results = {}
     with server("--memory-limit", "16GiB") as address, Client(address) as client:
@@ -47,13 +48,23 @@ def main() -> None:
             # the copying path: on a GPU this copy is the host-to-device transfer (CPU workers
             # default to zero_copy, which moves no bytes at all)
             trainer = job.trainer(prefetch=args.prefetch, shm=shm, zero_copy=False if shm else None)
+            worker_threads = torch.get_num_threads()  # a co-located worker's share (client/threads.py)
             results[mode] = time_fetches(trainer, args.stages, rounds=args.rounds, repeat=args.repeat)
             trainer.close()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(threads, initial_threads))
     t_memcpy = min(t_memcpy_before, median_time(memcpy, repeat=args.repeat))
+    torch.set_num_threads(worker_threads)  # the same copy on the threads the worker was given
+    t_memcpy_worker = median_time(memcpy, repeat=args.repeat)
+    torch.set_num_threads(threads)
     gbs = lambda t: total_bytes / t / 1e9  # noqa: E731
-    print(f"memcpy (Tensor.copy_, private -> private): {gbs(t_memcpy):6.2f} GB/s")
+    print(f"memcpy (Tensor.copy_, private -> private, {max(threads, initial_threads)} threads): {gbs(t_memcpy):6.2f} GB/s")
+    print(f"memcpy on the worker's {worker_threads} thread(s):                {gbs(t_memcpy_worker):6.2f} GB/s")
     for mode, t in results.items():
-        print(f"wstream fetch ({mode:6}):                  {gbs(t):6.2f} GB/s   ratio {t_memcpy / t:.2f}")
+        print(
+            f"wstream fetch ({mode:6}):                  {gbs(t):6.2f} GB/s   ratio {t_memcpy / t:.2f} "
+            f"(to memcpy on the worker's threads: {t_memcpy_worker / t:.2f})"
+        )
 
 
 if __name__ == "__main__":
