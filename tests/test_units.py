@@ -182,3 +182,37 @@ def test_unit_bytes_is_refused_on_a_base(client: Client) -> None:
     client.create_job("base", models.mixed(), token="b", frozen=True)
     with pytest.raises(ValueError, match="unit_bytes cannot be used with base"):
         client.create_job("on", models.mixed(), token="t", base="base", base_token="b", unit_bytes=4096)
+
+
+def test_a_job_of_units_resumes_after_a_server_kill_with_its_cut(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import signal
+
+    from conftest import start_server
+
+    args = ("--memory-limit", "1GiB", "--store", str(tmp_path / "store"), "--snapshot-every", "1")
+    srv = start_server(tmp_path, *args, name="srv0")
+    address = srv.address
+    stages = models.mixed()
+    start = copy.deepcopy(stages)
+    with Client(address, timeout=30) as c:
+        job = c.create_job("kept", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t", unit_bytes=32 * 1024)
+        cut = job.units
+        with job.trainer() as trainer:
+            for s in range(2):
+                trainer.step(*models.batch("mixed", s), models.loss_fn)
+        c.save_job("kept", token="t")
+    srv.stop(signal.SIGKILL)
+    srv = start_server(tmp_path, *args, name="srv1", address=address)
+    try:
+        with Client(address, timeout=30) as c:
+            with torch.device("meta"):
+                skeleton = models.mixed()
+            job = c.attach_job("kept", token="t", stages=skeleton)
+            assert job.units == cut and cut is not None and max(cut.counts) > 1
+            with job.trainer() as trainer:
+                assert trainer.step_index == 2
+                for s in range(2, STEPS):
+                    trainer.step(*models.batch("mixed", s), models.loss_fn)
+            assert_weights_equal(job.state_dict(), reference_train(start, adamw, "mixed", STEPS), atol=1e-6)
+    finally:
+        assert srv.stop() == 0
