@@ -327,8 +327,8 @@ class StageRunner:
     def with_buffers(
         self, values: list[torch.Tensor | None], buffers: Buffers | None, start: Buffers | None
     ) -> list[torch.Tensor | None]:
-        """A stage's push in ``spec.params`` order: ``values`` (the gradients of
-        :meth:`stage_grads`) with each buffer's entry from ``buffers`` (the step's): a
+        """A stage's push in ``spec.params`` order: ``values`` (the gradients, placed there by
+        ``PlanRun.add_grads``) with each buffer's entry from ``buffers`` (the step's): a
         floating-point (or boolean) buffer's value, an integer buffer's increment over ``start`` (the step's
         fetched value), which the server adds to its exact fp32 master (NOTE [Buffers] in
         executor.py, rule 3)."""
@@ -358,16 +358,6 @@ class StageRunner:
         """Where each of :meth:`leaves`' gradients goes in ``spec.params`` (PlanRun.add_grads)."""
         return self._used
 
-    def stage_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
-        """Gradients of the used trained parameters (in :meth:`leaves` order) spread over all of
-        the stage's (``spec.params`` order); frozen parameters and those this position does not
-        use get None."""
-        if len(self._used) == len(self.spec.params):
-            return grads
-        out: list[torch.Tensor | None] = [None] * len(self.spec.params)
-        for k, g in zip(self._used, grads):
-            out[k] = g
-        return out
 
 
 def scatter_grads(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:

@@ -147,21 +147,6 @@ class UnitCutter:
             closed.append(self._close())
         return closed
 
-    def unit_of_next(self) -> int:
-        """The unit the stage added next would join if it did not close the open one (for ties:
-        the unit of a stage already added is ``unit_of(stage)``)."""
-        return len(self.counts)
-
-    def unit_of(self, stage: int) -> int:
-        """The unit holding chain stage ``stage`` (already added)."""
-        assert 0 <= stage < self._next
-        total = 0
-        for j, c in enumerate(self.counts):
-            total += c
-            if stage < total:
-                return j
-        return len(self.counts)  # the open unit
-
     def finish(self) -> list[tuple[int, StageSpec, torch.Tensor | None]]:
         return [self._close()] if self._open is not None else []
 
