@@ -407,9 +407,11 @@ class Client:
             for i, spec in enumerate(layout.stages):
                 assert self._admin is not None
                 _, data = self._chan.request(m.Pull(session=self._admin.session, stage=i, job=name), m.Master)
-                out.update({f"{i}.{name}": t for name, t in stage_tensors(spec, data).items()})
+                tensors = stage_tensors(spec, data)  # with units, named "<stage>.<param>" already
+                out.update(tensors if layout.units is not None else {f"{i}.{k}": t for k, t in tensors.items()})
                 bar.update(sum(numel_of(p.shape) for p in spec.params))
-        save_file(out, os.fspath(path), metadata=export_metadata(name, layout.stages))
+        specs = layout.stages if layout.units is None else Units(tuple(layout.units)).chain_specs(layout.stages)
+        save_file(out, os.fspath(path), metadata=export_metadata(name, specs))
         return layout.step
 
     def shutdown(self) -> None:

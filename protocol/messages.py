@@ -569,9 +569,13 @@ class JobInfo(Struct, frozen=True, kw_only=True):
 
 
 class Layout(Message, tag="layout"):
+    """``stages``: the job's server stages; ``units``: its ``JobOptions.units`` (how many chain
+    stages each server stage holds; None: one each), so that an export names chain stages."""
+
     job: JobName
     stages: list[StageSpec]
     step: Step
+    units: list[int] | None = None
 
 
 class TraceEvent(Struct, frozen=True, kw_only=True, array_like=True):

@@ -362,7 +362,9 @@ class Handlers:
     def _on_describe(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
         assert isinstance(msg, m.Describe)
         job = self._readable_job(msg.session, msg.job)
-        return Outgoing(identity, m.Layout(id=msg.id, job=job.name, stages=[s.spec for s in job.stages], step=job.step))
+        return Outgoing(identity, m.Layout(
+            id=msg.id, job=job.name, stages=[s.spec for s in job.stages], step=job.step, units=job.options.units
+        ))
 
     def _on_timeline(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
         assert isinstance(msg, m.Timeline)

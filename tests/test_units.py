@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from torch import nn
 
 import models
@@ -15,6 +17,7 @@ from test_ties import TiedHead, batch as tied_batch, chain as tied_chain, loss_f
 from wstream.client import AdamW, Client, LayoutError, Tied
 from wstream.client.stages import spec_of
 from wstream.client.units import UnitCutter, Units, split_unit, unit_spec
+from wstream.server.inprocess import InProcessServer
 
 STEPS = 5
 LR, WD = 3e-3, 0.05
@@ -93,6 +96,27 @@ def test_a_job_of_units_trains_to_the_weights_of_plain_pytorch(client: Client, s
     assert own.keys() == {k.removeprefix("3.") for k in want if k.startswith("3.")}
     for name, t in own.items():
         torch.testing.assert_close(t, want[f"3.{name}"], rtol=0, atol=1e-6)
+
+
+def test_an_admin_export_of_a_job_of_units_names_its_chain_stages(tmp_path: Path) -> None:
+    secret = tmp_path / "admin-secret"
+    secret.write_text("admin-s3cret\n")
+    secret.chmod(0o600)
+    srv = InProcessServer(bind=[f"ipc://{tmp_path / 'admin.sock'}"], admin_secret_file=str(secret))
+    try:
+        with Client(srv.address, admin_secret="admin-s3cret", timeout=30) as admin:
+            job = admin.create_job("u", models.mixed(), optimizer=AdamW(), token="t", unit_bytes=32 * 1024)
+            assert job.units is not None and len(job.units.counts) < job.num_stages
+            job.export(tmp_path / "by-token.safetensors")
+            admin.export_job("u", tmp_path / "by-admin.safetensors")
+    finally:
+        srv.stop()
+    want = nn.Sequential(*models.mixed()).state_dict()
+    with safe_open(tmp_path / "by-admin.safetensors", "pt") as by_admin, safe_open(tmp_path / "by-token.safetensors", "pt") as by_token:
+        assert by_admin.metadata() == by_token.metadata()
+        assert set(by_admin.keys()) == set(want)  # "<stage>.<param>", not the unit's prefix twice
+        for k in want:
+            assert torch.equal(by_admin.get_tensor(k), want[k])
 
 
 def test_a_deep_chain_of_units_fetches_each_unit_once_per_pass(client: Client) -> None:
