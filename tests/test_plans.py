@@ -69,6 +69,12 @@ def test_revolve_reaches_the_closed_form_for_every_n_up_to_300_and_slots_up_to_1
             assert plan.peak_slots <= s, (n, s)
 
 
+def test_revolve_takes_thousands_of_slots_on_a_long_chain() -> None:
+    # the right branch of the split nests once per slot: a recursive planner overflowed Python's stack
+    plan = revolve(20_000, 3_000)
+    assert plan.advances == revolve_cost(20_000, 3_000) and plan.peak_slots <= 3_000
+
+
 @pytest.mark.parametrize(
     ("n", "s", "p"), [(10, 2, 20), (10, 3, 15), (20, 3, 45), (20, 5, 33), (16, 4, 27), (20, 6, 32), (1000, 11, 3545)]
 )

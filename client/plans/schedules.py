@@ -159,26 +159,35 @@ def revolve(n: int, slots: int) -> Plan:
 
 def _revolve_emit(a: int, b: int, slots: int, emit: Callable[[Action], None]) -> None:
     """Reverse [a, b) from the kept current state x_a with ``slots`` slots in all (x_a's included),
-    splitting as p(l, s) = k + p(l-k, s-1) + p(k, s) with k from :func:`_revolve_split`."""
-    m = b - a
-    if m == 1:
-        emit((Op.BACKWARD, a))
-        return
-    if slots == 1:  # only x_a is kept: advance from it for every stage, last first
-        for end in range(b, a, -1):
-            emit((Op.RESTORE, a))
-            for i in range(a, end - 1):
-                emit((Op.ADVANCE, i))
-            emit((Op.BACKWARD, end - 1))
-        return
-    k = _revolve_split(m, slots)
-    for i in range(a, a + k):
-        emit((Op.ADVANCE, i))
-    emit((Op.SNAPSHOT, a + k))
-    _revolve_emit(a + k, b, slots - 1, emit)
-    emit((Op.FREE, a + k))
-    emit((Op.RESTORE, a))
-    _revolve_emit(a, a + k, slots, emit)
+    splitting as p(l, s) = k + p(l-k, s-1) + p(k, s) with k from :func:`_revolve_split`.
+
+    The recursion runs on an explicit stack: its right branch nests once per slot, and a long
+    chain may be given thousands of slots."""
+    Call = tuple[int, int, int]
+    todo: list[Call | Action] = [(a, b, slots)]
+    while todo:
+        item = todo.pop()
+        if len(item) == 2:
+            emit(item)  # type: ignore[arg-type]
+            continue
+        a, b, slots = item  # type: ignore[misc]
+        m = b - a
+        if m == 1:
+            emit((Op.BACKWARD, a))
+            continue
+        if slots == 1:  # only x_a is kept: advance from it for every stage, last first
+            for end in range(b, a, -1):
+                emit((Op.RESTORE, a))
+                for i in range(a, end - 1):
+                    emit((Op.ADVANCE, i))
+                emit((Op.BACKWARD, end - 1))
+            continue
+        k = _revolve_split(m, slots)
+        for i in range(a, a + k):
+            emit((Op.ADVANCE, i))
+        emit((Op.SNAPSHOT, a + k))
+        # then, in this order: reverse [a+k, b) with a slot less, free x_{a+k}, restore x_a, reverse [a, a+k)
+        todo += [(a, a + k, slots), (Op.RESTORE, a), (Op.FREE, a + k), (a + k, b, slots - 1)]
 
 
 def revolve_cost_dp(n: int, slots: int) -> int:
