@@ -1,8 +1,8 @@
 """Stages on the worker: flat layouts from modules, meta-device skeletons, and running a stage.
 
 A stage's parameters are views into one flat buffer (``StageSpec``). The worker keeps only a
-skeleton of each module on the meta device and runs it with ``torch.func.functional_call`` on
-views cut from a streamed buffer.
+skeleton of each module on the meta device and runs it on views cut from a streamed buffer, as
+``torch.func.functional_call`` would (:class:`~wstream.client.binding.Binding`).
 
 # NOTE [Per-parameter leaves, not a flat leaf]
 # Making the flat buffer itself the autograd leaf gives one flat gradient directly, but the
@@ -39,6 +39,7 @@ from torch import nn
 from wstream.protocol import LayoutError, StageSpec
 from wstream.protocol.layout import build_stage_spec, numel_of, push_layout, validate_stage
 
+from .binding import Binding
 from .groups import GroupAssigner
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -140,8 +141,19 @@ def flatten(module: nn.Module, spec: StageSpec) -> torch.Tensor:
 
 
 def skeleton_of(module: nn.Module) -> nn.Module:
-    """Move ``module`` to the meta device in place (frees its weights) and return it."""
-    return module.to(device="meta")
+    """Move ``module`` to the meta device in place (frees its weights) and return it. A tensor
+    tied inside the module (one parameter under two names) stays tied: ``Module.to`` gives each
+    submodule a new meta parameter of its own, and an alias left apart would run on no weights."""
+    ties: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        ties.setdefault(id(p), []).append(name)
+    module.to(device="meta")
+    for first, *others in (names for names in ties.values() if len(names) > 1):
+        shared = module.get_parameter(first)
+        for name in others:
+            owner, _, attr = name.rpartition(".")
+            setattr(module.get_submodule(owner), attr, shared)
+    return module
 
 
 def specs_of(modules: Iterable[nn.Module]) -> Iterator[StageSpec]:
@@ -251,6 +263,7 @@ class StageRunner:
     ) -> None:
         self.stage = stage
         self.skeleton = skeleton
+        self._binding = Binding(skeleton)  # functional_call, its module walk done once (NOTE [Binding])
         self.spec = spec
         self.base_spec = base_spec
         self.prefix = prefix
@@ -301,7 +314,7 @@ class StageRunner:
         to run with (a module may update them in place); default fresh copies of the published
         ones (:meth:`buffer_state`), so that what the run does to them is forgotten."""
         state = self.buffer_state(flat) if buffers is None else buffers
-        return torch.func.functional_call(self.skeleton, {**self.views(flat, base), **state}, inputs)
+        return self._binding({**self.views(flat, base), **state}, inputs)
 
     def leaves(self, flat: torch.Tensor, base: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Parameter views of ``flat``, each trained one an autograd leaf (see NOTE above); frozen
@@ -351,7 +364,7 @@ class StageRunner:
         return {name: base[off : off + n].view(shape) for name, off, n, shape in self._base_views}
 
     def call_with(self, params: dict[str, torch.Tensor], inputs: Boundary) -> Any:
-        return torch.func.functional_call(self.skeleton, params, inputs)
+        return self._binding(params, inputs)
 
     @property
     def grad_indices(self) -> list[int]:
