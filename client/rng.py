@@ -31,15 +31,28 @@ class StageRng:
 
     def around(self, states: dict[tuple[int, int], Any], i: int, lane: int = 0) -> contextlib.AbstractContextManager[None]:
         """The context to run position ``i`` for micro-batch ``lane`` in; ``states`` is the
-        step's record, (position, micro-batch) -> state of its first run."""
+        step's record, (position, micro-batch) -> state of its first run, or None where that run
+        drew no random number (the RNG state did not move): its re-runs need no replay, and a
+        chain without dropout keeps no 5 KiB state per stage."""
         if not self.preserve:
             return contextlib.nullcontext()
         key = (i, lane)
         if key not in states:
-            cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
-            states[key] = (torch.get_rng_state(), cuda)
-            return contextlib.nullcontext()
-        return self.restored(states[key])
+            return self._recorded(states, key)
+        state = states[key]
+        return contextlib.nullcontext() if state is None else self.restored(state)
+
+    @contextlib.contextmanager
+    def _recorded(self, states: dict[tuple[int, int], Any], key: tuple[int, int]) -> Iterator[None]:
+        before = self._state()
+        yield
+        after = self._state()
+        moved = not torch.equal(before[0], after[0]) or (before[1] is not None and not torch.equal(before[1], after[1]))
+        states[key] = before if moved else None
+
+    def _state(self) -> RngState:
+        cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
+        return torch.get_rng_state(), cuda
 
     @contextlib.contextmanager
     def restored(self, state: RngState) -> Iterator[None]:
