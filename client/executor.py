@@ -108,20 +108,18 @@ class PlanExecutor:
                 out.append(stage)
         return out
 
-    @contextlib.contextmanager
-    def stage_weights(
+    def weights_of(
         self, stage: int, held: dict[int, torch.Tensor] | None = None
-    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
-        """Stage ``stage``'s weights and its frozen base's (if any), for the block's compute: held
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Stage ``stage``'s weights and its frozen base's (if any), for the next compute: held
         for the whole step (a loop body, in ``held``), or the prefetcher's next fetch. A fetch
-        stays *resident* after the block while the next compute is on the same stage (the
-        positions of a transfer unit, NOTE [Transfer units] in units.py; ``stages_of`` fetches
-        such a run once), and goes back to the ring when a block needs another stage or at
-        :meth:`end_fetches`. A block that raises leaves the buffer to the step's abort (the
-        prefetcher's ``reset`` frees every buffer; :meth:`forget_resident`)."""
+        stays *resident* while the next computes are on the same stage (the positions of a
+        transfer unit, NOTE [Transfer units] in units.py; ``stages_of`` fetches such a run once),
+        and goes back to the ring when a compute needs another stage or at :meth:`end_fetches`.
+        After a compute that raises, the step's abort frees the buffer (the prefetcher's
+        ``reset`` frees every buffer; :meth:`forget_resident`)."""
         if held is not None and stage in held:
-            yield held[stage], None
-            return
+            return held[stage], None
         resident = self._resident
         if resident is None or resident.stage != stage:
             prefetcher = self._streams.prefetcher
@@ -129,7 +127,14 @@ class PlanExecutor:
                 self._resident = None
                 prefetcher.release(resident)
             resident = self._resident = prefetcher.get(stage)
-        yield resident.weights, resident.base
+        return resident.weights, resident.base
+
+    @contextlib.contextmanager
+    def stage_weights(
+        self, stage: int, held: dict[int, torch.Tensor] | None = None
+    ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
+        """:meth:`weights_of` as a block's context (the trainer's ``forward`` and the profile)."""
+        yield self.weights_of(stage, held)
 
     def end_fetches(self) -> None:
         """The step's (or forward's) last compute is done: give the resident fetch back."""
@@ -149,11 +154,16 @@ class PlanExecutor:
         if op == Op.ADVANCE:
             assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
             runner = run.runner_at(i)
-            outs: list[Boundary] = []
             first = i not in run.advanced
-            run.advanced.add(i)
-            span = self._span(run, ("forward " if first else "recompute ") + str(i), "forward" if first else "recompute", i)
-            with self.stage_weights(runner.stage, run.held) as (weights, base), span:
+            if first:
+                run.advanced.add(i)
+            weights, base = self.weights_of(runner.stage, run.held)
+            if run.k == 1 and self.tracer is None and not runner.has_buffers:  # the common case, lean
+                with torch.no_grad(), self.rng.around(run.rng, i, 0):
+                    run.set_current(i + 1, as_boundary(runner(weights, run.current[1], base)))
+                return
+            outs: list[Boundary] = []
+            with self._span(run, ("forward " if first else "recompute ") + str(i), "forward" if first else "recompute", i):
                 for j, lane in enumerate(lanes_of(run.current[1], run.k)):  # stage-major: every micro-batch
                     buffers = self._buffers(run, runner, weights, i, j, real=first)
                     with torch.no_grad(), self.rng.around(run.rng, i, j):
@@ -201,20 +211,20 @@ class PlanExecutor:
         if not runner.trains and not self._wants_input_grad(i):
             self._nothing_to_differentiate(run, i, runner)
             return
-        with self.stage_weights(stage, run.held) as (weights, base):
-            params = runner.leaves(weights, base)
-            lanes = lanes_of(run.current[1], run.k)
-            grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
-            run.drop_current()
-            with self._span(run, f"backward {i}", "backward", i):
-                param_grads, grad_out = self._backward_lanes(run, i, runner, weights, params, lanes, grad_lanes, loss_fn)
-            run.grad_out = grad_out
-            del params
-            self._done_with(run, i)
-            grads = run.add_grads(stage, len(runner.spec.params), runner.grad_indices, param_grads)
-            if i == self.first_use[stage]:  # backward has no use of this stage left
-                del run.grads[stage]
-                self._push(run, runner, grads)
+        weights, base = self.weights_of(stage, run.held)
+        params = runner.leaves(weights, base)
+        lanes = lanes_of(run.current[1], run.k)
+        grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
+        run.drop_current()
+        with self._span(run, f"backward {i}", "backward", i):
+            param_grads, grad_out = self._backward_lanes(run, i, runner, weights, params, lanes, grad_lanes, loss_fn)
+        run.grad_out = grad_out
+        del params
+        self._done_with(run, i)
+        grads = run.add_grads(stage, len(runner.spec.params), runner.grad_indices, param_grads)
+        if i == self.first_use[stage]:  # backward has no use of this stage left
+            del run.grads[stage]
+            self._push(run, runner, grads)
 
     def _wants_input_grad(self, i: int) -> bool:
         """Whether position i's input gradient is used: a position below it trains."""
@@ -226,8 +236,7 @@ class PlanExecutor:
         gradient is wanted, so nothing is recomputed. Its weights were fetched for this action
         (the fetch order is the plan's) and are given back; its push has nothing to send."""
         assert run.current is not None and i != run.last, "a chain that trains nothing: a bug in wstream"
-        with self.stage_weights(runner.stage, run.held):
-            pass
+        self.weights_of(runner.stage, run.held)
         run.grad_out = [None] * len(run.current[1])
         run.drop_current()
         self._done_with(run, i)

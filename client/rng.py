@@ -42,13 +42,8 @@ class StageRng:
         state = states[key]
         return contextlib.nullcontext() if state is None else self.restored(state)
 
-    @contextlib.contextmanager
-    def _recorded(self, states: dict[tuple[int, int], Any], key: tuple[int, int]) -> Iterator[None]:
-        before = self._state()
-        yield
-        after = self._state()
-        moved = not torch.equal(before[0], after[0]) or (before[1] is not None and not torch.equal(before[1], after[1]))
-        states[key] = before if moved else None
+    def _recorded(self, states: dict[tuple[int, int], Any], key: tuple[int, int]) -> contextlib.AbstractContextManager[None]:
+        return _Recording(self, states, key)
 
     def _state(self) -> RngState:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
@@ -68,3 +63,23 @@ class StageRng:
         the live RNG where it was."""
         devices = [self.device] if self.device.type == "cuda" else []
         return torch.random.fork_rng(devices=devices)
+
+
+class _Recording:
+    """A first run's context: records the RNG state it starts from, or None where it drew nothing
+    (a class, not a generator: it wraps millions of stage runs in a deep chain)."""
+
+    __slots__ = ("rng", "states", "key", "before")
+
+    def __init__(self, rng: StageRng, states: dict[tuple[int, int], Any], key: tuple[int, int]) -> None:
+        self.rng, self.states, self.key = rng, states, key
+
+    def __enter__(self) -> None:
+        self.before = self.rng._state()
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:  # the run failed: nothing is recorded, a retry is a first run again
+            return
+        before, after = self.before, self.rng._state()
+        moved = not torch.equal(before[0], after[0]) or (before[1] is not None and not torch.equal(before[1], after[1]))
+        self.states[self.key] = before if moved else None

@@ -274,6 +274,9 @@ class StageRunner:
         self._views = [
             (p.name[cut:], p.offset, numel_of(p.shape), tuple(p.shape), p.frozen) for p in spec.params if p.name in used
         ]
+        # the same as (name, offset, shape, contiguous strides, frozen): ``as_strided`` cuts a view
+        # in one call, half the time of a slice and a view (a deep chain cuts millions per step)
+        self._strided = [(name, off, shape, _strides(shape), frozen) for name, off, _, shape, frozen in self._views]
         if prefix and len(self._views) != len(used):
             missing = sorted(used - {p.name for p in spec.params})
             raise LayoutError(f"stage {stage} has no parameter {missing[0]!r}: a bug in wstream (layouts were checked)")
@@ -313,6 +316,8 @@ class StageRunner:
         """Run the position on ``flat`` (and its base's ``base``). ``buffers``: the stage's buffers
         to run with (a module may update them in place); default fresh copies of the published
         ones (:meth:`buffer_state`), so that what the run does to them is forgotten."""
+        if not self._buffers and not self._base_views:  # the common case, without a dict merge
+            return self._binding(self._own(flat), inputs)
         state = self.buffer_state(flat) if buffers is None else buffers
         return self._binding({**self.views(flat, base), **state}, inputs)
 
@@ -321,10 +326,14 @@ class StageRunner:
         parameters (``ParamSpec.frozen``, and the base's) are views that need no gradient. The
         stage's buffers come as fresh copies (:meth:`buffer_state`); the executor replaces them
         with the step's own where a run must update them."""
+        at = flat.storage_offset()
         own = {
-            name: flat[off : off + n].view(shape) if frozen else flat[off : off + n].view(shape).detach().requires_grad_(True)
-            for name, off, n, shape, frozen in self._views
+            name: flat.as_strided(shape, stride, at + off) if frozen
+            else flat.as_strided(shape, stride, at + off).detach().requires_grad_(True)
+            for name, off, shape, stride, frozen in self._strided
         }
+        if not self._base_views and not self._buffers:
+            return own
         return {**own, **self._frozen(base), **self.buffer_state(flat)}
 
     def buffer_state(self, flat: torch.Tensor) -> Buffers:
@@ -355,7 +364,8 @@ class StageRunner:
         return out
 
     def _own(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {name: flat[off : off + n].view(shape) for name, off, n, shape, _ in self._views}
+        at = flat.storage_offset()
+        return {name: flat.as_strided(shape, stride, at + off) for name, off, shape, stride, _ in self._strided}
 
     def _frozen(self, base: torch.Tensor | None) -> dict[str, torch.Tensor]:
         if not self._base_views:
@@ -395,13 +405,22 @@ def scatter_grads(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor |
         dst[pos : layout.numel].zero_()
 
 
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``."""
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(out))
+
+
 def as_boundary(value: Any) -> Boundary:
     """A stage's output as the next stage's positional arguments."""
     return value if isinstance(value, tuple) else (value,)
 
 
 def boundary_bytes(b: Boundary) -> int:
-    return sum(t.numel() * t.element_size() for t in b if isinstance(t, torch.Tensor))
+    return sum(t.nbytes for t in b if isinstance(t, torch.Tensor))
 
 
 def split_micro_batches(value: Any, k: int, *, what: str) -> list[Any]:
