@@ -1,0 +1,173 @@
+"""A very long chain of tiny stages under a checkpoint plan: wstream vs plain PyTorch running the
+same plan (issue 17: 250,000 stages, per-stage overhead <= 20 us).
+
+The chain is ``n`` stages of ``Linear(W, W) + GELU``. Both sides run the same checkpoint plan
+(``revolve`` with ``--slots`` kept inputs by default, or ``dnc``/``sqrt``): plain PyTorch through
+:func:`run_plan_plainly` (the plan's actions on ordinary modules, ``.grad`` accumulated by autograd,
+then ``torch.optim.AdamW(fused=True)``), wstream through a trainer with the same schedule and
+default job settings against a server subprocess on the same machine. Both train the same batches;
+after a warm-up step each, the sides alternate step by step, each wstream step timed until its
+updates are done. Printed per chain: the plan's recomputation, the median step times, their ratio
+and the overhead per stage, ``(wstream - plain) / n``, and the worker's and the plain side's
+resident memory.
+
+    python bench/long_chain.py [--chains 10000x16,250000x16] [--schedule revolve] [--slots 2000]
+        [--batch 16] [--steps 1] [--unit-bytes auto|none|N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import psutil
+import torch
+from torch import nn
+
+from common import machine, parse_args, server
+from wstream.client import AdamW, Client
+from wstream.client.plans import Op, Plan, divide_and_conquer, revolve, sqrt_segments
+
+
+def chain(n: int, width: int) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n)]
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.mse_loss(out, target)
+
+
+def run_plan_plainly(
+    plan: Plan, stages: Sequence[nn.Module], x: torch.Tensor, y: torch.Tensor, loss: Callable[..., torch.Tensor]
+) -> float:
+    """One step's forward and backward of ``stages`` by ``plan``'s actions, in plain PyTorch:
+    ADVANCE runs a stage without autograd, BACKWARD reruns it with autograd from its kept input
+    and backpropagates into the stage's ``.grad`` and the input's gradient. Returns the loss."""
+    kept: dict[int, torch.Tensor] = {}
+    current: torch.Tensor | None = x
+    grad: torch.Tensor | None = None
+    value = float("nan")
+    last = plan.n - 1
+    for op, i in plan.actions:
+        if op == Op.ADVANCE:
+            with torch.no_grad():
+                current = stages[i](current)
+        elif op == Op.SNAPSHOT:
+            assert current is not None
+            kept[i] = current
+        elif op == Op.RESTORE:
+            current = kept[i]
+        elif op == Op.FREE:
+            del kept[i]
+        elif op == Op.BACKWARD:
+            assert current is not None
+            inp = current.detach().requires_grad_(i > 0)
+            out = stages[i](inp)
+            if i == last:
+                lv = loss(out, y)
+                value = float(lv.detach())
+                lv.backward()
+            else:
+                out.backward(grad)
+            grad, current = inp.grad, None
+        else:
+            raise ValueError(f"{op.name}: not in the plans this bench runs")
+    return value
+
+
+def make_plan(schedule: str, n: int, slots: int) -> Plan:
+    if schedule == "revolve":
+        return revolve(n, slots)
+    if schedule == "dnc":
+        return divide_and_conquer(n)
+    if schedule == "sqrt":
+        return sqrt_segments(n)
+    raise ValueError(f"unknown schedule {schedule!r}")
+
+
+def measure(client: Client, n: int, width: int, args: argparse.Namespace) -> dict[str, float]:
+    stages = chain(n, width)
+    plain_stages = copy.deepcopy(stages)
+    opt = torch.optim.AdamW([p for s in plain_stages for p in s.parameters()], lr=1e-4, fused=True)
+    data = [(torch.randn(args.batch, width), torch.randn(args.batch, width)) for _ in range(args.steps + 1)]
+    t0 = time.perf_counter()
+    plan = make_plan(args.schedule, n, args.slots)
+    plan_s = time.perf_counter() - t0
+
+    def plain_step(x: torch.Tensor, y: torch.Tensor) -> None:
+        run_plan_plainly(plan, plain_stages, x, y, loss_fn)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    t0 = time.perf_counter()
+    unit_bytes = None if args.unit_bytes == "none" else "auto" if args.unit_bytes == "auto" else int(args.unit_bytes)
+    job = client.create_job(
+        f"long-{n}x{width}", stages, optimizer=AdamW(lr=1e-4), token="b", progress=False, unit_bytes=unit_bytes
+    )
+    create_s = time.perf_counter() - t0
+    del stages
+    gc.collect()
+    options = {"slots": args.slots} if args.schedule == "revolve" else {}
+    plain, streamed = [], []
+    with job.trainer(schedule=args.schedule, **options) as trainer:
+        plain_step(*data[0])
+        t0 = time.perf_counter()
+        trainer.step(*data[0], loss_fn)
+        first_s = time.perf_counter() - t0
+        summary = trainer.plan_summary()
+        assert summary["recomputed_forwards"] == plan.advances, (summary, plan.advances)
+        for x, y in data[1:]:
+            t0 = time.perf_counter()
+            plain_step(x, y)
+            plain.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            trainer.step(x, y, loss_fn)
+            trainer.flush()
+            job.pull_stage(n - 1)  # its (unit's) update is the last to run: the step's work is done
+            streamed.append(time.perf_counter() - t0)
+    job.drop()
+    return {
+        "plain": statistics.median(plain),
+        "wstream": statistics.median(streamed),
+        "advances": plan.advances,
+        "plan_s": plan_s,
+        "create_s": create_s,
+        "first_s": first_s,
+        "rss_gib": psutil.Process().memory_info().rss / 2**30,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--chains", default="10000x16,250000x16", help="N x WIDTH, comma-separated")
+    p.add_argument("--schedule", default="revolve", choices=["revolve", "dnc", "sqrt"])
+    p.add_argument("--slots", type=int, default=2000, help="revolve's kept inputs")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=1, help="timed steps of each side (after one warm-up step)")
+    p.add_argument("--unit-bytes", default="auto", help="create_job(unit_bytes=): 'auto' (the default), 'none', or bytes")
+    args = parse_args(p, smoke=dict(chains="40x8", slots=4))
+    chains = [tuple(int(v) for v in c.split("x")) for c in args.chains.split(",")]
+    print(f"machine: {machine()}")
+    print(f"schedule {args.schedule}" + (f" with {args.slots} slots" if args.schedule == "revolve" else "")
+          + f"; batch {args.batch}; {args.steps} timed steps; default job settings")
+    print(f"{'chain':>12} {'recomputed':>11} {'plain s/step':>13} {'wstream s/step':>15} {'ratio':>6} "
+          f"{'overhead/stage':>15} {'plan s':>7} {'create s':>9} {'1st step s':>10} {'RSS GiB':>8}")
+    with server("--memory-limit", "16GiB") as address, Client(address, timeout=600) as client:
+        for n, width in chains:
+            r = measure(client, n, width, args)
+            per_stage_us = (r["wstream"] - r["plain"]) / n * 1e6
+            print(
+                f"{f'{n}x{width}':>12} {r['advances']:>11,} {r['plain']:13.2f} {r['wstream']:15.2f} "
+                f"{r['wstream'] / r['plain']:6.2f} {per_stage_us:12.1f} us {r['plan_s']:7.1f} {r['create_s']:9.1f} "
+                f"{r['first_s']:10.1f} {r['rss_gib']:8.1f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()
