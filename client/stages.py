@@ -387,22 +387,33 @@ def scatter_grads(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor |
     """Write per-parameter ``grads`` (in ``spec.params`` order) into flat ``dst``, the stage's
     push (``push_layout(spec)``: its gradient, which is ``spec``'s own layout unless a parameter is
     frozen, then its buffers' values; frozen parameters have no place in it); unused parameters
-    and alignment padding become zeros."""
+    and alignment padding become zeros. One ``torch.cat`` writes it all where every gradient has
+    ``dst``'s dtype (a transfer unit holds thousands of small parameters: a copy each cost ~5 us)."""
     layout = push_layout(spec)
+    pieces: list[torch.Tensor | int] = []  # a gradient, or a run of that many zeros
     pos = 0
     for p, offset, g in zip(spec.params, layout.offsets, grads):
         if offset is None:  # frozen: no gradient
             continue
         if offset > pos:
-            dst[pos:offset].zero_()
+            pieces.append(offset - pos)
         n = numel_of(p.shape)
-        if g is None:
-            dst[offset : offset + n].zero_()
-        else:
-            dst[offset : offset + n].copy_(g.reshape(-1))
+        pieces.append(n if g is None else g.reshape(-1))
         pos = offset + n
     if layout.numel > pos:
-        dst[pos : layout.numel].zero_()
+        pieces.append(layout.numel - pos)
+    if all(isinstance(x, int) or x.dtype == dst.dtype for x in pieces):
+        zeros = dst.new_zeros(max((x for x in pieces if isinstance(x, int)), default=0))
+        torch.cat([zeros[:x] if isinstance(x, int) else x for x in pieces], out=dst[: layout.numel])
+        return
+    pos = 0
+    for x in pieces:
+        n = x if isinstance(x, int) else x.numel()
+        if isinstance(x, int):
+            dst[pos : pos + n].zero_()
+        else:
+            dst[pos : pos + n].copy_(x)
+        pos += n
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
