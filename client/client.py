@@ -154,7 +154,7 @@ class Client:
         exist_ok: bool = False,
         progress: bool | None = None,
         param_groups: Sequence[ParamGroup] = (),
-        unit_bytes: int | Literal["auto"] | None = None,
+        unit_bytes: int | Literal["auto"] | None = "auto",
         **option_fields: Any,
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
@@ -181,8 +181,10 @@ class Client:
         least this many bytes (in the compute dtype), each stored, fetched, pushed and updated by
         the server as one stage, while checkpoint plans still run over every stage (NOTE
         [Transfer units] in ``client/units.py``): for deep chains of small stages, where the cost
-        per server stage dominates. ``"auto"``: 1 MiB units. None (default): one server stage
-        per stage. Not with ``base``. Units change no result, only what moves per message.
+        per server stage dominates. ``"auto"`` (default): 1 MiB units, except that a frozen base
+        (``frozen=True``) and a job on one (``base``) are never cut. None: one server stage per
+        stage, which is what a program that talks the raw protocol to stage ``k`` wants. A size
+        is refused with ``base``. Units change no result, only what moves per message.
 
         ``exist_ok=True``: when a job of this name exists (a restarted rank, a rerun script),
         attach to it instead, without uploading anything, if ``token`` opens it and its layout and
