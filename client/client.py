@@ -46,7 +46,7 @@ from .groups import GroupAssigner, ParamGroup, export_metadata
 from .job_options import job_options, options_difference
 from .options import Checkpointing, Parallelism, Precision, Transport, trainer_options
 from .stages import DTYPE_OF_BUFFER, StageRunner, Tied, flatten, frozen_params
-from .units import AUTO_UNIT_BYTES, UnitCutter, Units
+from .units import AUTO_UNIT_BYTES, UnitCutter, Units, chain_layout
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -325,14 +325,7 @@ class Client:
             on_base = attached.options.base is not None
             base_stages = list(attached.base_stages) if on_base else None
             specs, chain = walk_chain(stages, lambda i, mod: layout_on(base_stages, i, mod, groups), base_stages)
-            theirs = list(attached.stages)
-            if attached.options.units is not None:  # compared stage by stage, named as the chain's
-                units = Units(tuple(attached.options.units))
-                if len(specs) != units.stages:
-                    raise LayoutError(
-                        f"the given stages do not match job {name!r}: {len(specs)} stages given, the job has {units.stages}"
-                    )
-                theirs = units.chain_specs(theirs)
+            theirs = chain_layout(attached.stages, attached.options.units)  # with units: stage by stage
             theirs = theirs if groups is not None else [without_groups(s) for s in theirs]
             mismatch = describe_mismatch(theirs, specs)
             if mismatch is not None:
@@ -539,6 +532,7 @@ class Job:
             job=self.name,
             token=self._token,
             stages=tuple(self.unit_specs),
+            units=None if self.units is None else self.units.counts,
             base_stages=tuple(self.base_stages),
             register=client._trainers.add,
             unregister=client._trainers.discard,

@@ -103,6 +103,18 @@ class Units:
         return [unit_spec(f, chain_specs[f : f + c]) for f, c in zip(self.first_of, self.counts)]
 
 
+def chain_layout(server_stages: Sequence[StageSpec], units: Sequence[int] | None) -> list[StageSpec]:
+    """Each chain stage's layout from a job's server stages and its ``JobOptions.units``: the
+    server's stages themselves without units, else each unit split (``Units.chain_specs``). Layouts
+    are compared in these terms, so that a difference names the chain stage, not its unit."""
+    return list(server_stages) if units is None else Units(tuple(units)).chain_specs(server_stages)
+
+
+def describe_cut(units: Sequence[int] | None) -> str:
+    """How a job's chain is stored on the server, in words."""
+    return "one server stage per stage" if units is None else f"transfer units of {list(units)} stages"
+
+
 @dataclass(slots=True)
 class _Open:
     first: int

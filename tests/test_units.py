@@ -156,7 +156,7 @@ def test_a_worker_that_attaches_rebuilds_the_units_from_its_own_stages(client: C
     assert_weights_equal(job.state_dict(), reference_train(start, adamw, "mixed", STEPS), atol=1e-6)
     with torch.device("meta"):
         fewer = models.mixed()[:4]
-    with pytest.raises(LayoutError, match="4 stages given, the job has 5"):
+    with pytest.raises(LayoutError, match="the job has 5 stages, the given model has 4"):  # as without units
         client.attach_job("att", token="t", stages=fewer)
     with torch.device("meta"):
         changed = models.mixed()
@@ -166,6 +166,41 @@ def test_a_worker_that_attaches_rebuilds_the_units_from_its_own_stages(client: C
     # create_job(exist_ok=True) attaches to the job of units, whatever unit_bytes it is given
     again = client.create_job("att", models.mixed(), optimizer=AdamW(lr=LR, weight_decay=WD), token="t", exist_ok=True)
     assert again.units == job.units
+
+
+def three(width: int) -> list[nn.Module]:
+    """Three small stages (one unit with "auto") whose middle one is ``width`` wide."""
+    return [nn.Linear(4, 4), nn.Linear(4, width), nn.Linear(width, 2)]
+
+
+@pytest.mark.parametrize("unit_bytes", [None, "auto"])
+def test_a_layout_mismatch_names_the_chain_stage_with_or_without_units(client: Client, unit_bytes: str | None) -> None:
+    created = client.create_job("shaped", three(4), token="t", unit_bytes=unit_bytes)
+    assert created.units == (None if unit_bytes is None else Units((3,)))
+    with torch.device("meta"):
+        handle = client.attach_job("shaped", token="t", stages=three(4))
+        with pytest.raises(LayoutError, match=r"do not match job 'shaped': the job has 3 stages, the given model has 2$"):
+            client.attach_job("shaped", token="t", stages=three(4)[:2])
+        with pytest.raises(LayoutError, match=r"'shaped': stage 1: parameter 'weight' has shape \[6, 4\], the job has \[4, 4\]$"):
+            client.attach_job("shaped", token="t", stages=three(6))
+    created.drop()  # made again with stage 1 wider: the handle's trainer is refused naming stage 1, not its unit
+    client.create_job("shaped", three(6), token="t", unit_bytes=unit_bytes)
+    with pytest.raises(LayoutError, match=r"created again\?\): stage 1: parameter 'weight' has shape \[4, 4\], the job has \[6, 4\];"):
+        handle.trainer()
+
+
+def test_a_trainer_is_refused_by_a_job_made_again_with_its_stages_cut_otherwise(client: Client) -> None:
+    created = client.create_job("cut", three(4), token="t")  # "auto": one unit of the 3 stages
+    with torch.device("meta"):
+        handle = client.attach_job("cut", token="t", stages=three(4))
+    created.drop()
+    client.create_job("cut", three(4), token="t", unit_bytes=None)
+    with pytest.raises(LayoutError, match=r"holds its stages as one server stage per stage, the trainer was made for transfer units of \[3\] stages"):
+        handle.trainer()  # its runners view one unit; the job streams three stages
+    with torch.device("meta"):
+        right = client.attach_job("cut", token="t", stages=three(4))
+    with right.trainer() as trainer:
+        trainer.step(torch.randn(3, 4), torch.randn(3, 2), nn.functional.mse_loss)
 
 
 def test_a_tied_head_on_a_unit_trains_as_one_shared_parameter(client: Client) -> None:
