@@ -16,6 +16,7 @@ from torch import nn
 from wstream.protocol import (
     JobExistsError,
     LayoutError,
+    MemoryLimitError,
     SessionExpiredError,
     StageSpec,
     StateError,
@@ -242,9 +243,17 @@ class Client:
 
         added = 0  # server stages uploaded
 
-        def add(spec: StageSpec, flat: torch.Tensor) -> None:
+        def add(spec: StageSpec, flat: torch.Tensor, holds: range | None = None) -> None:
+            """Upload server stage ``added``; ``holds``: the chain stages of a unit."""
             nonlocal added
-            self._chan.request(m.AddStage(session=session, index=added, spec=spec), m.Ok, tensor_frames(flat))
+            try:
+                self._chan.request(m.AddStage(session=session, index=added, spec=spec), m.Ok, tensor_frames(flat))
+            except (MemoryLimitError, LayoutError) as e:  # the server names its own stage: say which stages that is
+                if holds is None:
+                    raise
+                raise type(e)(
+                    f"{e.message} (the server's stage {added} is the transfer unit of chain stages {holds.start}..{holds[-1]})"
+                ) from e
             added += 1
 
         def upload(i: int, module: nn.Module) -> StageSpec:
@@ -253,9 +262,9 @@ class Client:
             if cutter is None:
                 add(spec, flat)
             else:
-                for _, unit, unit_flat in cutter.add(spec, flat, has_buffers=any(p.buffer for p in spec.params)):
+                for first, unit, unit_flat in cutter.add(spec, flat, has_buffers=any(p.buffer for p in spec.params)):
                     assert unit_flat is not None
-                    add(unit, unit_flat)
+                    add(unit, unit_flat, range(first, first + cutter.counts[added]))
             bar.update(sum(numel_of(p.shape) for p in spec.params))
             return spec
 
@@ -263,9 +272,9 @@ class Client:
             _, chain = walk_chain(stages, upload, list(created.base_stages) if base is not None else None)
             units = None
             if cutter is not None:
-                for _, unit, unit_flat in cutter.finish():
+                for first, unit, unit_flat in cutter.finish():
                     assert unit_flat is not None
-                    add(unit, unit_flat)
+                    add(unit, unit_flat, range(first, first + cutter.counts[added]))
                 units = cutter.counts
             groups.check_all_used()
             sealed, _ = self._chan.request(m.Seal(session=session, units=units), m.Attached, timeout_s=self.wait_timeout_s)

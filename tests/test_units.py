@@ -14,7 +14,7 @@ from torch import nn
 import models
 from test_equivalence import assert_weights_equal, reference_train
 from test_ties import TiedHead, batch as tied_batch, chain as tied_chain, loss_fn as tied_loss, reference as tied_reference
-from wstream.client import AdamW, Client, LayoutError, Tied
+from wstream.client import AdamW, Client, LayoutError, MemoryLimitError, Tied
 from wstream.client.stages import spec_of
 from wstream.client.units import UnitCutter, Units, split_unit, unit_spec
 from wstream.server.inprocess import InProcessServer
@@ -275,3 +275,17 @@ def test_a_job_of_units_resumes_after_a_server_kill_with_its_cut(tmp_path) -> No
             assert_weights_equal(job.state_dict(), reference_train(start, adamw, "mixed", STEPS), atol=1e-6)
     finally:
         assert srv.stop() == 0
+
+
+def test_a_unit_over_the_memory_limit_is_refused_naming_its_chain_stages(tmp_path: Path) -> None:
+    srv = InProcessServer(bind=[f"ipc://{tmp_path / 'small.sock'}"], memory_limit=3 << 20)
+    try:
+        with Client(srv.address, timeout=30) as c:
+            # a generator gives no size up front; four Linear(256, 256) of 257 KiB make the first
+            # 1 MiB unit, whose 16 bytes/parameter do not fit: the server names its stage 0, the
+            # client says which stages that is
+            with pytest.raises(MemoryLimitError, match=r"stage 0 needs .* free \(the server's stage 0 is the transfer unit of chain stages 0\.\.3\)$"):
+                c.create_job("growing", (nn.Linear(256, 256) for _ in range(10)), token="x")
+            assert c.status().jobs == [] and c.status().memory_used == 0
+    finally:
+        srv.stop()
