@@ -15,6 +15,7 @@ import models
 from test_equivalence import assert_weights_equal, reference_train
 from test_ties import TiedHead, batch as tied_batch, chain as tied_chain, loss_fn as tied_loss, reference as tied_reference
 from wstream.client import AdamW, Client, LayoutError, MemoryLimitError, Tied
+from wstream.client import connection as connection_module
 from wstream.client.stages import spec_of
 from wstream.client.units import UnitCutter, Units, split_unit, unit_spec
 from wstream.server.inprocess import InProcessServer
@@ -117,6 +118,23 @@ def test_an_admin_export_of_a_job_of_units_names_its_chain_stages(tmp_path: Path
         assert set(by_admin.keys()) == set(want)  # "<stage>.<param>", not the unit's prefix twice
         for k in want:
             assert torch.equal(by_admin.get_tensor(k), want[k])
+
+
+@pytest.mark.parametrize("mode", ["shm-copy", "frames"])
+def test_a_job_of_units_trains_through_the_staging_buffers(client: Client, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path's logic on a CPU (test_device): frames land in the receive ring and gradients
+    go through the staging buffers, here a unit's at a time."""
+    monkeypatch.setattr(connection_module, "host_staging", lambda device: True)
+    stages = models.mixed(seed=4)
+    start = copy.deepcopy(stages)
+    job = client.create_job("staged", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t")  # "auto"
+    assert job.units is not None and job.units.counts == (5,)
+    with job.trainer(shm=mode != "frames", zero_copy=False, prefetch=1) as trainer:
+        assert (trainer.connection.receive is not None) == (mode == "frames")
+        assert trainer.stats().grad_staging_bytes == 2 * job.unit_specs[0].numel * 4  # two of the unit
+        for s in range(STEPS):
+            trainer.step(*models.batch("mixed", s), models.loss_fn)
+    assert_weights_equal(job.state_dict(), reference_train(start, adamw, "mixed", STEPS), atol=1e-6)
 
 
 def test_a_deep_chain_of_units_fetches_each_unit_once_per_pass(client: Client) -> None:
