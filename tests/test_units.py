@@ -307,3 +307,23 @@ def test_a_unit_over_the_memory_limit_is_refused_naming_its_chain_stages(tmp_pat
             assert c.status().jobs == [] and c.status().memory_used == 0
     finally:
         srv.stop()
+
+
+def test_a_unit_whose_gradient_no_scale_makes_finite_sends_nothing_and_the_trainer_goes_on(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """test_loss_scale's premise is a stage per server stage: the last stage's gradient was sent,
+    so the trainer must close. In one unit nothing is pushed before the backward of position 0:
+    the step is refused whole, and taken again once the model's gradient is finite."""
+    from test_loss_scale import InfiniteSlope, _loss
+
+    stages = [nn.Linear(12, 8), InfiniteSlope(), nn.Linear(8, 5)]
+    job = client.create_job("sqrt", stages, optimizer=AdamW(lr=LR), token="t", dtype="float16")
+    assert job.units is not None and job.units.counts == (3,)
+    with job.trainer() as trainer:
+        with pytest.raises(FloatingPointError, match="position 1, micro-batch 0: the gradient is not finite even at"):
+            trainer.step(*models.batch("mixed", 0), _loss)
+        assert trainer.stats().pushes == 0 and trainer.step_index == 0
+        monkeypatch.setattr(InfiniteSlope, "forward", lambda self, x: self.lin(x))
+        trainer.step(*models.batch("mixed", 0), _loss)
+        assert trainer.stats().pushes == 1 and trainer.step_index == 1
