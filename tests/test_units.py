@@ -137,6 +137,38 @@ def test_a_job_of_units_trains_through_the_staging_buffers(client: Client, mode:
     assert_weights_equal(job.state_dict(), reference_train(start, adamw, "mixed", STEPS), atol=1e-6)
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"schedule": "optimal", "memory_budget": 12 * 4 * 8 * 4},
+        {"schedule": "min_peak"},
+        {"schedule": "offload", "memory_budget": 8 * 4 * 8 * 4},
+        {"schedule": "sqrt"},
+    ],
+    ids=lambda case: case["schedule"],
+)
+def test_plans_over_units_train_bit_identically_to_store_all_without_units(client: Client, case: dict) -> None:
+    """test_schedules' plans (their profiles too) on 16 stages of 8 wide with dropout, in units of 4."""
+    from test_schedules import chain
+
+    torch.manual_seed(7)
+    data = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(2)]
+    results = {}
+    for name, unit_bytes, options in (("plain", None, {}), ("units", 1000, case)):
+        job = client.create_job(name, chain(16, dropout=True), optimizer=AdamW(lr=1e-2), token="t", unit_bytes=unit_bytes)
+        torch.manual_seed(123)  # the same dropout masks
+        with job.trainer(**options) as trainer:
+            losses = [trainer.step(x, y, nn.functional.mse_loss) for x, y in data]
+            stats, fetch_order = trainer.stats(), trainer.planning.fetch_order
+        results[name] = job.state_dict(), losses
+    assert job.units is not None and job.units.counts == (4, 4, 4, 4)
+    profiling = 0 if case["schedule"] == "sqrt" else 4  # a profiling pass fetches each unit once
+    assert stats.fetches == 2 * len(fetch_order) + profiling and stats.pushes == 2 * 4
+    (want, want_losses), (got, losses) = results["plain"], results["units"]
+    assert losses == want_losses
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_a_deep_chain_of_units_fetches_each_unit_once_per_pass(client: Client) -> None:
     stages = models.deep(40, 16)
     start = copy.deepcopy(stages)
