@@ -16,6 +16,7 @@ from torch import nn
 from wstream.protocol import (
     JobExistsError,
     LayoutError,
+    MemoryLimitError,
     SessionExpiredError,
     StageSpec,
     StateError,
@@ -46,7 +47,7 @@ from .groups import GroupAssigner, ParamGroup, export_metadata
 from .job_options import job_options, options_difference
 from .options import Checkpointing, Parallelism, Precision, Transport, trainer_options
 from .stages import DTYPE_OF_BUFFER, StageRunner, Tied, flatten, frozen_params
-from .units import AUTO_UNIT_BYTES, UnitCutter, Units
+from .units import AUTO_UNIT_BYTES, UnitCutter, Units, chain_layout
 from .trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -154,7 +155,7 @@ class Client:
         exist_ok: bool = False,
         progress: bool | None = None,
         param_groups: Sequence[ParamGroup] = (),
-        unit_bytes: int | Literal["auto"] | None = None,
+        unit_bytes: int | Literal["auto"] | None = "auto",
         **option_fields: Any,
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
@@ -181,8 +182,10 @@ class Client:
         least this many bytes (in the compute dtype), each stored, fetched, pushed and updated by
         the server as one stage, while checkpoint plans still run over every stage (NOTE
         [Transfer units] in ``client/units.py``): for deep chains of small stages, where the cost
-        per server stage dominates. ``"auto"``: 1 MiB units. None (default): one server stage
-        per stage. Not with ``base``. Units change no result, only what moves per message.
+        per server stage dominates. ``"auto"`` (default): 1 MiB units, except that a frozen base
+        (``frozen=True``) and a job on one (``base``) are never cut. None: one server stage per
+        stage, which is what a program that talks the raw protocol to stage ``k`` wants. A size
+        is refused with ``base``. Units change no result, only what moves per message.
 
         ``exist_ok=True``: when a job of this name exists (a restarted rank, a rerun script),
         attach to it instead, without uploading anything, if ``token`` opens it and its layout and
@@ -240,9 +243,17 @@ class Client:
 
         added = 0  # server stages uploaded
 
-        def add(spec: StageSpec, flat: torch.Tensor) -> None:
+        def add(spec: StageSpec, flat: torch.Tensor, holds: range | None = None) -> None:
+            """Upload server stage ``added``; ``holds``: the chain stages of a unit."""
             nonlocal added
-            self._chan.request(m.AddStage(session=session, index=added, spec=spec), m.Ok, tensor_frames(flat))
+            try:
+                self._chan.request(m.AddStage(session=session, index=added, spec=spec), m.Ok, tensor_frames(flat))
+            except (MemoryLimitError, LayoutError) as e:  # the server names its own stage: say which stages that is
+                if holds is None:
+                    raise
+                raise type(e)(
+                    f"{e.message} (the server's stage {added} is the transfer unit of chain stages {holds.start}..{holds[-1]})"
+                ) from e
             added += 1
 
         def upload(i: int, module: nn.Module) -> StageSpec:
@@ -251,9 +262,9 @@ class Client:
             if cutter is None:
                 add(spec, flat)
             else:
-                for _, unit, unit_flat in cutter.add(spec, flat, has_buffers=any(p.buffer for p in spec.params)):
+                for first, unit, unit_flat in cutter.add(spec, flat, has_buffers=any(p.buffer for p in spec.params)):
                     assert unit_flat is not None
-                    add(unit, unit_flat)
+                    add(unit, unit_flat, range(first, first + cutter.counts[added]))
             bar.update(sum(numel_of(p.shape) for p in spec.params))
             return spec
 
@@ -261,9 +272,9 @@ class Client:
             _, chain = walk_chain(stages, upload, list(created.base_stages) if base is not None else None)
             units = None
             if cutter is not None:
-                for _, unit, unit_flat in cutter.finish():
+                for first, unit, unit_flat in cutter.finish():
                     assert unit_flat is not None
-                    add(unit, unit_flat)
+                    add(unit, unit_flat, range(first, first + cutter.counts[added]))
                 units = cutter.counts
             groups.check_all_used()
             sealed, _ = self._chan.request(m.Seal(session=session, units=units), m.Attached, timeout_s=self.wait_timeout_s)
@@ -323,14 +334,7 @@ class Client:
             on_base = attached.options.base is not None
             base_stages = list(attached.base_stages) if on_base else None
             specs, chain = walk_chain(stages, lambda i, mod: layout_on(base_stages, i, mod, groups), base_stages)
-            theirs = list(attached.stages)
-            if attached.options.units is not None:  # compared stage by stage, named as the chain's
-                units = Units(tuple(attached.options.units))
-                if len(specs) != units.stages:
-                    raise LayoutError(
-                        f"the given stages do not match job {name!r}: {len(specs)} stages given, the job has {units.stages}"
-                    )
-                theirs = units.chain_specs(theirs)
+            theirs = chain_layout(attached.stages, attached.options.units)  # with units: stage by stage
             theirs = theirs if groups is not None else [without_groups(s) for s in theirs]
             mismatch = describe_mismatch(theirs, specs)
             if mismatch is not None:
@@ -537,6 +541,7 @@ class Job:
             job=self.name,
             token=self._token,
             stages=tuple(self.unit_specs),
+            units=None if self.units is None else self.units.counts,
             base_stages=tuple(self.base_stages),
             register=client._trainers.add,
             unregister=client._trainers.discard,

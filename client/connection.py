@@ -37,6 +37,7 @@ from .prefetch import Prefetcher, WeightRing
 from .push import GradientPusher
 from .streaming import TORCH_DTYPES, HeartbeatThread, StreamContext
 from .threads import share_cores
+from .units import chain_layout, describe_cut
 from .waiting import job_waiting
 
 log = logging.getLogger(__name__)
@@ -200,7 +201,11 @@ class WorkerConnection:
         (the job was dropped and created again under its name): the worker would read its weights
         at the wrong offsets and push gradients of the wrong size."""
         ep = self.endpoint
-        mismatch = describe_mismatch(list(attached.stages), list(ep.stages))
+        cut = None if attached.options.units is None else tuple(attached.options.units)
+        # compared stage by stage (with units too), so that a difference names the chain's stage
+        mismatch = describe_mismatch(chain_layout(attached.stages, cut), chain_layout(ep.stages, ep.units))
+        if mismatch is None and cut != ep.units:  # the same stages, cut otherwise (another unit_bytes)
+            mismatch = f"the job holds its stages as {describe_cut(cut)}, the trainer was made for {describe_cut(ep.units)}"
         if mismatch is None:
             base = describe_mismatch(list(attached.base_stages), list(ep.base_stages))
             mismatch = None if base is None else f"its frozen base: {base}"

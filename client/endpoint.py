@@ -52,6 +52,10 @@ class WorkerEndpoint:
     """The job's layout as the trainer's stages were made for it; the layout the server sends at
     each attach (a reconnect's too) must be this one, else the worker refuses to join (a job
     dropped and created again under its name with other shapes)."""
+    units: tuple[int, ...] | None = None
+    """How ``stages`` hold the chain's stages (``JobOptions.units``; None: one server stage per
+    stage). A job whose stages are cut otherwise is refused too: the trainer's runners view their
+    units."""
     base_stages: tuple[StageSpec, ...] = ()
     """Its frozen base's layout (empty without a base), checked the same way."""
     register: Callable[[Closeable], None]

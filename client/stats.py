@@ -19,7 +19,9 @@ from .throughput import Throughput
 
 @dataclass(slots=True, repr=False)
 class TrainerStats:
-    """What the last steps did; ``peak_resident_stages`` never exceeds ``prefetch + 1``.
+    """What the last steps did; ``peak_resident_stages`` never exceeds ``prefetch + 1``. The ring,
+    fetches and pushes count the server's stages: a job's transfer units (NOTE [Transfer units] in
+    ``units.py``), or its stages themselves with ``unit_bytes=None``.
 
     ``repr`` (and ``print``) gives a summary in units, a few lines; the fields hold the numbers."""
 
@@ -91,7 +93,7 @@ class TrainerStats:
         )
         ring = f"{format_bytes(self.ring_bytes)}, " if self.ring_bytes else ""
         memory = (
-            f"  memory: weight ring {ring}{self.ring_capacity} stages at most (peak {self.peak_resident_stages}), "
+            f"  memory: weight ring {ring}{self.ring_capacity} server stages at most (peak {self.peak_resident_stages}), "
             f"stage inputs peak {format_bytes(self.peak_boundary_bytes)}"
         )
         if self.registered_bytes or self.grad_staging_bytes:

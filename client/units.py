@@ -4,10 +4,10 @@
 # Every server stage costs a fixed amount per step whatever its size: a ``fetch`` and its reply, a
 # ``push`` and its reply, a gather and an update task on the server's pool, and a wake of the
 # worker's prefetch and push threads. For a GPT block that is noise; for a chain of thousands of
-# 48-wide layers it is most of the step (BENCHMARKS.md, "Per-stage overhead"). So a job may be
-# created with ``unit_bytes``: consecutive chain stages are then stored on the server as one stage
-# (a *unit*) of at least that many bytes in the compute dtype, and everything per server stage
-# happens once per unit. The rules:
+# 48-wide layers it is most of the step (BENCHMARKS.md, "Per-stage overhead"). So a job is created
+# with ``unit_bytes`` (``"auto"``, 1 MiB, by default; None turns it off): consecutive chain stages
+# are then stored on the server as one stage (a *unit*) of at least that many bytes in the compute
+# dtype, and everything per server stage happens once per unit. The rules:
 #   1. Units are cut greedily in chain order: a stage joins the open unit, which closes once it
 #      holds ``unit_bytes``. A stage of ``unit_bytes`` or more, and a stage with buffers (whose
 #      step-wise values the executor keeps per server stage: NOTE [Buffers] in executor.py), is a
@@ -101,6 +101,18 @@ class Units:
         if len(chain_specs) != self.stages:
             raise LayoutError(f"{len(chain_specs)} stages given; the job's units hold {self.stages}")
         return [unit_spec(f, chain_specs[f : f + c]) for f, c in zip(self.first_of, self.counts)]
+
+
+def chain_layout(server_stages: Sequence[StageSpec], units: Sequence[int] | None) -> list[StageSpec]:
+    """Each chain stage's layout from a job's server stages and its ``JobOptions.units``: the
+    server's stages themselves without units, else each unit split (``Units.chain_specs``). Layouts
+    are compared in these terms, so that a difference names the chain stage, not its unit."""
+    return list(server_stages) if units is None else Units(tuple(units)).chain_specs(server_stages)
+
+
+def describe_cut(units: Sequence[int] | None) -> str:
+    """How a job's chain is stored on the server, in words."""
+    return "one server stage per stage" if units is None else f"transfer units of {list(units)} stages"
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """The wire protocol by hand: plain pyzmq and msgpack, no wstream code on this side of the socket.
 
 A job is created with the wstream client (the only use of the library here); then a DEALER socket
-speaks protocol 6 directly (``protocol/README.md``): ``status``; ``hello`` for a nonce; ``attach``
+speaks protocol 7 directly (``protocol/README.md``): ``status``; ``hello`` for a nonce; ``attach``
 with a proof of the job's token, computed with ``hmac``/``hashlib``; and a bad message, which gets
 an ``error`` reply while the server goes on.
 
@@ -62,9 +62,12 @@ def main() -> None:
             nonce, client_nonce = challenge["nonce"], os.urandom(16)
             proof = attach_proof(client_key(token), "raw", nonce, client_nonce)
             attached = request(sock, "attach", 3, name="raw", nonce=nonce, client_nonce=client_nonce, proof=proof)
+            # the server's stages; the job's two small stages are one transfer unit (its options' "units"
+            # says how many of the model's stages each holds), parameters named "<stage>.<name>"
             print(
                 f"attach -> {attached['op']}: session {attached['session'].hex()[:12]}..., "
-                f"stages {[[(name, shape) for name, shape, *_rest in s['params']] for s in attached['stages']]}, step {attached['step']}"
+                f"stages {[[(name, shape) for name, shape, *_rest in s['params']] for s in attached['stages']]} "
+                f"(units {attached['options']['units']}), step {attached['step']}"
             )
             nonce2 = request(sock, "hello", 4)["nonce"]
             wrong = attach_proof(client_key("guess"), "raw", nonce2, client_nonce)

@@ -109,7 +109,11 @@ def main() -> None:
                 delay_after=args.delay_after,
                 dtype=args.dtype,
             )
-            print(f"job {job_name!r}: {job.num_stages} stages, {job.num_params:,} parameters")
+            # the server stores, streams and updates runs of small stages as one transfer unit
+            held = len(job.unit_specs)
+            server_stages = f"{held} stages" if job.units is None else f"{held} transfer unit{'s' * (held != 1)}"
+            stored = "" if job.units is None else f" in {server_stages}"
+            print(f"job {job_name!r}: {job.num_stages} stages{stored}, {job.num_params:,} parameters")
             data_iter = batches(data, args.seq, args.batch, args.seed)
             process = psutil.Process()
             with job.trainer(prefetch=args.prefetch) as trainer:
@@ -144,7 +148,7 @@ def main() -> None:
             print(f"  whole model, fp32 weights + grads + AdamW state (16 B/param): {format_bytes(16 * params)}")
             print(
                 f"  worker peak: weight ring {format_bytes(stats.ring_bytes)} "
-                f"({stats.ring_capacity} of {job.num_stages} stages resident at most, peak {stats.peak_resident_stages}) "
+                f"({min(stats.ring_capacity, held)} of {server_stages} resident at most, peak {stats.peak_resident_stages}) "
                 f"+ stage-boundary activations {format_bytes(stats.peak_boundary_bytes)}"
             )
             print(f"  (this process's RSS, torch runtime included: {format_bytes(rss)})")

@@ -63,7 +63,7 @@ def _finish_worker(proc: subprocess.Popen[bytes], out: Path, steps: int) -> None
 
 @pytest.mark.server_process  # raw ZeroMQ peers on the wire
 def test_the_token_never_travels_after_creation(server: ServerProcess, client: Client) -> None:
-    client.create_job("quiet", models.mixed(seed=1), optimizer=AdamW(), token=TOKEN)
+    client.create_job("quiet", models.mixed(seed=1), optimizer=AdamW(), token=TOKEN, unit_bytes=None)  # pulls stage 1 raw
     peer = RawPeer(server.address)
     try:
         s = peer.attach("quiet", TOKEN)

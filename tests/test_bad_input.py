@@ -44,7 +44,8 @@ def test_every_bad_message_is_answered_while_another_job_trains(server: ServerPr
             stdout=log,
             stderr=subprocess.STDOUT,
         )
-    victim = client.create_job("victim", models.mixed(seed=2), optimizer=AdamW(), token="victim-token")
+    # raw pushes of chain stage 0's gradient size: one server stage per chain stage
+    victim = client.create_job("victim", models.mixed(seed=2), optimizer=AdamW(), token="victim-token", unit_bytes=None)
     peer = RawPeer(server.address)
     try:
         cases: list[tuple[str, list[bytes], str, str]] = [
@@ -170,9 +171,9 @@ def test_growing_job_and_join_over_memory_limit_are_refused(tmp_path: Path) -> N
             # a generator gives no size up front: the stage that crosses the limit is refused,
             # and the half-made job is removed (each Linear(256, 256) holds 16 bytes/parameter:
             # master, AdamW moments, the step's gradient accumulator; 1.05 MiB, and the segment's
-            # first MiB: stage 2 is the one that does not fit)
+            # first MiB: stage 2 is the one that does not fit; test_units has the job of units)
             with pytest.raises(MemoryLimitError, match="stage 2"):
-                c.create_job("growing", (nn.Linear(256, 256) for _ in range(10)), token="x")
+                c.create_job("growing", (nn.Linear(256, 256) for _ in range(10)), token="x", unit_bytes=None)
             assert c.status().jobs == [] and c.status().memory_used == 0
             job = c.create_job("j", [nn.Linear(256, 256)], optimizer=AdamW(), token="t")  # ~1.05 MiB
             with pytest.raises(MemoryLimitError, match="gradient ring"):

@@ -54,7 +54,7 @@ def _stage_bytes() -> int:
 def test_trainer_ring_from_weight_budget_and_its_buffers_are_never_reallocated(client: Client) -> None:
     stages = models.mixed(seed=2)
     start = copy.deepcopy(stages)
-    job = client.create_job("budget", stages, optimizer=AdamW(lr=3e-3), token="t")
+    job = client.create_job("budget", stages, optimizer=AdamW(lr=3e-3), token="t", unit_bytes=None)  # a budget of stages
     largest = _stage_bytes()
     budget = 3 * largest + largest // 2
     with job.trainer(zero_copy=False, weight_budget=budget) as trainer:
@@ -71,7 +71,7 @@ def test_trainer_ring_from_weight_budget_and_its_buffers_are_never_reallocated(c
 
 
 def test_trainer_refuses_a_weight_budget_that_cannot_hold_two_stages(client: Client) -> None:
-    job = client.create_job("small", models.mixed(), optimizer=AdamW(lr=1e-3), token="t")
+    job = client.create_job("small", models.mixed(), optimizer=AdamW(lr=1e-3), token="t", unit_bytes=None)  # a budget of stages
     largest = _stage_bytes()
     with pytest.raises(ValueError, match=f">= {2 * largest} bytes"):
         job.trainer(zero_copy=False, weight_budget=2 * largest - 1)
@@ -148,7 +148,10 @@ def test_staged_path_on_a_cpu_trains_to_plain_pytorch(
     monkeypatch.setattr(connection_module, "host_staging", lambda device: True)
     stages = models.mixed(seed=4)
     start = copy.deepcopy(stages)
-    job = client.create_job("staged", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t")
+    job = client.create_job(
+        "staged", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t",
+        unit_bytes=None,  # staging sized by the largest chain stage (test_units trains a unit staged)
+    )
     with job.trainer(shm=mode != "frames", zero_copy=False, prefetch=1) as trainer:
         assert (trainer.connection.receive is not None) == (mode == "frames")
         assert trainer.stats().grad_staging_bytes == 2 * _stage_bytes()
@@ -203,7 +206,7 @@ class _HeldStager:
 
 
 def test_a_push_is_sent_only_once_its_copy_is_complete(client: Client) -> None:
-    job = client.create_job("held", models.mixed(), optimizer=SGD(lr=0.1), token="t")
+    job = client.create_job("held", models.mixed(), optimizer=SGD(lr=0.1), token="t", unit_bytes=None)  # pushes stage 4 by hand
     with job.trainer(zero_copy=False) as trainer:
         pusher = trainer.connection.pusher
         held = _HeldStager(pusher._stager)
@@ -221,7 +224,7 @@ def test_a_push_is_sent_only_once_its_copy_is_complete(client: Client) -> None:
 
 
 def test_an_error_reply_to_a_push_is_raised_in_the_compute_thread(client: Client) -> None:
-    job = client.create_job("bad-push", models.mixed(), optimizer=SGD(lr=0.1), token="t")
+    job = client.create_job("bad-push", models.mixed(), optimizer=SGD(lr=0.1), token="t", unit_bytes=None)  # pushes stage 4 by hand
     trainer = job.trainer()
     try:
         pusher = trainer.connection.pusher

@@ -160,7 +160,8 @@ class Scene:
         self.trainers: list[Trainer] = []
 
     def victim(self, **options: Any) -> ClientJob:
-        return self.client.create_job("victim", victim_model(), token="v", optimizer=OPTIMIZER, **options)
+        # unit_bytes=None: the test sends its pushes, fetches and pulls by hand, one per chain stage
+        return self.client.create_job("victim", victim_model(), token="v", optimizer=OPTIMIZER, unit_bytes=None, **options)
 
     def worker(self, job: ClientJob) -> tuple[Trainer, SessionSigner]:
         """An idle worker of ``job`` whose requests the test sends by hand (as the fuzzer does)."""

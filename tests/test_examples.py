@@ -27,14 +27,15 @@ def run_example(name: str, *args: str) -> str:
 def test_gpt_demo_starts_a_server_trains_and_reports_memory(tmp_path: Path) -> None:
     text = run_example(
         "train_gpt.py",
-        *("--server", f"ipc://{tmp_path}/demo.sock", "--steps", "12", "--layers", "2", "--embd", "64"),
+        # 128 wide: embedding + block 0 + block 1 make one 1 MiB transfer unit, the head another
+        *("--server", f"ipc://{tmp_path}/demo.sock", "--steps", "12", "--layers", "2", "--embd", "128"),
         *("--micro-batches", "2", "--trace", str(tmp_path / "trace.json")),
     )
     assert "started wstream-server" in text
-    assert "job 'gpt-demo-" in text and "4 stages" in text
+    assert "job 'gpt-demo-" in text and "4 stages in 2 transfer units" in text
     first, last = (float(v) for v in text.split("\nloss ")[1].split(" in ")[0].split(" -> "))
     assert last < first  # 12 steps from random init already lower the loss
-    assert "worker peak: weight ring" in text and "2 of 4 stages resident at most, peak 2" in text
+    assert "worker peak: weight ring" in text and "2 of 2 transfer units resident at most, peak 2" in text
     streamed = text.split("streamed per step: ")[1].split("\n")[0]
     assert "of weights read in place (zero-copy)" in streamed and not streamed.startswith("0 B")
     assert "sample:\nShall I " in text
@@ -99,13 +100,14 @@ def test_watch_server_example_shows_status_and_metrics() -> None:
     assert re.search(r"watched\s+ready\s+3\s", text), text  # the status table: job, state, step
     assert "of 1.00 GiB" in text  # the TOML file's memory limit applies
     assert 'wstream_job_step{job="watched"} 3.0' in text
-    assert 'wstream_gradients_received_total{job="watched"} 12.0' in text  # 3 steps x 4 stages
+    assert 'wstream_gradients_received_total{job="watched"} 3.0' in text  # 3 steps x 1 unit (of the 4 small stages)
 
 
 def test_raw_protocol_example_talks_msgpack_by_hand() -> None:
     text = run_example("raw_protocol.py")
     assert "status -> status_reply: protocol 7, jobs ['raw']" in text
-    assert "attach -> attached: session" in text and "('weight', [4, 4])" in text
+    # the job's two small stages are one transfer unit on the wire, its parameters "<stage>.<name>"
+    assert "attach -> attached: session" in text and "('0.weight', [4, 4])" in text and "(units [2])" in text
     assert "error auth_failed" in text and "error bad_message" in text
     assert "status again -> status_reply" in text
 

@@ -664,7 +664,8 @@ class Fuzzer:
         return job.session
 
     def _create(self, t: Target) -> None:
-        t.job = self.client.create_job(t.name, t.build(), optimizer=AdamW(lr=1e-2), token=t.token)
+        # unit_bytes=None: the fuzzer aims its messages at each chain stage (t.numels)
+        t.job = self.client.create_job(t.name, t.build(), optimizer=AdamW(lr=1e-2), token=t.token, unit_bytes=None)
         t.numels = [s.numel for s in t.job.specs]
         t.plain = t.job.session
         self.signers[t.plain] = t.job._signer

@@ -45,7 +45,7 @@ def test_a_lone_worker_is_read_in_place_and_equals_pytorch_with_clipping(
 ) -> None:
     """Held: the step's last ``grad_slots`` pushes (with one slot, the last alone: it needs none
     after it); the others are gathered with the worker's norm. Same weights either way."""
-    job = client.create_job("held", models.mixed(), optimizer=ADAMW, token="t")
+    job = client.create_job("held", models.mixed(), optimizer=ADAMW, token="t", unit_bytes=None)  # counts per chain stage
     norms = []
     with job.trainer(grad_slots=grad_slots, shm=shm) as trainer:
         for s in range(STEPS):
@@ -66,7 +66,7 @@ def test_bfloat16_weights_are_the_same_held_or_gathered(client: Client, server: 
     got = {}
     for slots in (1, 8):
         name = f"bf16-{slots}"
-        job = client.create_job(name, models.mixed(), optimizer=ADAMW, token="t", dtype="bfloat16")
+        job = client.create_job(name, models.mixed(), optimizer=ADAMW, token="t", dtype="bfloat16", unit_bytes=None)  # held per stage
         with job.trainer(grad_slots=slots) as trainer:
             for s in range(STEPS):
                 trainer.step(*models.batch("mixed", s), models.loss_fn)
@@ -81,7 +81,7 @@ def test_bfloat16_weights_are_the_same_held_or_gathered(client: Client, server: 
 
 def test_two_workers_are_gathered_into_their_mean(server: ServerThread, tmp_path: Path) -> None:
     with Client(server.address, timeout=30) as c:
-        job = c.create_job("held-dp", models.mixed(), optimizer=ADAMW, token="t")
+        job = c.create_job("held-dp", models.mixed(), optimizer=ADAMW, token="t", unit_bytes=None)  # counts per chain stage
         run_workers(server.address, "held-dp", "t", "mixed", STEPS, 2, tmp_path)
         got = job.state_dict()
     want, _ = adamw_reference(ranks=2)

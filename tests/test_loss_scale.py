@@ -164,7 +164,8 @@ class InfiniteSlope(nn.Module):
 
 def test_a_gradient_that_no_scale_makes_finite_is_refused_by_name(client: Client) -> None:
     stages = [nn.Linear(12, 8), InfiniteSlope(), nn.Linear(8, 5)]
-    job = client.create_job("sqrt", stages, optimizer=AdamW(lr=LR), token="t", dtype="float16")
+    # unit_bytes=None: stage 2's gradient is pushed before stage 1's fails (test_units: one unit sends nothing)
+    job = client.create_job("sqrt", stages, optimizer=AdamW(lr=LR), token="t", dtype="float16", unit_bytes=None)
     trainer = job.trainer()  # float16: scaled by default
     try:
         with pytest.raises(FloatingPointError, match="position 1, micro-batch 0: the gradient is not finite even at"):

@@ -70,7 +70,8 @@ def test_64_stage_model_keeps_only_prefetch_plus_one_stages(server: ServerProces
 
 @pytest.mark.parametrize("prefetch", [0, 1, 3])
 def test_ring_never_exceeds_prefetch_plus_one(client: Client, prefetch: int) -> None:
-    job = client.create_job(f"ring{prefetch}", models.deep(12, 32), optimizer=AdamW(), token="t")
+    # unit_bytes=None: 12 stages of 32 wide, each its own server stage in the ring (else one unit)
+    job = client.create_job(f"ring{prefetch}", models.deep(12, 32), optimizer=AdamW(), token="t", unit_bytes=None)
     with job.trainer(prefetch=prefetch) as trainer:
         for s in range(3):
             trainer.step(torch.randn(4, 32), torch.randn(4, 32), models.loss_fn)

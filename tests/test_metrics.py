@@ -60,8 +60,9 @@ def test_metrics_agree_with_the_work_done_and_with_status(tmp_path: Path) -> Non
     try:
         url = metrics_url(srv)
         with Client(srv.address, timeout=30) as c:
-            job = c.create_job("m", models.mixed(), optimizer=AdamW(), token="t")
-            c.create_job("deep", models.deep(6, 8), optimizer=AdamW(), token="t")  # over the stage limit
+            # unit_bytes=None: the counts below are per chain stage, and "deep" has 6 server stages
+            job = c.create_job("m", models.mixed(), optimizer=AdamW(), token="t", unit_bytes=None)
+            c.create_job("deep", models.deep(6, 8), optimizer=AdamW(), token="t", unit_bytes=None)  # over the stage limit
             reports = run_workers(srv.address, "m", "t", "mixed", STEPS, RANKS, tmp_path, "--copy")
             with job.trainer(shm=False) as tr:  # one more step, over data frames, and stays joined
                 tr.step(*models.batch("mixed", STEPS), models.loss_fn)

@@ -71,7 +71,8 @@ def test_weight_traffic_per_step_does_not_grow_with_micro_batches(client: Client
     """Bytes fetched per step are the plan's weight traffic, the same for k = 1 and k = 8."""
     fetched = {}
     for k in (1, 8):
-        job = client.create_job(f"traffic-{k}", models.mixed(), optimizer=AdamW(lr=1e-3), token="t")
+        # unit_bytes=None: revolve's refetches and the pushes below are per chain stage
+        job = client.create_job(f"traffic-{k}", models.mixed(), optimizer=AdamW(lr=1e-3), token="t", unit_bytes=None)
         with job.trainer(zero_copy=False, schedule="revolve", slots=2) as trainer:
             for s in range(3):
                 trainer.step(*models.batch("mixed", s), models.loss_fn, micro_batches=k)

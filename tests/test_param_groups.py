@@ -392,7 +392,10 @@ def test_a_first_stage_frozen_whole_trains_as_plain_pytorch(client: Client, sche
     stages = model()
     stages[0].requires_grad_(False)
     start = copy.deepcopy(stages)
-    job = client.create_job("first", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t", param_groups=groups())
+    job = client.create_job(
+        "first", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t", param_groups=groups(),
+        unit_bytes=None,  # counts one push per trained chain stage
+    )
     options = {"slots": 1} if schedule == "revolve" else {}
     with job.trainer(schedule=schedule, **options) as trainer:
         for step in range(4):
@@ -486,7 +489,7 @@ def test_a_push_of_the_whole_stage_is_refused_when_some_parameters_are_frozen(cl
     """The gradient of a stage with frozen parameters is smaller than the stage: the server says so."""
     import msgspec
 
-    job = client.create_job("push", model(), optimizer=AdamW(), token="t")
+    job = client.create_job("push", model(), optimizer=AdamW(), token="t", unit_bytes=None)  # pushes chain stage 0's layout
     with job.trainer() as trainer:
         pusher = trainer.connection.pusher
         spec = job.specs[0]
@@ -503,7 +506,10 @@ def test_a_snapshot_keeps_the_groups_frozen_flags_and_optimizer_state(tmp_path: 
     stages = model(seed=7)
     start = copy.deepcopy(stages)
     with Client(srv.address, timeout=30) as c:
-        job = c.create_job("snap", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t", param_groups=groups())
+        job = c.create_job(
+            "snap", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t", param_groups=groups(),
+            unit_bytes=None,  # reads each chain stage's optimizer state from the snapshot's server stage i
+        )
         specs = job.specs
         with job.trainer() as trainer:
             for step in range(4):

@@ -25,7 +25,8 @@ def chain(n: int, *, dropout: bool, seed: int = 0) -> list[nn.Module]:
 
 
 def train(client: Client, name: str, n: int, dropout: bool, **trainer_kwargs) -> tuple[dict, dict, list[float]]:
-    job = client.create_job(name, chain(n, dropout=dropout), optimizer=AdamW(lr=1e-2), token="t")
+    # unit_bytes=None: fetches and weight bytes are counted per chain stage (test_units: plans over units)
+    job = client.create_job(name, chain(n, dropout=dropout), optimizer=AdamW(lr=1e-2), token="t", unit_bytes=None)
     torch.manual_seed(123)  # the same dropout masks for every plan
     g = torch.Generator().manual_seed(7)
     data = [(torch.randn(4, WIDTH, generator=g), torch.randn(4, WIDTH, generator=g)) for _ in range(STEPS)]

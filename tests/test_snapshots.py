@@ -27,7 +27,9 @@ def adamw(p):  # noqa: ANN001, ANN201
 
 
 def snapshot_weights(path: Path) -> tuple[int, dict[str, torch.Tensor]]:
-    """(step, {"<stage>.<param>": tensor}) read straight from a snapshot directory."""
+    """(step, {"<stage>.<param>": tensor}) read straight from a snapshot directory: server stage
+    i's parameter ``name`` is chain stage i's, or with transfer units (the job's options list them)
+    already named ``"<chain stage>.<name>"``."""
     manifest = json.loads((path / "manifest.json").read_text())
     masters: dict[int, torch.Tensor] = {}
     for f in manifest["files"]:
@@ -35,11 +37,12 @@ def snapshot_weights(path: Path) -> tuple[int, dict[str, torch.Tensor]]:
             stage, _, name = key.partition(".")
             if name == "master":
                 masters[int(stage)] = t
+    units = manifest["job"]["options"].get("units") is not None
     out = {}
     for i, spec in enumerate(manifest["job"]["stages"]):
         for name, shape, offset, *_ in spec["params"]:  # (group and frozen follow, since protocol 3's groups)
             n = int(torch.tensor(shape).prod().item()) if shape else 1
-            out[f"{i}.{name}"] = masters[i][offset : offset + n].view(shape)
+            out[name if units else f"{i}.{name}"] = masters[i][offset : offset + n].view(shape)
     return manifest["step"], out
 
 

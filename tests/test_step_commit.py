@@ -23,6 +23,7 @@ import models
 from conftest import HERE, ServerProcess, start_server, wait_worker
 from wstream.client import AdamW, Client
 from wstream.client.plans.schedules import store_all
+from wstream.client.units import AUTO_UNIT_BYTES
 
 pytestmark = pytest.mark.server_process
 
@@ -83,13 +84,16 @@ def weights(address: str, name: str) -> dict[str, torch.Tensor]:
         return c.attach_job(name, token=TOKEN, stages=skeleton).state_dict()
 
 
-def run_faults(tmp_path: Path, srv: ServerProcess, points: list[tuple[str, int, str]], parallel: int = 4) -> None:
-    """Create one job per point, run its victim (a few at a time), and finish the killed ones."""
+def run_faults(
+    tmp_path: Path, srv: ServerProcess, points: list[tuple[str, int, str]], parallel: int = 4, unit_bytes: int | None = None
+) -> None:
+    """Create one job per point, run its victim (a few at a time), and finish the killed ones.
+    ``unit_bytes``: the jobs' (None: one server stage per chain stage, five pushes a step)."""
     address = srv.address
     names = [f"f{k}" for k in range(len(points))]
     with Client(address, timeout=30) as c:
         for name in ["ref", *names]:
-            c.create_job(name, models.mixed(), optimizer=OPTIMIZER, token=TOKEN)
+            c.create_job(name, models.mixed(), optimizer=OPTIMIZER, token=TOKEN, unit_bytes=unit_bytes)
     running: list[tuple[subprocess.Popen[bytes], str, str, Path]] = []
     killed: list[str] = []
 
@@ -148,6 +152,20 @@ def test_a_lone_worker_stopped_past_its_lease_anywhere_in_a_step_resumes_exactly
         assert "Traceback" not in srv.log(), srv.log()
 
 
+def test_a_lone_worker_of_a_job_of_units_killed_or_stopped_in_a_step_leaves_the_weights_of_a_crash_free_run(
+    tmp_path: Path,
+) -> None:
+    """The default cut: the five stages are one unit, pushed once a step, after the last backward."""
+    srv = start_server(tmp_path, "--memory-limit", "2GiB", "--lease", "1")
+    points = [("KILL", 1, "action:3"), ("KILL", 1, "push:0"), ("KILL", 1, "commit:0"), ("STOP", 1, "action:11"),
+              ("STOP", 1, "push:0")]
+    try:
+        run_faults(tmp_path, srv, points, unit_bytes=AUTO_UNIT_BYTES)
+    finally:
+        assert srv.stop() == 0
+        assert "Traceback" not in srv.log(), srv.log()
+
+
 @pytest.mark.parametrize("at", ["action:8", "push:0", "push:3", "commit:0"])
 def test_one_of_two_workers_killed_mid_step_leaves_the_weights_of_a_crash_free_run(tmp_path: Path, at: str) -> None:
     """Both workers train on the same batches, so the mean over whichever workers make a step is
@@ -158,8 +176,8 @@ def test_one_of_two_workers_killed_mid_step_leaves_the_weights_of_a_crash_free_r
     address = srv.address
     try:
         with Client(address, timeout=30) as c:
-            for name in ("ref", "dp"):
-                c.create_job(name, models.mixed(), optimizer=OPTIMIZER, token=TOKEN)
+            for name in ("ref", "dp"):  # unit_bytes=None: push:3 is the fourth of five pushes
+                c.create_job(name, models.mixed(), optimizer=OPTIMIZER, token=TOKEN, unit_bytes=None)
         ws = ("--world-size", "2")
         victim = spawn(address, "dp", tmp_path / "victim.json", "--at", at, "--in-step", "1", *ws)
         partner = spawn(address, "dp", tmp_path / "partner.json", *ws)

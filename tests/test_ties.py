@@ -92,7 +92,8 @@ def test_tied_head_trains_as_one_shared_parameter(client: Client, schedule: str,
     embed, blocks = chain()
     want, want_losses = reference(copy.deepcopy(embed), copy.deepcopy(blocks), STEPS)
     job = client.create_job(
-        "tied", [embed, *blocks, Tied(0, TiedHead().to("meta"))], optimizer=AdamW(lr=1e-2, weight_decay=0.01), token="t"
+        "tied", [embed, *blocks, Tied(0, TiedHead().to("meta"))], optimizer=AdamW(lr=1e-2, weight_decay=0.01), token="t",
+        unit_bytes=None,  # pushes and fetched bytes per chain stage (test_units: a tied head on a unit)
     )
     assert job.num_stages == 4 and job.positions == [0, 1, 2, 3, 0]
     options = {"slots": 1} if schedule == "revolve" else {}

@@ -24,7 +24,10 @@ def load(path: Path) -> tuple[list[dict], dict[int, str], dict]:
 
 @pytest.mark.parametrize("delayed", [False, True])
 def test_trace_shows_every_fetch_compute_push_and_update(client: Client, tmp_path: Path, delayed: bool) -> None:
-    job = client.create_job("traced", models.mixed(), optimizer=AdamW(lr=1e-3), token="t", delayed_update=delayed)
+    # unit_bytes=None: the spans are counted per chain stage, and a stage's push is matched to its gather
+    job = client.create_job(
+        "traced", models.mixed(), optimizer=AdamW(lr=1e-3), token="t", delayed_update=delayed, unit_bytes=None
+    )
     n = len(job.specs)
     with job.trainer(zero_copy=False, schedule="revolve", slots=2) as trainer:
         trainer.step(*models.batch("mixed", 0), models.loss_fn)  # untraced

@@ -46,7 +46,8 @@ def test_torchrun_ranks_train_like_one_process_on_the_mean_gradient(
     stages = models.mixed()
     start = copy.deepcopy(stages)
     with Client(server.address, timeout=30) as c:
-        c.create_job(f"tr-{reduce}", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t")
+        # unit_bytes=None: pushes and updates counted per chain stage
+        c.create_job(f"tr-{reduce}", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t", unit_bytes=None)
         reports = torchrun(server.address, f"tr-{reduce}", 2, reduce, tmp_path)
         got = c.attach_job(f"tr-{reduce}", token="t").state_dict()
         info = {j.name: j for j in c.status().jobs}[f"tr-{reduce}"]

@@ -14,7 +14,8 @@ from torch import nn
 import models
 from test_equivalence import assert_weights_equal, reference_train
 from test_ties import TiedHead, batch as tied_batch, chain as tied_chain, loss_fn as tied_loss, reference as tied_reference
-from wstream.client import AdamW, Client, LayoutError, Tied
+from wstream.client import AdamW, Client, LayoutError, MemoryLimitError, Tied
+from wstream.client import connection as connection_module
 from wstream.client.stages import spec_of
 from wstream.client.units import UnitCutter, Units, split_unit, unit_spec
 from wstream.server.inprocess import InProcessServer
@@ -119,6 +120,55 @@ def test_an_admin_export_of_a_job_of_units_names_its_chain_stages(tmp_path: Path
             assert torch.equal(by_admin.get_tensor(k), want[k])
 
 
+@pytest.mark.parametrize("mode", ["shm-copy", "frames"])
+def test_a_job_of_units_trains_through_the_staging_buffers(client: Client, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU path's logic on a CPU (test_device): frames land in the receive ring and gradients
+    go through the staging buffers, here a unit's at a time."""
+    monkeypatch.setattr(connection_module, "host_staging", lambda device: True)
+    stages = models.mixed(seed=4)
+    start = copy.deepcopy(stages)
+    job = client.create_job("staged", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t")  # "auto"
+    assert job.units is not None and job.units.counts == (5,)
+    with job.trainer(shm=mode != "frames", zero_copy=False, prefetch=1) as trainer:
+        assert (trainer.connection.receive is not None) == (mode == "frames")
+        assert trainer.stats().grad_staging_bytes == 2 * job.unit_specs[0].numel * 4  # two of the unit
+        for s in range(STEPS):
+            trainer.step(*models.batch("mixed", s), models.loss_fn)
+    assert_weights_equal(job.state_dict(), reference_train(start, adamw, "mixed", STEPS), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        {"schedule": "optimal", "memory_budget": 12 * 4 * 8 * 4},
+        {"schedule": "min_peak"},
+        {"schedule": "offload", "memory_budget": 8 * 4 * 8 * 4},
+        {"schedule": "sqrt"},
+    ],
+    ids=lambda case: case["schedule"],
+)
+def test_plans_over_units_train_bit_identically_to_store_all_without_units(client: Client, case: dict) -> None:
+    """test_schedules' plans (their profiles too) on 16 stages of 8 wide with dropout, in units of 4."""
+    from test_schedules import chain
+
+    torch.manual_seed(7)
+    data = [(torch.randn(4, 8), torch.randn(4, 8)) for _ in range(2)]
+    results = {}
+    for name, unit_bytes, options in (("plain", None, {}), ("units", 1000, case)):
+        job = client.create_job(name, chain(16, dropout=True), optimizer=AdamW(lr=1e-2), token="t", unit_bytes=unit_bytes)
+        torch.manual_seed(123)  # the same dropout masks
+        with job.trainer(**options) as trainer:
+            losses = [trainer.step(x, y, nn.functional.mse_loss) for x, y in data]
+            stats, fetch_order = trainer.stats(), trainer.planning.fetch_order
+        results[name] = job.state_dict(), losses
+    assert job.units is not None and job.units.counts == (4, 4, 4, 4)
+    profiling = 0 if case["schedule"] == "sqrt" else 4  # a profiling pass fetches each unit once
+    assert stats.fetches == 2 * len(fetch_order) + profiling and stats.pushes == 2 * 4
+    (want, want_losses), (got, losses) = results["plain"], results["units"]
+    assert losses == want_losses
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
 def test_a_deep_chain_of_units_fetches_each_unit_once_per_pass(client: Client) -> None:
     stages = models.deep(40, 16)
     start = copy.deepcopy(stages)
@@ -156,7 +206,7 @@ def test_a_worker_that_attaches_rebuilds_the_units_from_its_own_stages(client: C
     assert_weights_equal(job.state_dict(), reference_train(start, adamw, "mixed", STEPS), atol=1e-6)
     with torch.device("meta"):
         fewer = models.mixed()[:4]
-    with pytest.raises(LayoutError, match="4 stages given, the job has 5"):
+    with pytest.raises(LayoutError, match="the job has 5 stages, the given model has 4"):  # as without units
         client.attach_job("att", token="t", stages=fewer)
     with torch.device("meta"):
         changed = models.mixed()
@@ -166,6 +216,41 @@ def test_a_worker_that_attaches_rebuilds_the_units_from_its_own_stages(client: C
     # create_job(exist_ok=True) attaches to the job of units, whatever unit_bytes it is given
     again = client.create_job("att", models.mixed(), optimizer=AdamW(lr=LR, weight_decay=WD), token="t", exist_ok=True)
     assert again.units == job.units
+
+
+def three(width: int) -> list[nn.Module]:
+    """Three small stages (one unit with "auto") whose middle one is ``width`` wide."""
+    return [nn.Linear(4, 4), nn.Linear(4, width), nn.Linear(width, 2)]
+
+
+@pytest.mark.parametrize("unit_bytes", [None, "auto"])
+def test_a_layout_mismatch_names_the_chain_stage_with_or_without_units(client: Client, unit_bytes: str | None) -> None:
+    created = client.create_job("shaped", three(4), token="t", unit_bytes=unit_bytes)
+    assert created.units == (None if unit_bytes is None else Units((3,)))
+    with torch.device("meta"):
+        handle = client.attach_job("shaped", token="t", stages=three(4))
+        with pytest.raises(LayoutError, match=r"do not match job 'shaped': the job has 3 stages, the given model has 2$"):
+            client.attach_job("shaped", token="t", stages=three(4)[:2])
+        with pytest.raises(LayoutError, match=r"'shaped': stage 1: parameter 'weight' has shape \[6, 4\], the job has \[4, 4\]$"):
+            client.attach_job("shaped", token="t", stages=three(6))
+    created.drop()  # made again with stage 1 wider: the handle's trainer is refused naming stage 1, not its unit
+    client.create_job("shaped", three(6), token="t", unit_bytes=unit_bytes)
+    with pytest.raises(LayoutError, match=r"created again\?\): stage 1: parameter 'weight' has shape \[4, 4\], the job has \[6, 4\];"):
+        handle.trainer()
+
+
+def test_a_trainer_is_refused_by_a_job_made_again_with_its_stages_cut_otherwise(client: Client) -> None:
+    created = client.create_job("cut", three(4), token="t")  # "auto": one unit of the 3 stages
+    with torch.device("meta"):
+        handle = client.attach_job("cut", token="t", stages=three(4))
+    created.drop()
+    client.create_job("cut", three(4), token="t", unit_bytes=None)
+    with pytest.raises(LayoutError, match=r"holds its stages as one server stage per stage, the trainer was made for transfer units of \[3\] stages"):
+        handle.trainer()  # its runners view one unit; the job streams three stages
+    with torch.device("meta"):
+        right = client.attach_job("cut", token="t", stages=three(4))
+    with right.trainer() as trainer:
+        trainer.step(torch.randn(3, 4), torch.randn(3, 2), nn.functional.mse_loss)
 
 
 def test_a_tied_head_on_a_unit_trains_as_one_shared_parameter(client: Client) -> None:
@@ -240,3 +325,37 @@ def test_a_job_of_units_resumes_after_a_server_kill_with_its_cut(tmp_path) -> No
             assert_weights_equal(job.state_dict(), reference_train(start, adamw, "mixed", STEPS), atol=1e-6)
     finally:
         assert srv.stop() == 0
+
+
+def test_a_unit_over_the_memory_limit_is_refused_naming_its_chain_stages(tmp_path: Path) -> None:
+    srv = InProcessServer(bind=[f"ipc://{tmp_path / 'small.sock'}"], memory_limit=3 << 20)
+    try:
+        with Client(srv.address, timeout=30) as c:
+            # a generator gives no size up front; four Linear(256, 256) of 257 KiB make the first
+            # 1 MiB unit, whose 16 bytes/parameter do not fit: the server names its stage 0, the
+            # client says which stages that is
+            with pytest.raises(MemoryLimitError, match=r"stage 0 needs .* free \(the server's stage 0 is the transfer unit of chain stages 0\.\.3\)$"):
+                c.create_job("growing", (nn.Linear(256, 256) for _ in range(10)), token="x")
+            assert c.status().jobs == [] and c.status().memory_used == 0
+    finally:
+        srv.stop()
+
+
+def test_a_unit_whose_gradient_no_scale_makes_finite_sends_nothing_and_the_trainer_goes_on(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """test_loss_scale's premise is a stage per server stage: the last stage's gradient was sent,
+    so the trainer must close. In one unit nothing is pushed before the backward of position 0:
+    the step is refused whole, and taken again once the model's gradient is finite."""
+    from test_loss_scale import InfiniteSlope, _loss
+
+    stages = [nn.Linear(12, 8), InfiniteSlope(), nn.Linear(8, 5)]
+    job = client.create_job("sqrt", stages, optimizer=AdamW(lr=LR), token="t", dtype="float16")
+    assert job.units is not None and job.units.counts == (3,)
+    with job.trainer() as trainer:
+        with pytest.raises(FloatingPointError, match="position 1, micro-batch 0: the gradient is not finite even at"):
+            trainer.step(*models.batch("mixed", 0), _loss)
+        assert trainer.stats().pushes == 0 and trainer.step_index == 0
+        monkeypatch.setattr(InfiniteSlope, "forward", lambda self, x: self.lin(x))
+        trainer.step(*models.batch("mixed", 0), _loss)
+        assert trainer.stats().pushes == 1 and trainer.step_index == 1
