@@ -8,8 +8,9 @@ then ``torch.optim.AdamW(fused=True)``), wstream through a trainer with the same
 default job settings against a server subprocess on the same machine. Both train the same batches;
 after a warm-up step each, the sides alternate step by step, each wstream step timed until its
 updates are done. Printed per chain: the plan's recomputation, the median step times, their ratio
-and the overhead per stage, ``(wstream - plain) / n``, and the worker's and the plain side's
-resident memory.
+and the overhead per stage, ``(wstream - plain) / n``, the process's resident memory (both sides:
+the plain side's model, gradients and AdamW state included) and the trainer's peak of live stage
+inputs (the plan's activation memory, bounded by its slots whatever ``n``).
 
     python bench/long_chain.py [--chains 10000x16,250000x16] [--schedule revolve] [--slots 2000]
         [--batch 16] [--steps 1] [--unit-bytes auto|none|N]
@@ -130,6 +131,7 @@ def measure(client: Client, n: int, width: int, args: argparse.Namespace) -> dic
             trainer.flush()
             job.pull_stage(n - 1)  # its (unit's) update is the last to run: the step's work is done
             streamed.append(time.perf_counter() - t0)
+        stats = trainer.stats()
     job.drop()
     return {
         "plain": statistics.median(plain),
@@ -139,6 +141,8 @@ def measure(client: Client, n: int, width: int, args: argparse.Namespace) -> dic
         "create_s": create_s,
         "first_s": first_s,
         "rss_gib": psutil.Process().memory_info().rss / 2**30,
+        "inputs_mib": stats.peak_boundary_bytes / 2**20,
+        "units": stats.ring_capacity,
     }
 
 
@@ -156,7 +160,7 @@ def main() -> None:
     print(f"schedule {args.schedule}" + (f" with {args.slots} slots" if args.schedule == "revolve" else "")
           + f"; batch {args.batch}; {args.steps} timed steps; default job settings")
     print(f"{'chain':>12} {'recomputed':>11} {'plain s/step':>13} {'wstream s/step':>15} {'ratio':>6} "
-          f"{'overhead/stage':>15} {'plan s':>7} {'create s':>9} {'1st step s':>10} {'RSS GiB':>8}")
+          f"{'overhead/stage':>15} {'plan s':>7} {'create s':>9} {'1st step s':>10} {'RSS GiB':>8} {'inputs MiB':>10}")
     with server("--memory-limit", "16GiB") as address, Client(address, timeout=600) as client:
         for n, width in chains:
             r = measure(client, n, width, args)
@@ -164,7 +168,7 @@ def main() -> None:
             print(
                 f"{f'{n}x{width}':>12} {r['advances']:>11,} {r['plain']:13.2f} {r['wstream']:15.2f} "
                 f"{r['wstream'] / r['plain']:6.2f} {per_stage_us:12.1f} us {r['plan_s']:7.1f} {r['create_s']:9.1f} "
-                f"{r['first_s']:10.1f} {r['rss_gib']:8.1f}",
+                f"{r['first_s']:10.1f} {r['rss_gib']:8.1f} {r['inputs_mib']:10.2f}",
                 flush=True,
             )
 

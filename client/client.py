@@ -414,8 +414,7 @@ class Client:
                 tensors = stage_tensors(spec, data)  # with units, named "<stage>.<param>" already
                 out.update(tensors if layout.units is not None else {f"{i}.{k}": t for k, t in tensors.items()})
                 bar.update(sum(numel_of(p.shape) for p in spec.params))
-        specs = layout.stages if layout.units is None else Units(tuple(layout.units)).chain_specs(layout.stages)
-        save_file(out, os.fspath(path), metadata=export_metadata(name, specs))
+        save_file(out, os.fspath(path), metadata=export_metadata(name, chain_layout(layout.stages, layout.units)))
         return layout.step
 
     def shutdown(self) -> None:
