@@ -79,6 +79,11 @@ def time_fetches(trainer: Any, stages: int, *, rounds: int, repeat: int) -> floa
     return median_time(fetch_all, repeat=repeat)
 
 
+def unit_bytes_arg(value: str) -> int | str | None:
+    """A ``--unit-bytes`` option as ``create_job(unit_bytes=)`` takes it: 'auto', 'none' or bytes."""
+    return None if value == "none" else "auto" if value == "auto" else int(value)
+
+
 def parse_args(p: argparse.ArgumentParser, *, smoke: dict[str, Any]) -> argparse.Namespace:
     """``p``'s arguments, with ``--smoke``: ``smoke`` replaces the defaults by the smallest sizes
     that still go through the whole script (CI runs every bench so, to keep them from rotting;

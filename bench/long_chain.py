@@ -29,18 +29,10 @@ import psutil
 import torch
 from torch import nn
 
-from common import machine, parse_args, server
+from common import machine, parse_args, server, unit_bytes_arg
+from stage_overhead import chain, loss_fn
 from wstream.client import AdamW, Client
 from wstream.client.plans import Op, Plan, divide_and_conquer, revolve, sqrt_segments
-
-
-def chain(n: int, width: int) -> list[nn.Module]:
-    torch.manual_seed(0)
-    return [nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(n)]
-
-
-def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.mse_loss(out, target)
 
 
 def run_plan_plainly(
@@ -106,9 +98,9 @@ def measure(client: Client, n: int, width: int, args: argparse.Namespace) -> dic
         opt.zero_grad(set_to_none=True)
 
     t0 = time.perf_counter()
-    unit_bytes = None if args.unit_bytes == "none" else "auto" if args.unit_bytes == "auto" else int(args.unit_bytes)
     job = client.create_job(
-        f"long-{n}x{width}", stages, optimizer=AdamW(lr=1e-4), token="b", progress=False, unit_bytes=unit_bytes
+        f"long-{n}x{width}", stages, optimizer=AdamW(lr=1e-4), token="b", progress=False,
+        unit_bytes=unit_bytes_arg(args.unit_bytes),
     )
     create_s = time.perf_counter() - t0
     del stages

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from common import machine, parse_args, server
+from common import machine, parse_args, server, unit_bytes_arg
 from wstream.client import AdamW, Client
 
 
@@ -56,7 +56,7 @@ def measure(
 
     job = client.create_job(
         f"chain-{n}x{width}", stages, optimizer=AdamW(lr=1e-4), token="b", progress=False,
-        unit_bytes=None if unit_bytes == "none" else "auto" if unit_bytes == "auto" else int(unit_bytes),
+        unit_bytes=unit_bytes_arg(unit_bytes),
     )
     plain, streamed = [], []
     with job.trainer(schedule="store_all", cpu_threads=cpu_threads) as trainer:
