@@ -43,6 +43,7 @@ import torch
 
 from wstream.protocol.layout import push_layout
 
+from .boundary import Boundary, as_boundary, join_lanes, lanes_of
 from .distributed import AllReduceGradients, flat_spec
 from .loss_scale import LossScaler, all_finite, unscaled
 from .offload import HostMover
@@ -51,7 +52,7 @@ from .plans import Op
 from .prefetch import Fetched, Prefetcher
 from .push import GradientPusher
 from .rng import StageRng
-from .stages import Boundary, Buffers, StageRunner, as_boundary, join_lanes, lanes_of
+from .stages import Buffers, StageRunner
 from .timeline import Tracer
 
 LossFn = Callable[[Any, Any], torch.Tensor]

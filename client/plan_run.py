@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from .boundary import Boundary, boundary_bytes
 from .offload import PendingMove
-from .stages import Boundary, Buffers, StageRunner, boundary_bytes
+from .stages import Buffers, StageRunner
 
 
 class PlanRun:

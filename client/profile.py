@@ -18,11 +18,12 @@ import torch
 
 from wstream.protocol import StateError
 
+from .boundary import Boundary, as_boundary, boundary_bytes
 from .device import synchronize
 from .executor import PlanExecutor, grad_inputs_of
 from .plans import Plan, StageCosts
 from .prefetch import Prefetcher
-from .stages import Boundary, StageRunner, as_boundary, boundary_bytes
+from .stages import StageRunner
 
 log = logging.getLogger(__name__)
 

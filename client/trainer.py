@@ -28,6 +28,7 @@ import torch
 from wstream.protocol import ServerUnavailable, SessionExpiredError, StateError, WstreamError
 from wstream.protocol import messages as m
 
+from .boundary import as_boundary, join_lanes, place, split_micro_batches
 from .connection import WorkerConnection
 from .distributed import AllReduceGradients
 from .endpoint import WorkerEndpoint
@@ -38,7 +39,7 @@ from .plan_run import PlanRun
 from .plans import OnlineBisection, Plan, StageCosts
 from .profile import Planning, measure_profile
 from .rng import StageRng
-from .stages import StageRunner, as_boundary, join_lanes, place, split_micro_batches
+from .stages import StageRunner
 from .stats import TrainerStats, trainer_stats
 from .throughput import Throughput, work_of
 from .timeline import Tracer, write_worker_trace

@@ -12,7 +12,7 @@ import models
 from test_equivalence import assert_weights_equal
 from wstream.client import AdamW, Client
 from wstream.client.plans import min_budget, simulate, store_all
-from wstream.client.stages import split_micro_batches
+from wstream.client.boundary import split_micro_batches
 
 STEPS = 4
 

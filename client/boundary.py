@@ -1,0 +1,87 @@
+"""What flows between stages (a :data:`Boundary`: the next stage's positional arguments), and
+how the executor handles it: its bytes, micro-batch lanes packed into one boundary and back, and
+placing inputs on the worker's device. Separate from ``stages.py`` (layouts, skeletons, running a
+stage) because the plan's bookkeeping needs these and nothing of a stage."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+Boundary = tuple[Any, ...]
+"""What flows between stages: the positional arguments of the next stage."""
+
+
+def as_boundary(value: Any) -> Boundary:
+    """A stage's output as the next stage's positional arguments."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def boundary_bytes(b: Boundary) -> int:
+    return sum(t.nbytes for t in b if isinstance(t, torch.Tensor))
+
+
+def split_micro_batches(value: Any, k: int, *, what: str) -> list[Any]:
+    """``value`` cut into ``k`` micro-batches along dim 0 of every tensor in it.
+
+    ``value`` is a tensor, a tuple or list of them (other items, such as ``None``, a number or a 0-d
+    tensor, are handed to every micro-batch unchanged), or anything else (handed on unchanged).
+    Every tensor must have the same batch size, at least ``k``; ``torch.tensor_split`` decides the
+    cut, so the micro-batches are those of ordinary gradient accumulation over the same chunks.
+    A side input without a batch dimension cannot go through here: pass it as a stage's buffer.
+    """
+    if k < 1:
+        raise ValueError(f"micro_batches must be >= 1, got {k}")
+    if k == 1:
+        return [value]
+    items = list(value) if isinstance(value, (tuple, list)) else [value]
+    batched = [isinstance(t, torch.Tensor) and t.dim() > 0 for t in items]
+    sizes = {t.shape[0] for t, b in zip(items, batched) if b}
+    if not sizes:
+        return [value] * k
+    if len(sizes) != 1:
+        raise ValueError(
+            f"{what}: every tensor is split into micro-batches along dim 0, so all need one batch size; "
+            f"got {sorted(sizes)}"
+        )
+    (batch,) = sizes
+    if batch < k:
+        raise ValueError(f"{what}: a batch of {batch} cannot make {k} micro-batches")
+    parts = [torch.tensor_split(t, k) if b else [t] * k for t, b in zip(items, batched)]
+    per_mb = [[p[j] for p in parts] for j in range(k)]
+    if isinstance(value, tuple):
+        return [tuple(x) for x in per_mb]
+    if isinstance(value, list):
+        return per_mb
+    return [x[0] for x in per_mb]
+
+
+def join_lanes(lanes: Iterable[Boundary]) -> Boundary:
+    """Micro-batch boundaries packed as one (lane after lane), for the plan executor's bookkeeping."""
+    out: list[Any] = []
+    for b in lanes:
+        out.extend(b)
+    return tuple(out)
+
+
+def lanes_of(packed: Boundary, k: int) -> list[Boundary]:
+    """The inverse of :func:`join_lanes`: every lane of one position has the same arity."""
+    if k == 1:
+        return [packed]
+    arity, rest = divmod(len(packed), k)
+    assert not rest, "micro-batch lanes of unequal arity: a bug in wstream"
+    return [packed[j * arity : (j + 1) * arity] for j in range(k)]
+
+
+def place(value: Any, device: torch.device, dtype: torch.dtype | None = None) -> Any:
+    """``value`` (a tensor, or a tuple or list of items) on ``device``, floating-point tensors cast
+    to ``dtype`` when given: a job computes in its published dtype from its first stage's input on
+    (a no-op for fp32 tensors already there)."""
+    if isinstance(value, torch.Tensor):
+        cast = dtype if dtype is not None and value.is_floating_point() else None
+        return value.to(device=device, dtype=cast)
+    if type(value) in (tuple, list):
+        return type(value)(place(v, device, dtype) for v in value)
+    return value
