@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from common import machine, parse_args, server, unit_bytes_arg
-from stage_overhead import chain, loss_fn
+from stage_overhead import alternate, chain, loss_fn
 from wstream.client import AdamW, Client
 from wstream.client.plans import Op, Plan, divide_and_conquer, revolve, sqrt_segments
 
@@ -106,7 +106,6 @@ def measure(client: Client, n: int, width: int, args: argparse.Namespace) -> dic
     del stages
     gc.collect()
     options = {"slots": args.slots} if args.schedule == "revolve" else {}
-    plain, streamed = [], []
     with job.trainer(schedule=args.schedule, **options) as trainer:
         plain_step(*data[0])
         t0 = time.perf_counter()
@@ -114,15 +113,7 @@ def measure(client: Client, n: int, width: int, args: argparse.Namespace) -> dic
         first_s = time.perf_counter() - t0
         summary = trainer.plan_summary()
         assert summary["recomputed_forwards"] == plan.advances, (summary, plan.advances)
-        for x, y in data[1:]:
-            t0 = time.perf_counter()
-            plain_step(x, y)
-            plain.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            trainer.step(x, y, loss_fn)
-            trainer.flush()
-            job.pull_stage(n - 1)  # its (unit's) update is the last to run: the step's work is done
-            streamed.append(time.perf_counter() - t0)
+        plain, streamed = alternate(plain_step, trainer, job, data[1:])
         stats = trainer.stats()
     job.drop()
     return {

@@ -19,13 +19,14 @@ import argparse
 import copy
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from common import machine, parse_args, server, unit_bytes_arg
-from wstream.client import AdamW, Client
+from wstream.client import AdamW, Client, Job, Trainer
 
 
 def chain(n: int, width: int) -> list[nn.Module]:
@@ -58,21 +59,31 @@ def measure(
         f"chain-{n}x{width}", stages, optimizer=AdamW(lr=1e-4), token="b", progress=False,
         unit_bytes=unit_bytes_arg(unit_bytes),
     )
-    plain, streamed = [], []
     with job.trainer(schedule="store_all", cpu_threads=cpu_threads) as trainer:
         plain_step(*data[0])
         trainer.step(*data[0], loss_fn)
-        for x, y in data[1:]:
-            t0 = time.perf_counter()
-            plain_step(x, y)
-            plain.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            trainer.step(x, y, loss_fn)
-            trainer.flush()
-            job.pull_stage(n - 1)  # its (unit's) update is the last to run: the step's work is done
-            streamed.append(time.perf_counter() - t0)
+        plain, streamed = alternate(plain_step, trainer, job, data[1:])
     job.drop()
     return statistics.median(plain), statistics.median(streamed)
+
+
+def alternate(
+    plain_step: Callable[[torch.Tensor, torch.Tensor], None], trainer: Trainer, job: Job,
+    data: list[tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[list[float], list[float]]:
+    """Seconds of each step of plain PyTorch and of wstream, alternating batch by batch; a
+    wstream step is timed until its updates are done."""
+    plain, streamed = [], []
+    for x, y in data:
+        t0 = time.perf_counter()
+        plain_step(x, y)
+        plain.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        trainer.step(x, y, loss_fn)
+        trainer.flush()
+        job.pull_stage(job.num_stages - 1)  # its (unit's) update is the last to run: the step's work is done
+        streamed.append(time.perf_counter() - t0)
+    return plain, streamed
 
 
 def main() -> None:
