@@ -141,16 +141,21 @@ def flatten(module: nn.Module, spec: StageSpec) -> torch.Tensor:
 def skeleton_of(module: nn.Module) -> nn.Module:
     """Move ``module`` to the meta device in place (frees its weights) and return it. A tensor
     tied inside the module (one parameter under two names) stays tied: ``Module.to`` gives each
-    submodule a new meta parameter of its own, and an alias left apart would run on no weights."""
+    submodule a new meta parameter of its own, and an alias left apart would run on no weights
+    (a buffer shared by two submodules likewise)."""
     ties: dict[int, list[str]] = {}
+    buffer_ties: dict[int, list[str]] = {}
     for name, p in module.named_parameters(remove_duplicate=False):
         ties.setdefault(id(p), []).append(name)
+    for name, b in module.named_buffers(remove_duplicate=False):
+        buffer_ties.setdefault(id(b), []).append(name)
     module.to(device="meta")
-    for first, *others in (names for names in ties.values() if len(names) > 1):
-        shared = module.get_parameter(first)
-        for name in others:
-            owner, _, attr = name.rpartition(".")
-            setattr(module.get_submodule(owner), attr, shared)
+    for kind, get, groups in (("_parameters", module.get_parameter, ties), ("_buffers", module.get_buffer, buffer_ties)):
+        for first, *others in (names for names in groups.values() if len(names) > 1):
+            shared = get(first)
+            for name in others:
+                owner, _, attr = name.rpartition(".")
+                getattr(module.get_submodule(owner), kind)[attr] = shared
     return module
 
 
@@ -400,18 +405,25 @@ def scatter_grads(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor |
         pos = offset + n
     if layout.numel > pos:
         pieces.append(layout.numel - pos)
-    if all(isinstance(x, int) or x.dtype == dst.dtype for x in pieces):
-        zeros = dst.new_zeros(max((x for x in pieces if isinstance(x, int)), default=0))
-        torch.cat([zeros[:x] if isinstance(x, int) else x for x in pieces], out=dst[: layout.numel])
-        return
-    pos = 0
-    for x in pieces:
-        n = x if isinstance(x, int) else x.numel()
-        if isinstance(x, int):
-            dst[pos : pos + n].zero_()
-        else:
-            dst[pos : pos + n].copy_(x)
-        pos += n
+    zero_run = max((x for x in pieces if isinstance(x, int)), default=0)
+    with torch.no_grad():  # a buffer a stage updated under autograd may require grad
+        if zero_run <= _CAT_ZEROS and all(isinstance(x, int) or x.dtype == dst.dtype for x in pieces):
+            zeros = dst.new_zeros(zero_run)  # alignment padding only: a few elements
+            torch.cat([zeros[:x] if isinstance(x, int) else x for x in pieces], out=dst[: layout.numel])
+            return
+        pos = 0
+        for x in pieces:
+            n = x if isinstance(x, int) else x.numel()
+            if isinstance(x, int):
+                dst[pos : pos + n].zero_()
+            else:
+                dst[pos : pos + n].copy_(x)
+            pos += n
+
+
+_CAT_ZEROS = 64
+"""The longest run of zeros ``scatter_grads`` writes through its ``torch.cat`` (padding); a
+parameter without a gradient is zeroed in place instead of by a temporary as large."""
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -116,3 +116,13 @@ def test_a_stage_with_a_tensor_tied_inside_it_trains_as_plain_pytorch(client: Cl
     assert got.keys() == want.keys()
     for k in want:
         torch.testing.assert_close(got[k], want[k].detach(), rtol=0, atol=1e-6)
+
+
+def test_a_skeleton_keeps_a_buffer_shared_by_two_submodules() -> None:
+    module = nn.Module()
+    module.a, module.b = nn.Module(), nn.Module()
+    shared = torch.ones(2)
+    module.a.register_buffer("m", shared)
+    module.b.register_buffer("m", shared)
+    skeleton = skeleton_of(module)
+    assert skeleton.a.m.is_meta and skeleton.a.m is skeleton.b.m

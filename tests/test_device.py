@@ -11,6 +11,7 @@ import threading
 
 import pytest
 import torch
+from torch import nn
 
 import models
 from test_equivalence import assert_weights_equal, reference_train
@@ -27,6 +28,7 @@ from wstream.client.device import (
 from wstream.client.stages import scatter_grads, spec_of
 from wstream.protocol import StaleStepError
 from wstream.protocol.frames import tensor_frames
+from wstream.protocol.layout import push_layout
 
 STEPS = 4
 
@@ -236,3 +238,32 @@ def test_an_error_reply_to_a_push_is_raised_in_the_compute_thread(client: Client
     finally:
         trainer.connection.pusher.forget_outstanding()
         trainer.close()
+
+
+class _Stat(nn.Module):
+    """A float buffer, which a stage may update under autograd (its push then requires grad)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 3)
+        self.register_buffer("stat", torch.zeros(3))
+
+
+@pytest.mark.parametrize("case", ["grad-tracked buffer", "missing gradient"])
+def test_scatter_grads_writes_every_piece_as_the_layout_says(case: str) -> None:
+    mod = _Stat() if case == "grad-tracked buffer" else nn.Sequential(nn.Linear(5, 3), nn.Linear(300, 300))
+    spec = spec_of(0, mod)
+    grads: list[torch.Tensor | None] = [torch.randn(p.shape) for p in spec.params]
+    if case == "grad-tracked buffer":
+        grads[-1] = torch.randn(3, requires_grad=True) * 1.0
+    else:
+        grads[2] = None  # 90,000 zeros, written in place rather than through a temporary
+    layout = push_layout(spec)
+    want = torch.zeros(layout.numel)
+    for off, g in zip(layout.offsets, grads):
+        if off is not None and g is not None:
+            want[off : off + g.numel()] = g.detach().reshape(-1)
+    dst = torch.full((layout.numel + 8,), 7.0)
+    scatter_grads(dst, spec, grads)  # grad mode on, as in a step
+    assert torch.equal(dst[: layout.numel], want) and not dst.requires_grad
+    assert torch.all(dst[layout.numel :] == 7.0)  # nothing past the push
