@@ -38,12 +38,9 @@ class StageRng:
             return contextlib.nullcontext()
         key = (i, lane)
         if key not in states:
-            return self._recorded(states, key)
+            return _Recording(self, states, key)
         state = states[key]
         return contextlib.nullcontext() if state is None else self.restored(state)
-
-    def _recorded(self, states: dict[tuple[int, int], Any], key: tuple[int, int]) -> contextlib.AbstractContextManager[None]:
-        return _Recording(self, states, key)
 
     def _state(self) -> RngState:
         cuda = torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None
