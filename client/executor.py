@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 
 from wstream.protocol.layout import push_layout
 
+from .backprop import backprop
 from .boundary import Boundary, as_boundary, join_lanes, lanes_of
 from .distributed import AllReduceGradients, flat_spec
 from .loss_scale import LossScaler, all_finite, unscaled
@@ -142,10 +143,17 @@ class PlanExecutor:
         resident, self._resident = self._resident, None
         if resident is not None:
             self._streams.prefetcher.release(resident)
+        self._forget_leaves()
 
     def forget_resident(self) -> None:
         """After an abort: the prefetcher's ``reset`` freed every buffer, the resident one too."""
         self._resident = None
+        self._forget_leaves()
+
+    def _forget_leaves(self) -> None:
+        """No fetch is left: no position keeps leaves viewing one (NOTE [Leaves kept for a step])."""
+        for runner in self.runners:
+            runner.forget_leaves()
 
     def close(self) -> None:
         if self._mover is not None:
@@ -155,14 +163,12 @@ class PlanExecutor:
         if op == Op.ADVANCE:
             assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
             runner = run.runner_at(i)
-            first = i not in run.advanced
-            if first:
-                run.advanced.add(i)
-            weights, base = self.weights_of(runner.stage, run.held)
             if run.k == 1 and self.tracer is None and not runner.has_buffers:  # the common case, lean
-                with torch.no_grad(), self.rng.around(run.rng, i, 0):
-                    run.set_current(i + 1, as_boundary(runner(weights, run.current[1], base)))
+                self._advance_run(run, ((op, i),), 0)
                 return
+            weights, base = self.weights_of(runner.stage, run.held)
+            first = i not in run.advanced
+            run.advanced.add(i)
             outs: list[Boundary] = []
             with self._span(run, ("forward " if first else "recompute ") + str(i), "forward" if first else "recompute", i):
                 for j, lane in enumerate(lanes_of(run.current[1], run.k)):  # stage-major: every micro-batch
@@ -187,6 +193,97 @@ class PlanExecutor:
         else:
             assert run.current is not None and run.current[0] == i
             self._backward_stage(run, i, loss_fn)
+
+    def run_actions(self, run: PlanRun, actions: Sequence[tuple[Op, int]], loss_fn: LossFn) -> None:
+        """Execute a plan's ``actions`` in order: each run of consecutive ADVANCEs that can go
+        the lean way (one micro-batch, no timeline, stages without buffers) in one loop
+        (:meth:`_advance_run`), every other action through :meth:`execute`."""
+        a, end = 0, len(actions)
+        lean = run.k == 1 and self.tracer is None
+        while a < end:
+            op, i = actions[a]
+            if lean and op == Op.ADVANCE and not run.runner_at(i).has_buffers:
+                a = self._advance_run(run, actions, a)
+            else:
+                self.execute(run, op, i, loss_fn)
+                a += 1
+
+    def _advance_run(self, run: PlanRun, actions: Sequence[tuple[Op, int]], a: int) -> int:
+        """Run ``actions[a]``, an ADVANCE of one micro-batch on a stage without buffers, and the
+        ADVANCEs like it that follow it, under one ``no_grad``: each stage runs on its weights
+        (``weights_of``) in its RNG context, and its output becomes the current input. Returns
+        the index of the first action not run. A deep chain's forward sweeps are such runs of
+        thousands of stages: what is left per stage is the stage's call, its RNG record or
+        replay and the bookkeeping of the current input (issue 17). First runs of stages that
+        drew no random number last time go as a quiet stretch (:meth:`_quiet_stretch`)."""
+        runner_at, advanced, held, states, rng = run.runner_at, run.advanced, run.held, run.rng, self.rng
+        around, quiet = rng.around, rng.quiet
+        end = len(actions)
+        with torch.no_grad():
+            while a < end:
+                op, i = actions[a]
+                if op != Op.ADVANCE:
+                    if op != Op.SNAPSHOT:
+                        break
+                    assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
+                    run.keep(i)  # a forward sweep keeps inputs on its way: part of the run
+                    a += 1
+                    continue
+                runner = runner_at(i)
+                if runner.has_buffers:
+                    break
+                assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
+                if i in quiet and (i, 0) not in states:
+                    a = self._quiet_stretch(run, actions, a)
+                    continue
+                advanced.add(i)
+                weights, base = self.weights_of(runner.stage, held)
+                with around(states, i, 0):
+                    run.set_current(i + 1, as_boundary(runner(weights, run.current[1], base)))
+                a += 1
+        return a
+
+    def _quiet_stretch(self, run: PlanRun, actions: Sequence[tuple[Op, int]], a: int) -> int:
+        """Run, from ``actions[a]``, the first runs of stages that drew no random number in their
+        last first run (``StageRng.quiet``) without recording each one's RNG state: one check of
+        the whole stretch instead (NOTE [Quiet stretches] in rng.py). Returns the index of the
+        first action not run. Where the RNG moved after all, the stretch is run again from its
+        input with the RNG set back, each stage recording its own state."""
+        runner_at, advanced, held, states, rng = run.runner_at, run.advanced, run.held, run.rng, self.rng
+        quiet = rng.quiet
+        assert run.current is not None
+        start = run.current
+        before = rng.state()
+        positions: list[int] = []
+        stage = runner_at(actions[a][1]).stage  # one fetch: a second run of the stretch needs no other
+        end = len(actions)
+        while a < end:
+            op, i = actions[a]
+            if op == Op.SNAPSHOT:  # kept as it is: a second run computes the same input
+                assert run.current[0] == i, "plan out of step: a bug in wstream"
+                run.keep(i)
+                a += 1
+                continue
+            if op != Op.ADVANCE or i not in quiet or (i, 0) in states:
+                break
+            runner = runner_at(i)
+            if runner.has_buffers or runner.stage != stage:
+                break
+            advanced.add(i)
+            weights, base = self.weights_of(runner.stage, held)
+            run.set_current(i + 1, as_boundary(runner(weights, run.current[1], base)))
+            positions.append(i)
+            a += 1
+        if rng.unmoved_since(before):
+            for i in positions:
+                states[i, 0] = None
+            return a
+        quiet.difference_update(positions)
+        rng.set_state(before)
+        run.set_current(*start)
+        again = self._advance_run(run, [(Op.ADVANCE, i) for i in positions], 0)
+        assert again == len(positions), "a quiet stretch ran again only in part: a bug in wstream"
+        return a
 
     def _span(self, run: PlanRun, name: str, cat: str, stage: int) -> contextlib.AbstractContextManager[None]:
         """A compute span on the timeline (nothing when not tracing)."""
@@ -213,19 +310,48 @@ class PlanExecutor:
             self._nothing_to_differentiate(run, i, runner)
             return
         weights, base = self.weights_of(stage, run.held)
-        params = runner.leaves(weights, base)
-        lanes = lanes_of(run.current[1], run.k)
-        grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
-        run.drop_current()
-        with self._span(run, f"backward {i}", "backward", i):
-            param_grads, grad_out = self._backward_lanes(run, i, runner, weights, params, lanes, grad_lanes, loss_fn)
-        run.grad_out = grad_out
-        del params
-        self._done_with(run, i)
+        if run.k == 1 and self.scaler is None and self.tracer is None and runner.simple:  # the common case, lean
+            param_grads = self._backward_one(run, i, runner, weights, loss_fn)
+        else:
+            params = runner.leaves(weights, base)
+            lanes = lanes_of(run.current[1], run.k)
+            grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
+            run.drop_current()
+            with self._span(run, f"backward {i}", "backward", i):
+                param_grads, run.grad_out = self._backward_lanes(
+                    run, i, runner, weights, params, lanes, grad_lanes, loss_fn
+                )
+            del params
+            self._done_with(run, i)
         grads = run.add_grads(stage, len(runner.spec.params), runner.grad_indices, param_grads)
         if i == self.first_use[stage]:  # backward has no use of this stage left
             del run.grads[stage]
             self._push(run, runner, grads)
+
+    def _backward_one(
+        self, run: PlanRun, i: int, runner: StageRunner, weights: torch.Tensor, loss_fn: LossFn
+    ) -> Sequence[torch.Tensor | None]:
+        """:meth:`_backward_lanes` for what most steps are: one micro-batch, no loss scaling, no
+        timeline, a stage without buffers or base (``StageRunner.simple``). Sets ``run.grad_out``
+        and returns the parameter gradients (``leaves`` order). A deep chain backpropagates each of
+        its thousands of small stages once per step, so this is the same work with none of the
+        general path's lanes, lists and checks (about 40 us per stage, issue 17)."""
+        assert run.current is not None
+        params, leaves = runner.bound_leaves(weights)
+        inputs = grad_inputs_of(run.current[1], i, wanted=self._wants_input_grad(i))
+        run.drop_current()
+        with self.rng.around(run.rng, i, 0), torch.enable_grad():
+            out = runner.call_with(params, inputs)
+        roots, root_grads = _roots(run, out, None if i == run.last else run.grad_out, loss_fn, 0)
+        grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        grads = backprop(roots, root_grads, [*leaves, *grad_inputs])
+        n = len(leaves)
+        if len(inputs) == 1:  # one tensor flows between stages: the common boundary
+            run.grad_out = [grads[n] if grad_inputs else None]
+        else:
+            it = iter(grads[n:])
+            run.grad_out = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
+        return grads[:n]
 
     def _wants_input_grad(self, i: int) -> bool:
         """Whether position i's input gradient is used: a position below it trains."""
@@ -317,7 +443,7 @@ class PlanExecutor:
                     out = runner.call_with(params if buffers is None else {**params, **buffers}, inputs)
                 grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
                 roots, root_grads = _roots(run, out, lane_grad_out, loss_fn, j, first=first)
-                grads = torch.autograd.grad(roots, [*leaves, *grad_inputs], root_grads, allow_unused=True)
+                grads = backprop(roots, root_grads, [*leaves, *grad_inputs])
                 del out, roots, root_grads
                 if scaler is None or all_finite(grads):
                     break
@@ -373,6 +499,8 @@ def grad_inputs_of(inputs: Boundary, i: int, *, wanted: bool = True) -> Boundary
     """Position i's inputs for a run with autograd: floating-point tensors become leaves that
     want a gradient (not at position 0, whose input is the data, nor where no position below
     trains: ``wanted`` False)."""
+    if not wanted or i == 0:
+        return inputs
     return tuple(x.detach().requires_grad_(True) if wanted and i > 0 and _wants_grad(x) else x for x in inputs)
 
 

@@ -293,6 +293,12 @@ class StageRunner:
         # the elements of the server stage this position reads: its own part of a unit, else the stage
         own = sum(n for _, _, n, _, _ in self._views) + sum(b[3] for b in self._buffers)
         self.own_numel = own if prefix else spec.numel
+        # the leaves cut from the flat weights at ``_leaves_at`` (their data_ptr and dtype), kept
+        # until :meth:`forget_leaves` (NOTE [Leaves kept for a step]); only for a position with
+        # neither buffers nor a base, whose leaves are all that a run binds
+        self._leaves_at: tuple[int, torch.dtype] | None = None
+        self._kept_leaves: dict[str, torch.Tensor] = {}
+        self._kept_trained: list[torch.Tensor] = []  # those of them that are autograd leaves
         wanted = set(frozen)
         self._base_views = [
             (p.name, p.offset, numel_of(p.shape), tuple(p.shape))
@@ -304,6 +310,11 @@ class StageRunner:
     def trains(self) -> bool:
         """Whether this position uses a trained parameter (has an autograd leaf)."""
         return bool(self._used)
+
+    @property
+    def simple(self) -> bool:
+        """Whether a run binds only this position's own parameters (no buffers, no base)."""
+        return not self._buffers and not self._base_views
 
     @property
     def has_buffers(self) -> bool:
@@ -320,7 +331,7 @@ class StageRunner:
         to run with (a module may update them in place); default fresh copies of the published
         ones (:meth:`buffer_state`), so that what the run does to them is forgotten."""
         if not self._buffers and not self._base_views:  # the common case, without a dict merge
-            return self._binding(self._own(flat), inputs)
+            return self._binding(dict(self._own_leaves(flat)), inputs)  # a copy: a run may replace one
         state = self.buffer_state(flat) if buffers is None else buffers
         return self._binding({**self.views(flat, base), **state}, inputs)
 
@@ -328,16 +339,41 @@ class StageRunner:
         """Parameter views of ``flat``, each trained one an autograd leaf (see NOTE above); frozen
         parameters (``ParamSpec.frozen``, and the base's) are views that need no gradient. The
         stage's buffers come as fresh copies (:meth:`buffer_state`); the executor replaces them
-        with the step's own where a run must update them."""
+        with the step's own where a run must update them. A new dict: the caller may change it."""
+        if not self._base_views and not self._buffers:
+            return dict(self._own_leaves(flat))
+        return {**self._cut_leaves(flat), **self._frozen(base), **self.buffer_state(flat)}
+
+    def bound_leaves(self, flat: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
+        """For a :attr:`simple` position: :meth:`leaves` and those of them that are autograd
+        leaves (in :attr:`grad_indices` order), kept for the step."""
+        own = dict(self._own_leaves(flat))
+        return own, self._kept_trained
+
+    def _own_leaves(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The leaves of ``flat`` for a position without buffers or base, cut once per flat
+        buffer until :meth:`forget_leaves` (NOTE [Leaves kept for a step]). The kept dict itself:
+        copy it before handing it to anything that may change it."""
+        at = (flat.data_ptr(), flat.dtype)
+        if self._leaves_at != at:
+            self._kept_leaves = self._cut_leaves(flat)
+            self._kept_trained = [v for v in self._kept_leaves.values() if v.requires_grad]
+            self._leaves_at = at
+        return self._kept_leaves
+
+    def forget_leaves(self) -> None:
+        """Drop the kept leaves: the fetches they view are over (a step's end, an abort)."""
+        self._leaves_at = None
+        self._kept_leaves = {}
+        self._kept_trained = []
+
+    def _cut_leaves(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         at = flat.storage_offset()
-        own = {
+        return {
             name: flat.as_strided(shape, stride, at + off) if frozen
             else flat.as_strided(shape, stride, at + off).detach().requires_grad_(True)
             for name, off, shape, stride, frozen in self._strided
         }
-        if not self._base_views and not self._buffers:
-            return own
-        return {**own, **self._frozen(base), **self.buffer_state(flat)}
 
     def buffer_state(self, flat: torch.Tensor) -> Buffers:
         """Copies of the stage's buffers from its flat weights: floating-point ones in the weights'

@@ -382,8 +382,7 @@ class Trainer:
         )
         started = time.monotonic_ns()
         try:
-            for op, i in plan.actions:
-                ex.execute(run, op, i, loss_fn)
+            ex.run_actions(run, plan.actions, loss_fn)
             ex.end_fetches()
             self._commit(run)
         except (ServerUnavailable, SessionExpiredError):

@@ -60,11 +60,32 @@ class Fault:
 def install(fault: Fault) -> None:
     """Hook the worker's own parts (in this process only) so the fault lands where asked."""
     execute, push = PlanExecutor.execute, GradientPusher.push
+    run_actions = PlanExecutor.run_actions
     commit = getattr(GradientPusher, "commit", None)  # absent before the step commit point
+    in_run = [False]  # inside run_actions, which counts its actions itself
 
     def hooked_execute(self: PlanExecutor, run: Any, op: Any, i: int, loss_fn: Any) -> None:
-        fault.event("action", run.step)
+        if not in_run[0]:
+            fault.event("action", run.step)
         execute(self, run, op, i, loss_fn)
+
+    def hooked_run_actions(self: PlanExecutor, run: Any, actions: Any, loss_fn: Any) -> None:
+        # runs of ADVANCEs go in one loop, not through execute: the plan is cut before the K-th
+        # action, and the fault lands between the two parts
+        k = fault.k - fault.seen if fault.kind == "action" and run.step == fault.step and not fault.fired else -1
+        in_run[0] = True
+        try:
+            if 0 <= k < len(actions):
+                run_actions(self, run, actions[:k], loss_fn)
+                fault.seen = fault.k
+                fault.event("action", run.step)
+                run_actions(self, run, actions[k:], loss_fn)
+            else:
+                run_actions(self, run, actions, loss_fn)
+                if fault.kind == "action" and run.step == fault.step:
+                    fault.seen += len(actions)
+        finally:
+            in_run[0] = False
 
     def sent(pusher: GradientPusher) -> None:
         deadline = time.monotonic() + 10
@@ -80,6 +101,7 @@ def install(fault: Fault) -> None:
         fault.event("commit", step, lambda: sent(self))
 
     PlanExecutor.execute = hooked_execute  # type: ignore[method-assign]
+    PlanExecutor.run_actions = hooked_run_actions  # type: ignore[method-assign]
     GradientPusher.push = hooked_push  # type: ignore[method-assign]
     if commit is not None:
         GradientPusher.commit = hooked_commit  # type: ignore[method-assign]
