@@ -1,7 +1,7 @@
 """(2) The server's per-stage update vs torch.optim.AdamW(fused=True) on a flat tensor.
 
 Runs the server's own per-stage work of one step on a real `Job`, as the job hands it to its pool
-(NOTE [Held gradient slots] in server/job.py):
+(NOTE [Held gradient slots] in server/step_commit.py):
 
 * *held* (a lone worker's push that sent its norm, where the ring allows: always for the step's
   last pushes): no gather; `UpdateTask.run` reads the gradient in place from the worker's slot

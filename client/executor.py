@@ -28,7 +28,7 @@ an earlier one (a tied head: NOTE [Positions and weight stages] in ``stages.py``
 #      floating-point (or boolean) buffer's new value, an integer buffer's increment over the step (a count
 #      stays exact in the fp32 master even where the published bf16 copy would round it). They
 #      are applied at the step's commit, with the update: atomic with the step like the weights.
-#      With several workers the job keeps their mean (NOTE [Buffers] in server/job.py).
+#      With several workers the job keeps their mean (NOTE [Buffers] in server/stage_state.py).
 #   4. ``Trainer.forward`` and the profile run on copies too: they never change the job.
 """
 

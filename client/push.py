@@ -101,7 +101,7 @@ class GradientPusher:
 
     def commit(self, step: int) -> None:
         """Say that every gradient of ``step`` is pushed (after them, on the same socket); its reply
-        comes when the step commits (NOTE [The step commit point] in server/job.py) and is kept
+        comes when the step commits (NOTE [The step commit point] in server/step_commit.py) and is kept
         in :attr:`committed`; :meth:`drain` waits for it."""
         with self._cond:
             self._unsent.append(_Unsent(m.Commit(session=self._sc.session, step=step), [], DONE))

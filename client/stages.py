@@ -22,7 +22,7 @@ skeleton of each module on the meta device and runs it on views cut from a strea
 #      tied head fetches the embedding again, and the plan's weight traffic counts it);
 #   2. sums a stage's gradients over all its positions and pushes the sum once, after the
 #      backward of its lowest position (the last one backward reaches), so the server still
-#      sees one push per stage and step, made after the stage's last use (server/job.py, rule 2).
+#      sees one push per stage and step, made after the stage's last use (server/versions.py, rule 2).
 # A loop body (``Trainer.step_loop``) is the same thing with every position on stage 0; its
 # weights are fetched once and held for the step because the loop's length is not known ahead.
 """

@@ -398,8 +398,8 @@ class Trainer:
 
     def _commit(self, run: PlanRun) -> None:
         """Every gradient of the step is pushed: send the step's commit and, unless the job's
-        updates are delayed, wait until the step committed (server/job.py NOTE [The step commit
-        point]); the update itself overlaps the next step's forward."""
+        updates are delayed, wait until the step committed (server/step_commit.py NOTE [The step
+        commit point]); the update itself overlaps the next step's forward."""
         pusher = self.connection.pusher
         if not self.executor.reader:
             pusher.commit(run.step)

@@ -340,7 +340,7 @@ class Push(SessionMessage, tag="push"):
     is not finite. When this worker is the only one the step waits for, the server takes this
     float as the stage's share of the global norm instead of reading the gradient again (protocol
     7; None: the server measures it); the server may then read the gradient from the slot in place
-    until the stage's update (NOTE [Held gradient slots] in server/job.py) and answer ``pushed``
+    until the stage's update (NOTE [Held gradient slots] in server/step_commit.py) and answer ``pushed``
     only then."""
 
 
@@ -348,7 +348,7 @@ class Commit(SessionMessage, tag="commit"):
     """This worker has pushed every gradient of ``step``: answer with ``committed`` once the step
     commits (every expected worker's gradient of every trained stage is in, the global gradient
     norm is known and the updates are queued), or with an error when the step is discarded (a
-    worker that had pushed part of it left: see NOTE [The step commit point] in server/job.py).
+    worker that had pushed part of it left: see NOTE [The step commit point] in server/step_commit.py).
     Sent on the same socket as the pushes, after them."""
 
     step: Step
@@ -490,7 +490,7 @@ class Weights(Message, tag="weights"):
 class Pushed(Message, tag="pushed"):
     """The gradient is taken and ``slot`` is free again: added into the stage's accumulator for
     the step (the update itself waits for the step's commit: see ``commit``), or, for a slot the
-    server held (NOTE [Held gradient slots] in server/job.py), read by the stage's update, which
+    server held (NOTE [Held gradient slots] in server/step_commit.py), read by the stage's update, which
     is done."""
 
     stage: StageIndex

@@ -100,7 +100,7 @@ class JobCounters:
     gradient_bytes: int = 0
     held_gradients: int = 0
     """Gradients read in place from their worker's slot by the update (NOTE [Held gradient
-    slots] in job.py), counted in ``gradients`` too; the others were gathered."""
+    slots] in step_commit.py), counted in ``gradients`` too; the others were gathered."""
     optimizer: Histogram = field(default_factory=lambda: Histogram(OPTIMIZER_BUCKETS))
     """Seconds of every stage update (its count is the job's updates, its sum its optimizer time)."""
     snapshots: Histogram = field(default_factory=lambda: Histogram(SNAPSHOT_BUCKETS))

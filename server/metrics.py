@@ -66,10 +66,13 @@ class JobView(Protocol):
     num_params: int
     counters: JobCounters
     last_snapshot_step: int | None
-    last_commit: CommitView | None
-    skipped_steps: int
-    discarded_steps: int
 
+    @property
+    def last_commit(self) -> CommitView | None: ...
+    @property
+    def skipped_steps(self) -> int: ...
+    @property
+    def discarded_steps(self) -> int: ...
     @property
     def stages(self) -> Sequence[StageView]: ...
     @property

@@ -4,7 +4,7 @@ the server's memory account (admission control).
 Workers map the segment read-only and read a stage's weights at its slot offsets; it grows as
 stages are added while the job is created (the room ahead is reserved too) and is truncated to its
 final size when the job is sealed. The training rules (which version a slot holds, when it may be
-read) are in :mod:`wstream.server.job`.
+read) are in :mod:`wstream.server.versions` and :mod:`wstream.server.step_commit`.
 """
 
 from __future__ import annotations

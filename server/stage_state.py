@@ -2,9 +2,22 @@
 
 A :class:`StageState` is the stage's fp32 master, its published slot(s) in the job's shared-memory
 segment, its optimizer, its version and the requests waiting on it; an :class:`UpdateTask` is one
-step's update of it, run on a pool thread (NOTE [Versions and who may read what] in job.py says
-when). Kept apart from :mod:`wstream.server.job` so that the pool and the byte accounting need not
-know the whole job.
+step's update of it, run on a pool thread (NOTE [Versions and who may read what] in versions.py
+says when). Kept apart from :mod:`wstream.server.job` so that the pool and the byte accounting need
+not know the whole job. A stage's buffers are gathered and updated here too (NOTE below).
+
+# NOTE [Buffers]
+# A stage's buffers (``ParamSpec.buffer``: BatchNorm's running statistics and count) are frozen
+# entries of its layout: in the master, published, snapshotted and pulled like weights, with no
+# gradient and no optimizer state. Each worker's push carries them after the gradient
+# (``push_layout``): a float's new value, an integer's increment. They are gathered with it (the
+# accumulator sums them, so a stage with buffers is "trained" even when no parameter is), left out
+# of the norm, and applied by the stage's update after the commit: the value becomes the mean over
+# the W expected workers (the sum divided by W: exact for one worker), the count grows by the mean
+# increment. So buffers move with the step, atomically, and a skipped step leaves them too.
+# Why the mean and not one rank's (DDP broadcasts rank 0's buffers before each forward): wstream
+# workers have no ranks and come and go, every worker's batch counts as its gradient does, and for
+# a running mean with equal batches the mean is the statistic of the whole batch.
 """
 
 from __future__ import annotations
@@ -58,7 +71,7 @@ class PendingPush:
 @dataclass(slots=True)
 class HeldPush:
     """A lone worker's gradient read in place from its slot by the stage's update (NOTE [Held
-    gradient slots] in job.py): ``pushed`` is answered when that update is done."""
+    gradient slots] in step_commit.py): ``pushed`` is answered when that update is done."""
 
     worker: int
     push: PendingPush
@@ -70,7 +83,7 @@ class HeldPush:
 @dataclass(slots=True)
 class DeferredPush:
     """A push of a delayed-update job that came before its stage reached its step (NOTE [The
-    step commit point] in job.py, rule 6): accepted once the stage's update to it is done."""
+    step commit point] in step_commit.py, rule 6): accepted once the stage's update to it is done."""
 
     msg: m.Push
     frames: list[Any]
@@ -83,7 +96,9 @@ class UpdatedJob(Protocol):
 
     name: str
     snapshot: Snapshot | None
-    attempt: int
+
+    @property
+    def attempt(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -110,7 +125,7 @@ class StageState:
     buffers: tuple[tuple[int, int, int, bool], ...] = ()
     """Each buffer's (offset in the master, offset in ``grad``, numel, whether it counts): the
     update sets it to the workers' mean, or adds their mean increment to an integer buffer (a
-    count), NOTE [Buffers] in job.py."""
+    count), NOTE [Buffers] above."""
     gathered: set[int] = field(default_factory=set)
     """Workers whose gradient of the open step is in ``grad`` (their gather finished)."""
     gathering: int = 0
@@ -126,7 +141,7 @@ class StageState:
     with its push (``Push.sumsq``)."""
     held: HeldPush | None = None
     """The open or committed step's gradient when it stays in its worker's slot (NOTE [Held
-    gradient slots] in job.py): the update reads it there, and ``grad`` is not used."""
+    gradient slots] in step_commit.py): the update reads it there, and ``grad`` is not used."""
     updates: int = 0
     optimizer_s: float = 0.0
     last_optimizer_s: float = 0.0
@@ -187,7 +202,7 @@ class StageState:
         return Outgoing(identity, m.Master(id=request_id, stage=self.index, version=self.version), list(tensor_frames(snapshot)))
 
     def accept_push(self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker) -> PendingPush:
-        """Check a worker's gradient for this stage (NOTE [The step commit point] in job.py),
+        """Check a worker's gradient for this stage (NOTE [The step commit point] in step_commit.py),
         copy it into its slot when it came in data frames, and record it as pending."""
         where = f"gradient of stage {msg.stage} step {msg.step}"
         if worker.reader:

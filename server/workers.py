@@ -1,7 +1,8 @@
 """The workers of one job: joining (with a gradient ring in shared memory), the start barrier,
 who is expected to push for a step, and leaving.
 
-Kept apart from :mod:`wstream.server.job` (which decides what a worker's pushes and fetches do)
+Kept apart from :mod:`wstream.server.job` (and :mod:`~wstream.server.step_commit` and
+:mod:`~wstream.server.versions`, which decide what a worker's pushes and fetches do)
 because a worker's lifetime and its memory are their own concern: a ring is reserved in the
 server's memory account when the worker joins and released when it leaves or its lease ends.
 """
@@ -40,7 +41,7 @@ class Worker:
     reader: bool = False  # fetches only (see Join.reader)
     busy: set[int] = field(default_factory=set)
     held: set[int] = field(default_factory=set)
-    """Busy slots that a stage's update reads in place (NOTE [Held gradient slots] in job.py): free
+    """Busy slots that a stage's update reads in place (NOTE [Held gradient slots] in step_commit.py): free
     again when that update is done, not when a gather is."""
     pushes: tuple[int, int] = (-1, 0)
     """(attempt, pushes accepted from this worker in that attempt of the open step)."""
@@ -115,7 +116,7 @@ class WorkerTable:
 
     def expected(self, step: int) -> set[int]:
         """The workers whose gradient step ``step``'s updates wait for (NOTE [Versions and who may
-        read what] in job.py, rule 1)."""
+        read what] in versions.py, rule 1)."""
         return {w.id for w in self.all.values() if w.first_step <= step and not w.reader}
 
     def of_session(self, session: bytes) -> Worker:

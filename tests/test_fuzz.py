@@ -36,7 +36,7 @@ replies to fuzzed ``create_job`` and ``attach`` requests (their keys derived as 
 says), or are random.
 
 The fuzz targets follow protocol 4's step commit point (NOTE [The step commit point] in
-``wstream.server.job``): a push is only gathered, and a step commits, on every stage at once, when
+``wstream.server.step_commit``): a push is only gathered, and a step commits, on every stage at once, when
 every stage holds its worker's gradient; each stage's version then moves to the next step as its
 update ends. A target's only worker is an idle :class:`Trainer` whose pushes the fuzzer makes by
 hand: :meth:`Fuzzer.advance` commits one whole step (a push of every stage, then ``commit``), and
@@ -1077,7 +1077,7 @@ class Fuzzer:
     def may_wait(self, msg: m.Message) -> Waiting | None:
         """The deferrals the specification allows: a joined worker fetching the step after its
         stage's current one, or committing the job's open step or the next one (held until that
-        step commits; NOTE [The step commit point] in server/job.py)."""
+        step commits; NOTE [The step commit point] in server/step_commit.py)."""
         if not isinstance(msg, (m.Fetch, m.Commit)):
             return None
         owner, role = self.owner(msg.session)

@@ -1,5 +1,5 @@
 """A lone worker's gradient is read in place from its slot by the stage's update (NOTE [Held
-gradient slots] in server/job.py): the path is taken where holding cannot block the worker, and
+gradient slots] in server/step_commit.py): the path is taken where holding cannot block the worker, and
 the weights are those of plain PyTorch (AdamW, global-norm clipping, a schedule), as through the
 gather; several workers' gradients are still gathered into their mean."""
 

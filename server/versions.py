@@ -1,0 +1,154 @@
+"""Which weights a job's stages hold, and who may read them: the version each stage is at, and the
+reads of it (``fetch``: the weights a step computes on; ``pull``: the master), answered at once or,
+when what they ask for is not there yet or is being written, once the stage's update is done.
+
+Kept apart from :mod:`wstream.server.job` (the job, which owns this part and the others) and from
+:mod:`wstream.server.step_commit` (which decides when a step's updates run, and flips the versions
+here when they are done).
+
+# NOTE [Versions and who may read what]
+# 1. ``stage.version`` counts the updates applied to a stage: version t holds the weights that
+#    step t reads. Stages change version only after their step committed (NOTE [The step commit
+#    point] in step_commit.py).
+# 2. A worker pushes (i, t) only after its last use of w_i(t) (it copies weights into its own
+#    buffer at fetch time, or reads them in place and is done with them), so once every expected
+#    worker pushed (i, t) nobody still reads w_i(t). That is why, with one published slot, the
+#    update can write the slot in place: it runs only after the step committed.
+# 3. ``fetch(i, t+1)`` arriving before the update of (i, t) completes is deferred, and answered
+#    when the version flips. ``pull(i)`` is deferred while stage i updates (no torn reads).
+# 4. Gradient slot s of a worker is busy from its push until the reply ``pushed`` (sent once the
+#    gradient is added into the stage's accumulator); a push into a busy slot is an error.
+# 5. A job with ``delayed_update`` reads one version behind: step t reads w_i(t - 1) (but the
+#    first step after creation or a restore reads the weights it starts from, and steps before
+#    ``delay_after`` read w_i(t) as synchronous training does), while the update
+#    of (i, t - 1) may be running. Such a job always has two slots: version v is in slot v % 2, and
+#    the update (i, t) -> t + 1 writes slot (t + 1) % 2 = (t - 1) % 2 only after step t committed,
+#    i.e. after every expected worker's last read of w_i(t - 1) (rule 2).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from typing import Protocol
+
+from wstream.protocol import NotReadyError, StaleStepError, StateError
+from wstream.protocol import messages as m
+
+from .counters import JobCounters, Timeline
+from .outgoing import Outgoing
+from .stage_state import Deferred, StageState
+from .workers import MAX_WAITING_FETCHES, Worker
+
+
+class ReadJob(Protocol):
+    """What the reads need of their job (``wstream.server.job.Job``)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def options(self) -> m.JobOptions: ...
+    @property
+    def base(self) -> ReadJob | None: ...
+    @property
+    def stages(self) -> list[StageState]: ...
+    @property
+    def ready(self) -> bool: ...
+    @property
+    def counters(self) -> JobCounters: ...
+    @property
+    def timeline(self) -> Timeline: ...
+    def stage(self, index: int) -> StageState: ...
+
+
+class StageVersions:
+    """The version each stage of one job is at, and the fetches and pulls that read the stages
+    (NOTE [Versions and who may read what])."""
+
+    def __init__(self, job: ReadJob) -> None:
+        self.job = job
+        self.counts: Counter[int] = Counter()  # stage version -> how many stages are at it
+        self.base_step = 0  # delayed updates read max(t - 1, base_step): see NOTE rule 5
+
+    @property
+    def step(self) -> int:
+        """Steps completed by every stage."""
+        return min(self.counts, default=0)
+
+    def fetch(self, msg: m.Fetch, identity: bytes, worker: Worker) -> Outgoing | None:
+        if not self.job.ready:
+            raise NotReadyError(f"job {self.job.name!r} is still uploading its weights")
+        st = self.job.stage(msg.stage)
+        t = self.read_version(msg.step)
+        if t == st.version and (not st.updating or not st.single_slot):  # an update writes the other slot
+            return self.weights_reply(st, t, identity, msg.id, worker.shm)
+        if self.job.options.delayed_update and t == st.version - 1 and not st.updating:  # NOTE rule 5
+            return self.weights_reply(st, t, identity, msg.id, worker.shm)
+        if t == st.version + 1:
+            if worker.waiting >= MAX_WAITING_FETCHES:
+                raise StateError(
+                    f"this worker already has {worker.waiting} fetches waiting for updates (the limit is "
+                    f"{MAX_WAITING_FETCHES}): wait for their replies"
+                )
+            worker.waiting += 1
+            st.waiting_fetch.append(Deferred(identity, msg.id, t, worker.shm, worker))
+            return None
+        if t > st.version + 1:
+            raise StaleStepError(
+                f"stage {msg.stage} is at step {st.version}; step {msg.step} is more than one step ahead"
+            )
+        raise StaleStepError(
+            f"stage {msg.stage} weights of step {t} were replaced (the stage is at step "
+            f"{st.version}{', updating' if st.updating else ''})"
+        )
+
+    def read_version(self, step: int) -> int:
+        """The weights version step ``step`` computes on (NOTE rule 5)."""
+        if not self.job.options.delayed_update or step < self.job.options.delay_after:
+            return step
+        return max(step - 1, self.base_step)
+
+    def weights_reply(self, st: StageState, version: int, identity: bytes, request_id: int, shm: bool) -> Outgoing:
+        base = self.job.base.stages[st.index] if self.job.base is not None else None
+        return st.weights_reply(version, identity, request_id, shm, base, self.job.counters.served)
+
+    def set_version(self, st: StageState, version: int) -> None:
+        old = st.version
+        self.counts[old] -= 1
+        st.version = version
+        self.counts[version] += 1
+        if not self.counts[old]:
+            del self.counts[old]
+            step = min(self.counts)
+            if step > old:  # ``old`` was the job's step and no stage is left at it
+                self.job.counters.steps.add(step - old, time.monotonic())
+
+    def answer_waiters(self, st: StageState) -> list[Outgoing]:
+        out = []
+        waiting = st.waiting_fetch
+        st.waiting_fetch = []
+        for d in waiting:
+            if d.step == st.version:
+                out.append(self.weights_reply(st, d.step, d.identity, d.request_id, d.shm))
+                self.job.timeline.add(f"fetch {st.index} waited", "deferred", "deferred fetches", d.since_ns, time.monotonic_ns(), st.index, d.step)
+                if d.worker is not None:
+                    d.worker.waiting -= 1
+            else:
+                st.waiting_fetch.append(d)
+        pulls = st.waiting_pull
+        st.waiting_pull = []
+        out.extend(self.pull_reply(st, d.identity, d.request_id) for d in pulls)
+        return out
+
+    def pull(self, msg: m.Pull, identity: bytes) -> Outgoing | None:
+        if not self.job.ready:
+            raise NotReadyError(f"job {self.job.name!r} is still uploading its weights")
+        st = self.job.stage(msg.stage)
+        if st.updating:
+            st.waiting_pull.append(Deferred(identity, msg.id))
+            return None
+        return self.pull_reply(st, identity, msg.id)
+
+    def pull_reply(self, st: StageState, identity: bytes, request_id: int) -> Outgoing:
+        return st.master_reply(identity, request_id, self.job.counters.served)
+
