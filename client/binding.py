@@ -45,9 +45,11 @@ class Binding:
                 slots.append((holder, attr))
                 self._slots[name] = slots  # every alias of a tied tensor shares one list
 
-    def __call__(self, tensors: dict[str, torch.Tensor], inputs: tuple[Any, ...]) -> Any:
+    def __call__(self, tensors: dict[str, torch.Tensor], inputs: tuple[Any, ...], *, known: bool = False) -> Any:
+        """``known``: every name in ``tensors`` is the skeleton's own (the caller made the dict
+        from the skeleton's names), so the check for others is skipped."""
         slots = self._slots
-        if any(name not in slots for name in tensors):
+        if not known and any(name not in slots for name in tensors):
             return torch.func.functional_call(self.module, tensors, inputs)
         saved: list[tuple[dict[str, Any], str, Any]] = []
         try:

@@ -20,6 +20,9 @@ def as_boundary(value: Any) -> Boundary:
 
 
 def boundary_bytes(b: Boundary) -> int:
+    if len(b) == 1:  # one tensor between stages, the common case: no generator per stage run
+        t = b[0]
+        return t.nbytes if isinstance(t, torch.Tensor) else 0
     return sum(t.nbytes for t in b if isinstance(t, torch.Tensor))
 
 

@@ -341,7 +341,7 @@ class PlanExecutor:
         inputs = grad_inputs_of(run.current[1], i, wanted=self._wants_input_grad(i))
         run.drop_current()
         with self.rng.around(run.rng, i, 0), torch.enable_grad():
-            out = runner.call_with(params, inputs)
+            out = runner.call_with(params, inputs, known=True)
         roots, root_grads = _roots(run, out, None if i == run.last else run.grad_out, loss_fn, 0)
         grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
         grads = backprop(roots, root_grads, [*leaves, *grad_inputs])
@@ -486,6 +486,9 @@ def _roots(
         if run.scales is None:
             return [root], [None]
         return [root.float()], [torch.tensor(run.scales[lane], dtype=torch.float32, device=root.device)]
+    if isinstance(out, torch.Tensor) and len(grad_out) == 1:  # one tensor between stages
+        g = grad_out[0]
+        return ([out], [g]) if out.requires_grad and g is not None else ([], [])
     roots: list[torch.Tensor] = []
     root_grads: list[torch.Tensor | None] = []
     for o, g in zip(as_boundary(out), grad_out):
@@ -501,6 +504,9 @@ def grad_inputs_of(inputs: Boundary, i: int, *, wanted: bool = True) -> Boundary
     trains: ``wanted`` False)."""
     if not wanted or i == 0:
         return inputs
+    if len(inputs) == 1:  # one tensor between stages, the common case
+        x = inputs[0]
+        return (x.detach().requires_grad_(True),) if _wants_grad(x) else inputs
     return tuple(x.detach().requires_grad_(True) if wanted and i > 0 and _wants_grad(x) else x for x in inputs)
 
 

@@ -331,7 +331,7 @@ class StageRunner:
         to run with (a module may update them in place); default fresh copies of the published
         ones (:meth:`buffer_state`), so that what the run does to them is forgotten."""
         if not self._buffers and not self._base_views:  # the common case, without a dict merge
-            return self._binding(dict(self._own_leaves(flat)), inputs)  # a copy: a run may replace one
+            return self._binding(dict(self._own_leaves(flat)), inputs, known=True)  # a copy: a run may replace one
         state = self.buffer_state(flat) if buffers is None else buffers
         return self._binding({**self.views(flat, base), **state}, inputs)
 
@@ -412,8 +412,9 @@ class StageRunner:
         assert base is not None, "a stage on a base needs the base's weights: a bug in wstream"
         return {name: base[off : off + n].view(shape) for name, off, n, shape in self._base_views}
 
-    def call_with(self, params: dict[str, torch.Tensor], inputs: Boundary) -> Any:
-        return self._binding(params, inputs)
+    def call_with(self, params: dict[str, torch.Tensor], inputs: Boundary, *, known: bool = False) -> Any:
+        """Run the skeleton on ``params`` (``known``: from :meth:`bound_leaves`, the skeleton's own names)."""
+        return self._binding(params, inputs, known=known)
 
     @property
     def grad_indices(self) -> list[int]:
