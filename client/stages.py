@@ -12,6 +12,20 @@ skeleton of each module on the meta device and runs it on views cut from a strea
 # parameter-sized gradients, element for element the module's own, and :func:`scatter_grads`
 # writes them into the flat gradient slot at their offsets (padding zeroed) in one pass.
 
+# NOTE [Leaves kept for a step]
+# Under a checkpoint plan a position runs two or three times per step (its advances, the
+# backward's rerun) on the same fetched weights, and cutting its parameter views and making them
+# autograd leaves cost 3-13 us per run, as much as a small stage's compute. So a position whose
+# run binds only its own parameters (``StageRunner.simple``: no buffers, no base)
+#   1. keeps the leaves it cut, with the address (``data_ptr``) and dtype of the flat weights
+#      they view, and cuts again only when its weights come at another address (a ring slot
+#      elsewhere); the same address means the same views of the same memory;
+#   2. serves every run from them, forward (under ``no_grad``) and backward alike, each run
+#      binding a copy of the dict (a module may replace a tensor it holds);
+#   3. drops them when the step's (or forward's) fetches end and after an abort
+#      (``PlanExecutor.end_fetches``/``forget_resident``), so no leaf keeps a ring buffer or a
+#      shared-memory mapping alive past the fetches it was cut from.
+
 # NOTE [Positions and weight stages]
 # The chain the plans run is a list of *positions*; each position runs a module on the weights of
 # one *weight stage* (the unit the server stores, updates and streams). Usually position i runs
