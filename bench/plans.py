@@ -256,7 +256,7 @@ def planner_part(args: argparse.Namespace) -> None:
     if args.planner_ns:
         planner_times([int(v) for v in args.planner_ns.split(",")])
     rounding_loss(args.loss_chains)
-    print(f"\nclass losses (budgets between min_budget and a third of the way to store_all's peak):")
+    print("\nclass losses (budgets between min_budget and a third of the way to store_all's peak):")
     class_losses(max(1, args.loss_chains // 5), args.long_n)
 
 

@@ -5,7 +5,6 @@ gather; several workers' gradients are still gathered into their mean."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
