@@ -115,6 +115,9 @@ class StageState:
     waiting_fetch: list[Deferred] = field(default_factory=list)
     waiting_pull: list[Deferred] = field(default_factory=list)
     waiting_push: list[DeferredPush] = field(default_factory=list)
+    failed: str | None = None
+    """Why the stage's last update failed (a bug in wstream): it stays at its version for good,
+    so a fetch of a later version or a push is answered with this at once, not held."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held by the optimizer while it changes the stage and by a snapshot capturing it."""
     grad: torch.Tensor | None = None

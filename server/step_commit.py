@@ -152,6 +152,8 @@ class StepCommit:
         """Accept a gradient (its gather queued, or its slot held); returns the replies of a step
         that this push completes (a held push may commit the step at once)."""
         st = self.job.stage(msg.stage)
+        if st.failed is not None:
+            raise InternalError(st.failed)
         if self.job.options.delayed_update and st.version < msg.step <= self.open_step + 1:
             if len(st.waiting_push) >= len(worker.slots) * max(1, len(self.job.workers)):
                 raise StateError(f"too many pushes held for stage {st.index}: wait for their replies")
@@ -304,14 +306,18 @@ class StepCommit:
             self.job.timeline.add(f"update {st.index}", "optimizer", task.thread, task.started_ns, end, st.index, st.version)
         if error is not None:  # a bug: the stage stays at its version, and who waits for it is told
             log.error("job %r stage %d: the update of step %d failed: %r", self.job.name, st.index, st.version, error)
-            failed = InternalError(f"the update of stage {st.index} step {st.version} failed: {error!r} (a bug in wstream)")
+            st.failed = f"the update of stage {st.index} step {st.version} failed: {error!r} (a bug in wstream)"
+            failed = InternalError(st.failed)
             waiting = [*st.waiting_fetch, *st.waiting_pull]
             st.waiting_fetch, st.waiting_pull = [], []
             for d in waiting:
                 if d.worker is not None:
                     d.worker.waiting -= 1
             held = [Outgoing.error(o.identity, o.message.id, failed) for o in self._release_held(st)]
-            return [Outgoing.error(d.identity, d.request_id, failed) for d in waiting] + held
+            # a delayed job's pushes held back until this update (rule 6) will not be taken either
+            deferred = [Outgoing.error(p.identity, p.msg.id, failed) for p in st.waiting_push]
+            st.waiting_push = []
+            return [Outgoing.error(d.identity, d.request_id, failed) for d in waiting] + held + deferred
         out = self._release_held(st)
         self.versions.set_version(st, st.version + 1)
         if task.apply:

@@ -32,7 +32,7 @@ import time
 from collections import Counter
 from typing import Protocol
 
-from wstream.protocol import NotReadyError, StaleStepError, StateError
+from wstream.protocol import InternalError, NotReadyError, StaleStepError, StateError
 from wstream.protocol import messages as m
 
 from .counters import JobCounters, Timeline
@@ -80,6 +80,8 @@ class StageVersions:
             raise NotReadyError(f"job {self.job.name!r} is still uploading its weights")
         st = self.job.stage(msg.stage)
         t = self.read_version(msg.step)
+        if st.failed is not None and t > st.version:  # a version it will never reach
+            raise InternalError(st.failed)
         if t == st.version and (not st.updating or not st.single_slot):  # an update writes the other slot
             return self.weights_reply(st, t, identity, msg.id, worker.shm)
         if self.job.options.delayed_update and t == st.version - 1 and not st.updating:  # NOTE rule 5

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +16,7 @@ import models
 from conftest import ServerProcess, run_workers, start_server
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import AdamW, Client
+from wstream.server.stage_state import UpdateTask
 
 STEPS = 8
 
@@ -159,3 +162,41 @@ def test_a_restored_delayed_job_goes_on_from_its_snapshot(tmp_path: Path) -> Non
         got = job.state_dict()
     assert srv.stop() == 0
     assert_weights_equal(got, delayed_reference_resumed(start, 6, resumed_at=3), atol=1e-6)
+
+
+@pytest.mark.parametrize("delay", [0.0, 1.0])
+def test_a_failed_update_answers_the_pushes_it_held_back(client: Client, monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
+    """A delayed job's push of step t that reaches a stage still updating step t - 1 is held back
+    until that update ends (NOTE [The step commit point] rule 6, server/step_commit.py). When the
+    update fails (a bug in wstream, injected here), the held push is answered with the failure,
+    and so is a push or a fetch of a later step that comes after it (the stage stays at its
+    version for good): the worker's step raises it instead of waiting for an answer that never
+    comes."""
+    real_run = UpdateTask.run
+
+    def failing_run(task: UpdateTask) -> UpdateTask:
+        if task.stage.index == 0 and task.stage.version == 0:
+            time.sleep(delay)  # step 1's push of stage 0 arrives before the failure, or after it
+            raise RuntimeError("injected update failure")
+        return real_run(task)
+
+    monkeypatch.setattr(UpdateTask, "run", failing_run)
+    torch.manual_seed(0)
+    stages = [nn.Linear(8, 8), nn.Linear(8, 8)]
+    job = client.create_job("fails", stages, optimizer=AdamW(lr=1e-2), token="t", delayed_update=True, unit_bytes=None)
+    outcome: list[BaseException | None] = []
+
+    def train() -> None:
+        try:
+            with job.trainer() as trainer:
+                for _ in range(3):
+                    trainer.step(torch.randn(4, 8), torch.randn(4, 8), torch.nn.functional.mse_loss)
+            outcome.append(None)
+        except BaseException as exc:  # what the step raised
+            outcome.append(exc)
+
+    worker = threading.Thread(target=train, daemon=True)
+    worker.start()
+    worker.join(120)  # a worker left waiting for the held push's answer would never end
+    assert not worker.is_alive(), "the worker still waits for an answer to its held push"
+    assert outcome and outcome[0] is not None and "the update of stage 0 step 0 failed" in str(outcome[0])
