@@ -334,8 +334,8 @@ class PlanExecutor:
         """:meth:`_backward_lanes` for what most steps are: one micro-batch, no loss scaling, no
         timeline, a stage without buffers or base (``StageRunner.simple``). Sets ``run.grad_out``
         and returns the parameter gradients (``leaves`` order). A deep chain backpropagates each of
-        its thousands of small stages once per step, so this is the same work with none of the
-        general path's lanes, lists and checks (about 40 us per stage, issue 17)."""
+        its thousands of small stages once per step, so this is the same work without the
+        general path's lanes, lists and checks (a few microseconds per stage, issue 17)."""
         assert run.current is not None
         params, leaves = runner.bound_leaves(weights)
         inputs = grad_inputs_of(run.current[1], i, wanted=self._wants_input_grad(i))
