@@ -3,10 +3,10 @@
 The step is driven by a checkpoint plan (:mod:`wstream.client.plans`): untaped ADVANCEs move the
 current stage input forward, SNAPSHOT/RESTORE/FREE keep and reuse inputs, OFFLOAD/PREFETCH/FREE_HOST
 move them through host memory, and each BACKWARD re-runs one stage with autograd from its input,
-pushes its gradient and passes dx_i down. The weights of every compute action are fetched in the
-plan's order by the prefetch thread; :meth:`PlanExecutor.stage_weights` is the one place a
-stage's weights are taken from it and given back (forward, recomputation, backward, and the
-trainer's ``forward`` and profile).
+pushes its gradient and passes dx_i down (``backward.py``: :class:`StageBackward`, this class's
+base). The weights of every compute action are fetched in the plan's order by the prefetch
+thread; :meth:`PlanExecutor.weights_of` is the one place a stage's weights are taken from it and
+given back (forward, recomputation, backward, and the trainer's ``forward`` and profile).
 
 The plan's chain is one of *positions*; each runs on a weight stage, usually its own, sometimes
 an earlier one (a tied head: NOTE [Positions and weight stages] in ``stages.py``).
@@ -35,20 +35,19 @@ an earlier one (a tied head: NOTE [Positions and weight stages] in ``stages.py``
 from __future__ import annotations
 
 import contextlib
-import math
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import torch
 
 from wstream.protocol.layout import push_layout
 
-from .backprop import backprop
+from .backward import LossFn, StageBackward
 from .boundary import Boundary, as_boundary, join_lanes, lanes_of
 from .distributed import AllReduceGradients, flat_spec
-from .loss_scale import LossScaler, all_finite, unscaled
+from .loss_scale import LossScaler
 from .offload import HostMover
-from .plan_run import PlanRun, add_into
+from .plan_run import PlanRun
 from .plans import Op
 from .prefetch import Fetched, Prefetcher
 from .push import GradientPusher
@@ -56,7 +55,6 @@ from .rng import StageRng
 from .stages import Buffers, StageRunner
 from .timeline import Tracer
 
-LossFn = Callable[[Any, Any], torch.Tensor]
 
 
 class Streams(Protocol):
@@ -70,7 +68,7 @@ class Streams(Protocol):
     def pusher(self) -> GradientPusher: ...
 
 
-class PlanExecutor:
+class PlanExecutor(StageBackward):
     """Runs plan actions for one worker: forward, recomputation, backward and activation moves."""
 
     def __init__(
@@ -296,82 +294,6 @@ class PlanExecutor:
             self._mover = HostMover(self.device)
         return self._mover
 
-    def _backward_stage(self, run: PlanRun, i: int, loss_fn: LossFn) -> None:
-        """Re-run position i with autograd from the current state and backpropagate; push its
-        stage's gradient when i is the stage's lowest position, else add it to the stage's sum.
-
-        With k micro-batches this runs once per micro-batch on the same weights (one tape live at
-        a time) and sums their parameter gradients in micro-batch order, as accumulation into
-        ``.grad`` would."""
-        assert run.current is not None
-        runner = run.runner_at(i)
-        stage = runner.stage
-        if not runner.trains and not self._wants_input_grad(i):
-            self._nothing_to_differentiate(run, i, runner)
-            return
-        weights, base = self.weights_of(stage, run.held)
-        if run.k == 1 and self.scaler is None and self.tracer is None and runner.simple:  # the common case, lean
-            param_grads = self._backward_one(run, i, runner, weights, loss_fn)
-        else:
-            params = runner.leaves(weights, base)
-            lanes = lanes_of(run.current[1], run.k)
-            grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
-            run.drop_current()
-            with self._span(run, f"backward {i}", "backward", i):
-                param_grads, run.grad_out = self._backward_lanes(
-                    run, i, runner, weights, params, lanes, grad_lanes, loss_fn
-                )
-            del params
-            self._done_with(run, i)
-        grads = run.add_grads(stage, len(runner.spec.params), runner.grad_indices, param_grads)
-        if i == self.first_use[stage]:  # backward has no use of this stage left
-            del run.grads[stage]
-            self._push(run, runner, grads)
-
-    def _backward_one(
-        self, run: PlanRun, i: int, runner: StageRunner, weights: torch.Tensor, loss_fn: LossFn
-    ) -> Sequence[torch.Tensor | None]:
-        """:meth:`_backward_lanes` for what most steps are: one micro-batch, no loss scaling, no
-        timeline, a stage without buffers or base (``StageRunner.simple``). Sets ``run.grad_out``
-        and returns the parameter gradients (``leaves`` order). A deep chain backpropagates each of
-        its thousands of small stages once per step, so this is the same work without the
-        general path's lanes, lists and checks (a few microseconds per stage, issue 17)."""
-        assert run.current is not None
-        params, leaves = runner.bound_leaves(weights)
-        inputs = grad_inputs_of(run.current[1], i, wanted=self._wants_input_grad(i))
-        run.drop_current()
-        with self.rng.around(run.rng, i, 0), torch.enable_grad():
-            out = runner.call_with(params, inputs, known=True)
-        roots, root_grads = _roots(run, out, None if i == run.last else run.grad_out, loss_fn, 0)
-        grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        grads = backprop(roots, root_grads, [*leaves, *grad_inputs])
-        n = len(leaves)
-        if len(inputs) == 1:  # one tensor flows between stages: the common boundary
-            run.grad_out = [grads[n] if grad_inputs else None]
-        else:
-            it = iter(grads[n:])
-            run.grad_out = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-        return grads[:n]
-
-    def _wants_input_grad(self, i: int) -> bool:
-        """Whether position i's input gradient is used: a position below it trains."""
-        return self.lowest_trained is not None and self.lowest_trained < i
-
-    def _nothing_to_differentiate(self, run: PlanRun, i: int, runner: StageRunner) -> None:
-        """The BACKWARD of a position below every trained one whose own parameters are all frozen
-        (a frozen embedding, the first stages of a fine-tune): no parameter gradient and no input
-        gradient is wanted, so nothing is recomputed. Its weights were fetched for this action
-        (the fetch order is the plan's) and are given back; its push has nothing to send."""
-        assert run.current is not None and i != run.last, "a chain that trains nothing: a bug in wstream"
-        self.weights_of(runner.stage, run.held)
-        run.grad_out = [None] * len(run.current[1])
-        run.drop_current()
-        self._done_with(run, i)
-        grads = run.add_grads(runner.stage, len(runner.spec.params), (), ())
-        if i == self.first_use[runner.stage]:
-            del run.grads[runner.stage]
-            self._push(run, runner, grads)
-
     def _buffers(
         self, run: PlanRun, runner: StageRunner, weights: torch.Tensor, i: int, j: int, *, real: bool
     ) -> Buffers | None:
@@ -391,12 +313,6 @@ class PlanExecutor:
         assert before is not None, f"position {i} rerun before its real forward: a bug in wstream"
         return {name: b.clone() for name, b in before.items()}
 
-    @staticmethod
-    def _done_with(run: PlanRun, i: int) -> None:
-        """Position i's backward is done: no rerun of it is left, nor the buffers for one."""
-        for j in range(run.k):
-            run.buffers_before.pop((i, j), None)
-
     def _push(self, run: PlanRun, runner: StageRunner, grads: list[torch.Tensor | None]) -> None:
         """Send a stage's gradient, summed over its positions, and its buffers' values (with
         ``allreduce``: their mean over the ranks, sent by rank 0 alone; client/distributed.py)."""
@@ -414,101 +330,3 @@ class PlanExecutor:
             if not self.reader:
                 pusher.push(stage, run.step, flat_spec(runner.spec), [mean])
         run.pushed = True
-
-    def _backward_lanes(
-        self,
-        run: PlanRun,
-        i: int,
-        runner: StageRunner,
-        weights: torch.Tensor,
-        params: dict[str, torch.Tensor],
-        lanes: list[Boundary],
-        grad_lanes: list[Boundary | None],
-        loss_fn: LossFn,
-    ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """Backpropagate stage i for every micro-batch: (summed parameter gradients, the input
-        gradients of every micro-batch, packed). With loss scaling a micro-batch whose gradients
-        are not finite is run again at a lower scale (NOTE [Per-stage loss scaling]) and its
-        parameter gradients are summed unscaled, in fp32."""
-        leaves = [v for v in params.values() if v.requires_grad]  # not a frozen base's views
-        param_grads: list[torch.Tensor | None] = [None] * len(leaves)
-        grad_out: list[torch.Tensor | None] = []
-        scaler = self.scaler
-        for j, (lane, lane_grad_out) in enumerate(zip(lanes, grad_lanes)):
-            first = True
-            while True:
-                inputs = grad_inputs_of(lane, i, wanted=self._wants_input_grad(i))
-                buffers = self._buffers(run, runner, weights, i, j, real=first and i not in run.advanced)
-                with self.rng.around(run.rng, i, j), torch.enable_grad():
-                    out = runner.call_with(params if buffers is None else {**params, **buffers}, inputs)
-                grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-                roots, root_grads = _roots(run, out, lane_grad_out, loss_fn, j, first=first)
-                grads = backprop(roots, root_grads, [*leaves, *grad_inputs])
-                del out, roots, root_grads
-                if scaler is None or all_finite(grads):
-                    break
-                assert run.scales is not None
-                where = f"step {run.step}, position {i}, micro-batch {j}"
-                lower = scaler.back_off(run.scales[j], where)
-                factor = lower / run.scales[j]
-                run.scales[j] = lower
-                if lane_grad_out is not None:  # exact for a power-of-two factor
-                    lane_grad_out = tuple(g * factor if isinstance(g, torch.Tensor) else g for g in lane_grad_out)
-                first = False
-            own = grads[: len(leaves)]
-            add_into(param_grads, own if scaler is None or run.scales is None else unscaled(own, run.scales[j]))
-            it = iter(grads[len(leaves) :])
-            grad_out.extend(next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs)
-            del grads, inputs, grad_inputs, own
-        return param_grads, grad_out
-
-
-def _roots(
-    run: PlanRun, out: Any, grad_out: Boundary | None, loss_fn: LossFn, lane: int, *, first: bool = True
-) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """What micro-batch ``lane`` of a stage backpropagates from: the loss (divided by the
-    number of micro-batches; seeded with the lane's loss scale, if any) at the chain's end,
-    else the outputs that have a gradient. ``first``: not a loss-scaling retry (the loss is
-    counted once)."""
-    if grad_out is None:
-        loss = loss_fn(out, run.targets[lane])
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
-        value = float(loss.detach())
-        if not math.isfinite(value):
-            raise FloatingPointError(
-                f"the loss of micro-batch {lane} is {value}: nothing of this step was sent (the job's "
-                "weights are unchanged); check the data and the learning rate"
-            )
-        if first:
-            run.loss += value / run.k
-        root = loss if run.k == 1 else loss / run.k
-        if run.scales is None:
-            return [root], [None]
-        return [root.float()], [torch.tensor(run.scales[lane], dtype=torch.float32, device=root.device)]
-    if isinstance(out, torch.Tensor) and len(grad_out) == 1:  # one tensor between stages
-        g = grad_out[0]
-        return ([out], [g]) if out.requires_grad and g is not None else ([], [])
-    roots: list[torch.Tensor] = []
-    root_grads: list[torch.Tensor | None] = []
-    for o, g in zip(as_boundary(out), grad_out):
-        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None:
-            roots.append(o)
-            root_grads.append(g)
-    return roots, root_grads
-
-
-def grad_inputs_of(inputs: Boundary, i: int, *, wanted: bool = True) -> Boundary:
-    """Position i's inputs for a run with autograd: floating-point tensors become leaves that
-    want a gradient (not at position 0, whose input is the data, nor where no position below
-    trains: ``wanted`` False)."""
-    if not wanted or i == 0:
-        return inputs
-    if len(inputs) == 1:  # one tensor between stages, the common case
-        x = inputs[0]
-        return (x.detach().requires_grad_(True),) if _wants_grad(x) else inputs
-    return tuple(x.detach().requires_grad_(True) if wanted and i > 0 and _wants_grad(x) else x for x in inputs)
-
-
-def _wants_grad(x: Any) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point()

@@ -20,7 +20,8 @@ from wstream.protocol import StateError
 
 from .boundary import Boundary, as_boundary, boundary_bytes
 from .device import synchronize
-from .executor import PlanExecutor, grad_inputs_of
+from .backward import grad_inputs_of
+from .executor import PlanExecutor
 from .plans import Plan, StageCosts
 from .prefetch import Prefetcher
 from .stages import StageRunner
