@@ -310,14 +310,15 @@ class StepCommit:
             failed = InternalError(st.failed)
             waiting = [*st.waiting_fetch, *st.waiting_pull]
             st.waiting_fetch, st.waiting_pull = [], []
-            for d in waiting:
-                if d.worker is not None:
-                    d.worker.waiting -= 1
-            held = [Outgoing.error(o.identity, o.message.id, failed) for o in self._release_held(st)]
+            for waiter in waiting:
+                if waiter.worker is not None:
+                    waiter.worker.waiting -= 1
+            answers = [Outgoing.error(w.identity, w.request_id, failed) for w in waiting]
+            answers += [Outgoing.error(o.identity, o.message.id, failed) for o in self._release_held(st)]
             # a delayed job's pushes held back until this update (rule 6) will not be taken either
-            deferred = [Outgoing.error(p.identity, p.msg.id, failed) for p in st.waiting_push]
+            answers += [Outgoing.error(p.identity, p.msg.id, failed) for p in st.waiting_push]
             st.waiting_push = []
-            return [Outgoing.error(d.identity, d.request_id, failed) for d in waiting] + held + deferred
+            return answers
         out = self._release_held(st)
         self.versions.set_version(st, st.version + 1)
         if task.apply:
@@ -326,15 +327,15 @@ class StepCommit:
             st.optimizer_s += task.seconds
             st.last_optimizer_s = task.seconds
         out += self.versions.answer_waiters(st)
-        held = st.waiting_push
+        deferred = st.waiting_push
         st.waiting_push = []
-        for d in held:  # NOTE rule 6: a delayed job's pushes of the step the stage reached now
-            if d.worker.id not in self.job.workers:
+        for push in deferred:  # NOTE rule 6: a delayed job's pushes of the step the stage reached now
+            if push.worker.id not in self.job.workers:
                 continue
             try:
-                out += self._accept_push(st, d.msg, d.frames, d.identity, d.worker, submit)
+                out += self._accept_push(st, push.msg, push.frames, push.identity, push.worker, submit)
             except Exception as exc:  # answered as the push would have been
-                out.append(Outgoing.error(d.identity, d.msg.id, exc))
+                out.append(Outgoing.error(push.identity, push.msg.id, exc))
         return out
 
     def _release_held(self, st: StageState) -> list[Outgoing]:

@@ -115,8 +115,8 @@ class WorkerTable:
         return pushers
 
     def expected(self, step: int) -> set[int]:
-        """The workers whose gradient step ``step``'s updates wait for (NOTE [Versions and who may
-        read what] in versions.py, rule 1)."""
+        """The workers whose gradient step ``step``'s updates wait for (NOTE [The step commit
+        point] in step_commit.py, rule 2: live, ``first_step <= step``, not a reader)."""
         return {w.id for w in self.all.values() if w.first_step <= step and not w.reader}
 
     def of_session(self, session: bytes) -> Worker:
