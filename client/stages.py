@@ -344,7 +344,7 @@ class StageRunner:
         """Run the position on ``flat`` (and its base's ``base``). ``buffers``: the stage's buffers
         to run with (a module may update them in place); default fresh copies of the published
         ones (:meth:`buffer_state`), so that what the run does to them is forgotten."""
-        if not self._buffers and not self._base_views:  # the common case, without a dict merge
+        if self.simple:  # the common case, without a dict merge
             return self._binding(dict(self._own_leaves(flat)), inputs, known=True)  # a copy: a run may replace one
         state = self.buffer_state(flat) if buffers is None else buffers
         return self._binding({**self.views(flat, base), **state}, inputs)
@@ -354,7 +354,7 @@ class StageRunner:
         parameters (``ParamSpec.frozen``, and the base's) are views that need no gradient. The
         stage's buffers come as fresh copies (:meth:`buffer_state`); the executor replaces them
         with the step's own where a run must update them. A new dict: the caller may change it."""
-        if not self._base_views and not self._buffers:
+        if self.simple:
             return dict(self._own_leaves(flat))
         return {**self._cut_leaves(flat), **self._frozen(base), **self.buffer_state(flat)}
 
