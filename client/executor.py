@@ -97,6 +97,8 @@ class PlanExecutor(StageBackward):
         self.tracer: Tracer | None = None  # set while ``Trainer.trace`` records a timeline
         self._mover: HostMover | None = None
         self._resident: Fetched | None = None  # the last fetch, kept while positions on its stage follow
+        # the prefetcher whose memory (ring, mapping) the positions' kept leaves view (NOTE [Kept leaves])
+        self._leaves_from: Prefetcher | None = None
 
     def stages_of(self, positions: list[int]) -> list[int]:
         """The weight stages to fetch for a plan's compute positions (its ``fetch_order``): one
@@ -123,6 +125,9 @@ class PlanExecutor(StageBackward):
         resident = self._resident
         if resident is None or resident.stage != stage:
             prefetcher = self._streams.prefetcher
+            if prefetcher is not self._leaves_from:  # a new ring and mapping (a reconnect): NOTE [Kept leaves]
+                self._forget_leaves()
+                self._leaves_from = prefetcher
             if resident is not None:
                 self._resident = None
                 prefetcher.release(resident)
@@ -137,23 +142,26 @@ class PlanExecutor(StageBackward):
         yield self.weights_of(stage, held)
 
     def end_fetches(self) -> None:
-        """The step's (or forward's) last compute is done: give the resident fetch back."""
+        """The step's (or forward's) last compute is done: give the resident fetch back. The
+        positions keep their leaves for the next step (NOTE [Kept leaves] in stages.py)."""
         resident, self._resident = self._resident, None
         if resident is not None:
             self._streams.prefetcher.release(resident)
-        self._forget_leaves()
 
     def forget_resident(self) -> None:
-        """After an abort: the prefetcher's ``reset`` freed every buffer, the resident one too."""
+        """After an abort: the prefetcher's ``reset`` freed every buffer, the resident one too; a
+        reconnect may follow, so no position keeps leaves of this prefetcher's memory."""
         self._resident = None
         self._forget_leaves()
 
     def _forget_leaves(self) -> None:
-        """No fetch is left: no position keeps leaves viewing one (NOTE [Leaves kept for a step])."""
+        """No position keeps leaves viewing the memory they were cut from (NOTE [Kept leaves])."""
+        self._leaves_from = None
         for runner in self.runners:
             runner.forget_leaves()
 
     def close(self) -> None:
+        self._forget_leaves()
         if self._mover is not None:
             self._mover.close()
 

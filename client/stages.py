@@ -12,19 +12,27 @@ skeleton of each module on the meta device and runs it on views cut from a strea
 # parameter-sized gradients, element for element the module's own, and :func:`scatter_grads`
 # writes them into the flat gradient slot at their offsets (padding zeroed) in one pass.
 
-# NOTE [Leaves kept for a step]
+# NOTE [Kept leaves]
 # Under a checkpoint plan a position runs two or three times per step (its advances, the
-# backward's rerun) on the same fetched weights, and cutting its parameter views and making them
-# autograd leaves cost 3-13 us per run, as much as a small stage's compute. So a position whose
-# run binds only its own parameters (``StageRunner.simple``: no buffers, no base)
+# backward's rerun) on the same fetched weights, step after step, and cutting its parameter
+# views and making them autograd leaves cost 3-13 us per run, as much as a small stage's
+# compute. So a position whose run binds only its own parameters (``StageRunner.simple``: no
+# buffers, no base)
 #   1. keeps the leaves it cut, with the address (``data_ptr``) and dtype of the flat weights
 #      they view, and cuts again only when its weights come at another address (a ring slot
-#      elsewhere); the same address means the same views of the same memory;
+#      elsewhere, the other of two published slots); the same address means the same views of
+#      the same memory, because the kept views hold that memory: it cannot be freed and given
+#      to anything else while they live;
 #   2. serves every run from them, forward (under ``no_grad``) and backward alike, each run
-#      binding a copy of the dict (a module may replace a tensor it holds);
-#   3. drops them when the step's (or forward's) fetches end and after an abort
-#      (``PlanExecutor.end_fetches``/``forget_resident``), so no leaf keeps a ring buffer or a
-#      shared-memory mapping alive past the fetches it was cut from.
+#      binding a copy of the dict (a module may replace a tensor it holds); the leaves never get
+#      a ``.grad`` (the backward asks the engine for their gradients, ``backprop.py``);
+#   3. keeps them from step to step: what they view, the ring's buffers or the mapped published
+#      segment, lives as long as the prefetcher that fills them. They are dropped when another
+#      prefetcher serves the weights (a reconnect maps the server's memory again), after an
+#      abort, and when the executor closes (``PlanExecutor._forget_leaves``), so no leaf keeps
+#      an old ring or mapping alive. Kept from step to step rather than cut each step, a deep
+#      chain neither pays the cut again nor makes four long-lived Python objects per position
+#      and step, which drove Python's full collections (BENCHMARKS.md, issue 17).
 
 # NOTE [Positions and weight stages]
 # The chain the plans run is a list of *positions*; each position runs a module on the weights of
@@ -308,7 +316,7 @@ class StageRunner:
         own = sum(n for _, _, n, _, _ in self._views) + sum(b[3] for b in self._buffers)
         self.own_numel = own if prefix else spec.numel
         # the leaves cut from the flat weights at ``_leaves_at`` (their data_ptr and dtype), kept
-        # until :meth:`forget_leaves` (NOTE [Leaves kept for a step]); only for a position with
+        # until :meth:`forget_leaves` (NOTE [Kept leaves]); only for a position with
         # neither buffers nor a base, whose leaves are all that a run binds
         self._leaves_at: tuple[int, torch.dtype] | None = None
         self._kept_leaves: dict[str, torch.Tensor] = {}
@@ -360,13 +368,13 @@ class StageRunner:
 
     def bound_leaves(self, flat: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
         """For a :attr:`simple` position: :meth:`leaves` and those of them that are autograd
-        leaves (in :attr:`grad_indices` order), kept for the step."""
+        leaves (in :attr:`grad_indices` order), kept from step to step (NOTE [Kept leaves])."""
         own = dict(self._own_leaves(flat))
         return own, self._kept_trained
 
     def _own_leaves(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The leaves of ``flat`` for a position without buffers or base, cut once per flat
-        buffer until :meth:`forget_leaves` (NOTE [Leaves kept for a step]). The kept dict itself:
+        buffer until :meth:`forget_leaves` (NOTE [Kept leaves]). The kept dict itself:
         copy it before handing it to anything that may change it."""
         at = (flat.data_ptr(), flat.dtype)
         if self._leaves_at != at:
@@ -376,7 +384,7 @@ class StageRunner:
         return self._kept_leaves
 
     def forget_leaves(self) -> None:
-        """Drop the kept leaves: the fetches they view are over (a step's end, an abort)."""
+        """Drop the kept leaves: the memory they view may go (an abort, a reconnect, close)."""
         self._leaves_at = None
         self._kept_leaves = {}
         self._kept_trained = []

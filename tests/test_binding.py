@@ -126,3 +126,47 @@ def test_a_skeleton_keeps_a_buffer_shared_by_two_submodules() -> None:
     module.b.register_buffer("m", shared)
     skeleton = skeleton_of(module)
     assert skeleton.a.m.is_meta and skeleton.a.m is skeleton.b.m
+
+
+def test_positions_keep_their_leaves_from_step_to_step_until_another_prefetcher_serves_them(client: Client) -> None:
+    """NOTE [Kept leaves] in client/stages.py: a position's parameter leaves are cut once and
+    served step after step (the same tensors, reading the weights each update wrote in place), and
+    dropped when a reconnect brings a new prefetcher (new ring, new mapping), so no old mapping is
+    kept alive; the weights stay plain PyTorch's throughout."""
+    import gc
+    import weakref
+
+    from wstream.protocol.errors import ServerUnavailable
+
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(6, 6), nn.GELU()) for _ in range(5)]
+    ref = nn.Sequential(*copy.deepcopy(stages))
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    job = client.create_job("kept-leaves", stages, optimizer=SGD(lr=0.1), token="t", unit_bytes=2 * 42 * 4)
+    data = [(torch.randn(4, 6), torch.randn(4, 6)) for _ in range(4)]
+
+    def leaves_of(trainer) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+        return [leaf for r in trainer.executor.runners for leaf in r._kept_leaves.values()]
+
+    with job.trainer(schedule="revolve", slots=2) as trainer:
+        assert trainer.zero_copy  # the published weights at one address, step after step
+        trainer.step(*data[0], nn.functional.mse_loss)
+        first = leaves_of(trainer)
+        assert len(first) == 2 * len(stages)
+        trainer.step(*data[1], nn.functional.mse_loss)
+        assert all(a is b for a, b in zip(leaves_of(trainer), first, strict=True))  # not cut again
+        old = [weakref.ref(leaf) for leaf in first]
+        del first
+        trainer.connection.recover(ServerUnavailable("a test reconnects"))
+        for x, y in data[2:]:
+            trainer.step(x, y, nn.functional.mse_loss)
+        gc.collect()
+        assert all(w() is None for w in old), "a leaf of the old prefetcher's memory outlived the reconnect"
+        assert len(leaves_of(trainer)) == 2 * len(stages)
+    for x, y in data:
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    got = job.state_dict()
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6)

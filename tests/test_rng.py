@@ -94,7 +94,9 @@ def test_stages_whose_drawing_changes_between_steps_train_as_plain_pytorch(clien
             SometimesDrawing.STEP[0] = s
             losses.append(trainer.step(x, y, torch.nn.functional.mse_loss))
         redone = trainer.executor.rng.quiet
-        assert all(not r._kept_leaves for r in trainer.executor.runners), "leaves outlived the step"
+        runners = trainer.executor.runners
+        assert all(r._kept_leaves for r in runners), "leaves were cut again for the next step"  # NOTE [Kept leaves]
+    assert all(not r._kept_leaves for r in runners), "leaves outlived the trainer"
     assert losses == pytest.approx(want_losses, rel=1e-6)
     assert torch.equal(torch.get_rng_state(), want_rng)  # the live RNG ends where plain training leaves it
     got = job.state_dict()
