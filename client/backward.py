@@ -95,7 +95,7 @@ class StageBackward:
         inputs = grad_inputs_of(run.current[1], i, wanted=self._wants_input_grad(i))
         run.drop_current()
         with self.rng.around(run.rng, i, 0), torch.enable_grad():
-            out = runner.call_with(params, inputs, known=True)
+            out = runner.call_own(params, inputs)
         roots, root_grads = _roots(run, out, None if i == run.last else run.grad_out, loss_fn, 0)
         grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
         grads = backprop(roots, root_grads, [*leaves, *grad_inputs])

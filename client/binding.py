@@ -44,12 +44,12 @@ class Binding:
                 slots = aliases.setdefault(id(tensor), [])
                 slots.append((holder, attr))
                 self._slots[name] = slots  # every alias of a tied tensor shares one list
+        # every slot with the skeleton's own tensor in it, which each run puts back
+        self._owns = [(holder, attr, holder[attr]) for slots in aliases.values() for holder, attr in slots]
 
-    def __call__(self, tensors: dict[str, torch.Tensor], inputs: tuple[Any, ...], *, known: bool = False) -> Any:
-        """``known``: every name in ``tensors`` is the skeleton's own (the caller made the dict
-        from the skeleton's names), so the check for others is skipped."""
+    def __call__(self, tensors: dict[str, torch.Tensor], inputs: tuple[Any, ...]) -> Any:
         slots = self._slots
-        if not known and any(name not in slots for name in tensors):
+        if any(name not in slots for name in tensors):
             return torch.func.functional_call(self.module, tensors, inputs)
         saved: list[tuple[dict[str, Any], str, Any]] = []
         try:
@@ -65,4 +65,20 @@ class Binding:
             return out
         finally:
             for holder, attr, own in reversed(saved):
+                holder[attr] = own
+
+    def run_own(self, tensors: dict[str, torch.Tensor], inputs: tuple[Any, ...]) -> Any:
+        """:meth:`__call__` for ``tensors`` named by the skeleton's own names whose caller does not
+        want a replaced tensor back (a stage's kept leaves, NOTE [Kept leaves] in stages.py: the
+        next run binds them again): no dict is copied, no replacement looked for, and the
+        skeleton's own tensors are put back from the list made once (step 3 of the NOTE, without
+        the write-back). A deep chain makes millions of these runs per step."""
+        slots = self._slots
+        try:
+            for name, tensor in tensors.items():
+                for holder, attr in slots[name]:
+                    holder[attr] = tensor
+            return self.module(*inputs)
+        finally:
+            for holder, attr, own in self._owns:
                 holder[attr] = own

@@ -203,16 +203,22 @@ class PlanExecutor(StageBackward):
     def run_actions(self, run: PlanRun, actions: Sequence[tuple[Op, int]], loss_fn: LossFn) -> None:
         """Execute a plan's ``actions`` in order: each run of consecutive ADVANCEs that can go
         the lean way (one micro-batch, no timeline, stages without buffers) in one loop
-        (:meth:`_advance_run`), every other action through :meth:`execute`."""
+        (:meth:`_advance_run`), a BACKWARD straight to its method, every other action through
+        :meth:`execute`."""
         a, end = 0, len(actions)
         lean = run.k == 1 and self.tracer is None
+        advance, backward = Op.ADVANCE, Op.BACKWARD
         while a < end:
             op, i = actions[a]
-            if lean and op == Op.ADVANCE and not run.runner_at(i).has_buffers:
+            if lean and op == advance and not run.runner_at(i).has_buffers:
                 a = self._advance_run(run, actions, a)
+                continue
+            if op == backward:  # as ``execute`` would, without its walk past every other kind
+                assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
+                self._backward_stage(run, i, loss_fn)
             else:
                 self.execute(run, op, i, loss_fn)
-                a += 1
+            a += 1
 
     def _advance_run(self, run: PlanRun, actions: Sequence[tuple[Op, int]], a: int) -> int:
         """Run ``actions[a]``, an ADVANCE of one micro-batch on a stage without buffers, and the

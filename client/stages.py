@@ -23,9 +23,10 @@ skeleton of each module on the meta device and runs it on views cut from a strea
 #      elsewhere, the other of two published slots); the same address means the same views of
 #      the same memory, because the kept views hold that memory: it cannot be freed and given
 #      to anything else while they live;
-#   2. serves every run from them, forward (under ``no_grad``) and backward alike, each run
-#      binding a copy of the dict (a module may replace a tensor it holds); the leaves never get
-#      a ``.grad`` (the backward asks the engine for their gradients, ``backprop.py``);
+#   2. serves every run from them, forward (under ``no_grad``) and backward alike, binding the
+#      kept dict as it is (``Binding.run_own``: a tensor a module replaces during a run is not
+#      written back, so the next run binds the kept leaves again); the leaves never get a
+#      ``.grad`` (the backward asks the engine for their gradients, ``backprop.py``);
 #   3. keeps them from step to step: what they view, the ring's buffers or the mapped published
 #      segment, lives as long as the prefetcher that fills them. They are dropped when another
 #      prefetcher serves the weights (a reconnect maps the server's memory again), after an
@@ -51,6 +52,7 @@ skeleton of each module on the meta device and runs it on views cut from a strea
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -327,21 +329,14 @@ class StageRunner:
             for p in (base_spec.params if base_spec is not None else ())
             if p.name in wanted
         ]
-
-    @property
-    def trains(self) -> bool:
+        # attributes rather than properties: asked on every run of a deep chain's positions
+        self.trains = bool(self._used)
         """Whether this position uses a trained parameter (has an autograd leaf)."""
-        return bool(self._used)
-
-    @property
-    def simple(self) -> bool:
+        self.simple = not self._buffers and not self._base_views
         """Whether a run binds only this position's own parameters (no buffers, no base)."""
-        return not self._buffers and not self._base_views
-
-    @property
-    def has_buffers(self) -> bool:
+        self.has_buffers = bool(self._buffers)
         """Whether this position runs with buffers of its stage (NOTE [Buffers] in executor.py)."""
-        return bool(self._buffers)
+
 
     def views(self, flat: torch.Tensor, base: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         return {**self._own(flat), **self._frozen(base)}
@@ -352,8 +347,8 @@ class StageRunner:
         """Run the position on ``flat`` (and its base's ``base``). ``buffers``: the stage's buffers
         to run with (a module may update them in place); default fresh copies of the published
         ones (:meth:`buffer_state`), so that what the run does to them is forgotten."""
-        if self.simple:  # the common case, without a dict merge
-            return self._binding(dict(self._own_leaves(flat)), inputs, known=True)  # a copy: a run may replace one
+        if self.simple:  # the common case: the kept leaves, bound as they are
+            return self._binding.run_own(self._own_leaves(flat), inputs)
         state = self.buffer_state(flat) if buffers is None else buffers
         return self._binding({**self.views(flat, base), **state}, inputs)
 
@@ -367,15 +362,15 @@ class StageRunner:
         return {**self._cut_leaves(flat), **self._frozen(base), **self.buffer_state(flat)}
 
     def bound_leaves(self, flat: torch.Tensor) -> tuple[dict[str, torch.Tensor], list[torch.Tensor]]:
-        """For a :attr:`simple` position: :meth:`leaves` and those of them that are autograd
-        leaves (in :attr:`grad_indices` order), kept from step to step (NOTE [Kept leaves])."""
-        own = dict(self._own_leaves(flat))
-        return own, self._kept_trained
+        """For a :attr:`simple` position: its kept leaves (NOTE [Kept leaves]; the dict itself,
+        for :meth:`call_own`, which changes nothing in it) and those of them that are autograd
+        leaves (in :attr:`grad_indices` order)."""
+        return self._own_leaves(flat), self._kept_trained
 
     def _own_leaves(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
         """The leaves of ``flat`` for a position without buffers or base, cut once per flat
-        buffer until :meth:`forget_leaves` (NOTE [Kept leaves]). The kept dict itself:
-        copy it before handing it to anything that may change it."""
+        buffer until :meth:`forget_leaves` (NOTE [Kept leaves]). The kept dict itself: bind it
+        with ``Binding.run_own`` (which changes nothing in it), or copy it."""
         at = (flat.data_ptr(), flat.dtype)
         if self._leaves_at != at:
             self._kept_leaves = self._cut_leaves(flat)
@@ -434,9 +429,13 @@ class StageRunner:
         assert base is not None, "a stage on a base needs the base's weights: a bug in wstream"
         return {name: base[off : off + n].view(shape) for name, off, n, shape in self._base_views}
 
-    def call_with(self, params: dict[str, torch.Tensor], inputs: Boundary, *, known: bool = False) -> Any:
-        """Run the skeleton on ``params`` (``known``: from :meth:`bound_leaves`, the skeleton's own names)."""
-        return self._binding(params, inputs, known=known)
+    def call_with(self, params: dict[str, torch.Tensor], inputs: Boundary) -> Any:
+        """Run the skeleton on ``params`` (a replaced tensor comes back in it)."""
+        return self._binding(params, inputs)
+
+    def call_own(self, kept: dict[str, torch.Tensor], inputs: Boundary) -> Any:
+        """Run the skeleton on ``kept``, the dict :meth:`bound_leaves` gave (left as it is)."""
+        return self._binding.run_own(kept, inputs)
 
     @property
     def grad_indices(self) -> list[int]:
@@ -449,36 +448,88 @@ def scatter_grads(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor |
     """Write per-parameter ``grads`` (in ``spec.params`` order) into flat ``dst``, the stage's
     push (``push_layout(spec)``: its gradient, which is ``spec``'s own layout unless a parameter is
     frozen, then its buffers' values; frozen parameters have no place in it); unused parameters
-    and alignment padding become zeros. One ``torch.cat`` writes it all where every gradient has
-    ``dst``'s dtype (a transfer unit holds thousands of small parameters: a copy each cost ~5 us)."""
-    layout = push_layout(spec)
-    pieces: list[torch.Tensor | int] = []  # a gradient, or a run of that many zeros
-    pos = 0
-    for p, offset, g in zip(spec.params, layout.offsets, grads):
-        if offset is None:  # frozen: no gradient
-            continue
-        if offset > pos:
-            pieces.append(offset - pos)
-        n = numel_of(p.shape)
-        pieces.append(n if g is None else g.reshape(-1))
-        pos = offset + n
-    if layout.numel > pos:
-        pieces.append(layout.numel - pos)
-    zero_run = max((x for x in pieces if isinstance(x, int)), default=0)
-    with torch.no_grad():  # a buffer a stage updated under autograd may require grad
-        if zero_run <= _CAT_ZEROS and all(isinstance(x, int) or x.dtype == dst.dtype for x in pieces):
-            zeros = dst.new_zeros(zero_run)  # alignment padding only: a few elements
-            torch.cat([zeros[:x] if isinstance(x, int) else x for x in pieces], out=dst[: layout.numel])
+    and alignment padding become zeros. One ``torch.cat`` writes it all where every gradient is
+    there in ``dst``'s dtype (a transfer unit holds thousands of small parameters: a copy each
+    cost ~5 us), by the stage's :class:`_ScatterPlan`, made once per spec."""
+    plan = _scatter_plan(spec)
+    if plan.padding <= _CAT_ZEROS:
+        zeros = dst.new_zeros(plan.padding) if plan.padding else dst
+        dtype = dst.dtype
+        pieces: list[torch.Tensor] = []
+        for k, pad in plan.entries:
+            g = grads[k]
+            if g is None or g.dtype != dtype:
+                break
+            if pad:
+                pieces.append(zeros[:pad])
+            pieces.append(g.reshape(-1))
+        else:
+            if plan.tail:
+                pieces.append(zeros[: plan.tail])
+            with torch.no_grad():  # a buffer a stage updated under autograd may require grad
+                torch.cat(pieces, out=dst[: plan.numel])
             return
-        pos = 0
-        for x in pieces:
-            n = x if isinstance(x, int) else x.numel()
-            if isinstance(x, int):
-                dst[pos : pos + n].zero_()
-            else:
-                dst[pos : pos + n].copy_(x)
-            pos += n
+    _scatter_piecewise(dst, spec, grads)
 
+
+def _scatter_piecewise(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
+    """:func:`scatter_grads` where a gradient is missing, or of another dtype, or the padding is
+    long: each piece copied (or zeroed) in place, a long run of zeros without a temporary."""
+    layout = push_layout(spec)
+    pos = 0
+    with torch.no_grad():
+        for p, offset, g in zip(spec.params, layout.offsets, grads):
+            if offset is None:  # frozen: no gradient
+                continue
+            if offset > pos:
+                dst[pos:offset].zero_()
+            n = numel_of(p.shape)
+            if g is None:
+                dst[offset : offset + n].zero_()
+            else:
+                dst[offset : offset + n].copy_(g.reshape(-1))
+            pos = offset + n
+        if layout.numel > pos:
+            dst[pos : layout.numel].zero_()
+
+
+@dataclass(frozen=True, slots=True)
+class _ScatterPlan:
+    """How a stage's push is assembled from its gradients (:func:`scatter_grads`)."""
+
+    entries: tuple[tuple[int, int], ...]  # (index in spec.params, zeros before it) for each piece with a place
+    tail: int  # zeros after the last piece
+    padding: int  # the longest run of zeros between pieces
+    numel: int  # push_layout(spec).numel
+
+
+def _scatter_plan(spec: StageSpec) -> _ScatterPlan:
+    """``spec``'s plan, kept per spec *object* as :func:`~wstream.protocol.layout.push_layout`
+    keeps its layout (an id with the spec beside it, so that the id is not reused while its entry
+    lives; the oldest dropped beyond :data:`_SCATTER_PLANS_KEPT`)."""
+    hit = _SCATTER_PLANS.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    layout = push_layout(spec)
+    entries: list[tuple[int, int]] = []
+    pos = 0
+    for k, (p, offset) in enumerate(zip(spec.params, layout.offsets)):
+        if offset is None:
+            continue
+        entries.append((k, offset - pos))
+        pos = offset + numel_of(p.shape)
+    tail = layout.numel - pos
+    plan = _ScatterPlan(tuple(entries), tail, max([pad for _, pad in entries] + [tail]), layout.numel)
+    with _SCATTER_PLANS_LOCK:
+        _SCATTER_PLANS[id(spec)] = (spec, plan)
+        while len(_SCATTER_PLANS) > _SCATTER_PLANS_KEPT:
+            del _SCATTER_PLANS[next(iter(_SCATTER_PLANS))]
+    return plan
+
+
+_SCATTER_PLANS: dict[int, tuple[StageSpec, _ScatterPlan]] = {}
+_SCATTER_PLANS_LOCK = threading.Lock()
+_SCATTER_PLANS_KEPT = 4096
 
 _CAT_ZEROS = 64
 """The longest run of zeros ``scatter_grads`` writes through its ``torch.cat`` (padding); a

@@ -170,3 +170,27 @@ def test_positions_keep_their_leaves_from_step_to_step_until_another_prefetcher_
     got = job.state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(got[k], v, rtol=0, atol=1e-6)
+
+
+def test_run_own_binds_a_dict_as_it_is_and_always_restores_the_skeleton() -> None:
+    """``Binding.run_own`` (NOTE [Kept leaves] in client/stages.py): the same values as a bound
+    call, a tied tensor's every alias bound, nothing written into the caller's dict (a replaced
+    buffer is not handed back: the next run binds the kept tensors again), and the skeleton's own
+    meta tensors back after a run and after a run that raises."""
+    torch.manual_seed(0)
+    module = TiedPair()
+    skeleton = skeleton_of(copy.deepcopy(module))
+    tensors = {k: v for k, v in _tensors(module).items() if k != "b.weight"}
+    x = torch.randn(3, 6)
+    binding = Binding(skeleton)
+    assert torch.equal(binding.run_own(tensors, (x,)), module(x))
+    assert all(p.is_meta for p in skeleton.parameters())
+    replacer = Binding(Replacer().to("meta"))
+    kept = {"count": torch.zeros(())}
+    for _ in range(2):  # the replaced buffer is dropped: every run starts from the kept zero
+        assert torch.equal(replacer.run_own(kept, (torch.ones(2),)), torch.ones(2))
+    assert kept["count"].item() == 0.0 and replacer.module.count.is_meta
+    seq = nn.Sequential(nn.Linear(6, 6)).to("meta")
+    with pytest.raises(RuntimeError):
+        Binding(seq).run_own({"0.weight": torch.zeros(6, 6), "0.bias": torch.zeros(6)}, (torch.zeros(2, 5),))
+    assert seq[0].weight.is_meta and seq[0].bias.is_meta
