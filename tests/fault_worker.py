@@ -7,8 +7,8 @@ JOBS: one job name, or several separated by commas, trained to STEPS one after t
 replacement finishing the jobs whose worker was killed, in one process).
 
 ``--at action:K`` stops before the K-th plan action of step S runs (forward, recompute, keep, free
-or backward); ``push:K`` just after the K-th gradient push of step S has left the process (sent,
-not yet acknowledged); ``commit:0`` just after the step's commit was sent. ``KILL`` ends the
+or backward); ``push:K`` just after the K-th gradient push of step S has reached the server (its
+reply came; a held slot's, answered only after the step's updates, is waited for 2 s at most); ``commit:0`` just after the step's commit was sent. ``KILL`` ends the
 process there (a replacement finishes the job); ``STOP`` freezes it (heartbeat included) until the
 test sends SIGCONT, after which it reconnects and finishes the job itself (``Trainer.fit``).
 Every step trains on ``models.batch(MODEL, step)``, so any process finishing the job trains the
@@ -92,9 +92,19 @@ def install(fault: Fault) -> None:
         while pusher._unsent and time.monotonic() < deadline:  # the sender thread took it out
             time.sleep(0.001)
 
+    def received(pusher: GradientPusher, stage: int) -> None:
+        """The push of ``stage`` reached the server. Taken out by the sender thread is not enough:
+        ZeroMQ sends from its own thread, and a kill at once could drop it (the server then saw no
+        push of the step). Its reply says the server has it; a held slot is answered only after
+        its update (after a commit that will not come), so that wait ends after 2 s."""
+        sent(pusher)
+        deadline = time.monotonic() + 2
+        while any(e.stage == stage for e in list(pusher._outstanding.values())) and time.monotonic() < deadline:
+            time.sleep(0.001)
+
     def hooked_push(self: GradientPusher, stage: int, step: int, *args: Any) -> None:
         push(self, stage, step, *args)
-        fault.event("push", step, lambda: sent(self))
+        fault.event("push", step, lambda: received(self, stage))
 
     def hooked_commit(self: GradientPusher, step: int) -> None:
         commit(self, step)
