@@ -10,7 +10,8 @@ after a warm-up step each, the sides alternate step by step, each wstream step t
 updates are done. Printed per chain: the plan's recomputation, the median step times, their ratio
 and the overhead per stage, ``(wstream - plain) / n``, the process's resident memory (both sides:
 the plain side's model, gradients and AdamW state included) and the trainer's peak of live stage
-inputs (the plan's activation memory, bounded by its slots whatever ``n``).
+inputs (the plan's activation memory, bounded by its slots whatever ``n``); the means of both
+sides' timed steps and Python's full collections during them (:class:`FullCollections`).
 
     python bench/long_chain.py [--chains 10000x16,250000x16] [--schedule revolve] [--slots 2000]
         [--batch 16] [--steps 1] [--unit-bytes auto|none|N]
@@ -73,6 +74,33 @@ def run_plan_plainly(
     return value
 
 
+class FullCollections:
+    """Counts Python's full (generation 2) collections and their seconds while it is entered: at
+    this depth one costs seconds and falls in whichever side's step it falls (the process holds
+    both sides' modules), so the medians may leave it out and the means count it."""
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._started
+
+    def __enter__(self) -> FullCollections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
 def make_plan(schedule: str, n: int, slots: int) -> Plan:
     if schedule == "revolve":
         return revolve(n, slots)
@@ -113,12 +141,17 @@ def measure(client: Client, n: int, width: int, args: argparse.Namespace) -> dic
         first_s = time.perf_counter() - t0
         summary = trainer.plan_summary()
         assert summary["recomputed_forwards"] == plan.advances, (summary, plan.advances)
-        plain, streamed = alternate(plain_step, trainer, job, data[1:])
+        with FullCollections() as full:
+            plain, streamed = alternate(plain_step, trainer, job, data[1:])
         stats = trainer.stats()
     job.drop()
     return {
         "plain": statistics.median(plain),
         "wstream": statistics.median(streamed),
+        "plain_mean": statistics.fmean(plain),
+        "wstream_mean": statistics.fmean(streamed),
+        "full_gcs": full.count,
+        "full_gc_s": full.seconds,
         "advances": plan.advances,
         "plan_s": plan_s,
         "create_s": create_s,
@@ -143,7 +176,8 @@ def main() -> None:
     print(f"schedule {args.schedule}" + (f" with {args.slots} slots" if args.schedule == "revolve" else "")
           + f"; batch {args.batch}; {args.steps} timed steps; default job settings")
     print(f"{'chain':>12} {'recomputed':>11} {'plain s/step':>13} {'wstream s/step':>15} {'ratio':>6} "
-          f"{'overhead/stage':>15} {'plan s':>7} {'create s':>9} {'1st step s':>10} {'RSS GiB':>8} {'inputs MiB':>10}")
+          f"{'overhead/stage':>15} {'plan s':>7} {'create s':>9} {'1st step s':>10} {'RSS GiB':>8} {'inputs MiB':>10} "
+          f"{'means plain/wstream s':>22} {'full GCs (s)':>13}")
     with server("--memory-limit", "16GiB") as address, Client(address, timeout=600) as client:
         for n, width in chains:
             r = measure(client, n, width, args)
@@ -151,7 +185,8 @@ def main() -> None:
             print(
                 f"{f'{n}x{width}':>12} {r['advances']:>11,} {r['plain']:13.2f} {r['wstream']:15.2f} "
                 f"{r['wstream'] / r['plain']:6.2f} {per_stage_us:12.1f} us {r['plan_s']:7.1f} {r['create_s']:9.1f} "
-                f"{r['first_s']:10.1f} {r['rss_gib']:8.1f} {r['inputs_mib']:10.2f}",
+                f"{r['first_s']:10.1f} {r['rss_gib']:8.1f} {r['inputs_mib']:10.2f} "
+                f"{r['plain_mean']:>11.2f}/{r['wstream_mean']:<10.2f} {r['full_gcs']:>5} ({r['full_gc_s']:.1f})",
                 flush=True,
             )
 
