@@ -52,7 +52,6 @@ skeleton of each module on the meta device and runs it on views cut from a strea
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -450,86 +449,40 @@ def scatter_grads(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor |
     frozen, then its buffers' values; frozen parameters have no place in it); unused parameters
     and alignment padding become zeros. One ``torch.cat`` writes it all where every gradient is
     there in ``dst``'s dtype (a transfer unit holds thousands of small parameters: a copy each
-    cost ~5 us), by the stage's :class:`_ScatterPlan`, made once per spec."""
-    plan = _scatter_plan(spec)
-    if plan.padding <= _CAT_ZEROS:
-        zeros = dst.new_zeros(plan.padding) if plan.padding else dst
+    cost ~5 us), from the layout's ``pieces``, worked out once per spec."""
+    layout = push_layout(spec)
+    if layout.max_gap <= _CAT_ZEROS:
+        zeros = dst.new_zeros(layout.max_gap) if layout.max_gap else dst
         dtype = dst.dtype
         pieces: list[torch.Tensor] = []
-        for k, pad in plan.entries:
+        for k, gap in layout.pieces:
             g = grads[k]
             if g is None or g.dtype != dtype:
                 break
-            if pad:
-                pieces.append(zeros[:pad])
+            if gap:
+                pieces.append(zeros[:gap])
             pieces.append(g.reshape(-1))
         else:
-            if plan.tail:
-                pieces.append(zeros[: plan.tail])
+            if layout.tail:
+                pieces.append(zeros[: layout.tail])
             with torch.no_grad():  # a buffer a stage updated under autograd may require grad
-                torch.cat(pieces, out=dst[: plan.numel])
+                torch.cat(pieces, out=dst[: layout.numel])
             return
-    _scatter_piecewise(dst, spec, grads)
-
-
-def _scatter_piecewise(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
-    """:func:`scatter_grads` where a gradient is missing, or of another dtype, or the padding is
-    long: each piece copied (or zeroed) in place, a long run of zeros without a temporary."""
-    layout = push_layout(spec)
-    pos = 0
-    with torch.no_grad():
-        for p, offset, g in zip(spec.params, layout.offsets, grads):
-            if offset is None:  # frozen: no gradient
-                continue
-            if offset > pos:
-                dst[pos:offset].zero_()
-            n = numel_of(p.shape)
+    with torch.no_grad():  # a gradient missing or of another dtype, or a long gap: piece by piece
+        pos = 0
+        for k, gap in layout.pieces:
+            at = pos + gap
+            if gap:
+                dst[pos:at].zero_()
+            pos = at + numel_of(spec.params[k].shape)
+            g = grads[k]
             if g is None:
-                dst[offset : offset + n].zero_()
+                dst[at:pos].zero_()  # in place: no temporary as large
             else:
-                dst[offset : offset + n].copy_(g.reshape(-1))
-            pos = offset + n
-        if layout.numel > pos:
+                dst[at:pos].copy_(g.reshape(-1))
+        if layout.tail:
             dst[pos : layout.numel].zero_()
 
-
-@dataclass(frozen=True, slots=True)
-class _ScatterPlan:
-    """How a stage's push is assembled from its gradients (:func:`scatter_grads`)."""
-
-    entries: tuple[tuple[int, int], ...]  # (index in spec.params, zeros before it) for each piece with a place
-    tail: int  # zeros after the last piece
-    padding: int  # the longest run of zeros between pieces
-    numel: int  # push_layout(spec).numel
-
-
-def _scatter_plan(spec: StageSpec) -> _ScatterPlan:
-    """``spec``'s plan, kept per spec *object* as :func:`~wstream.protocol.layout.push_layout`
-    keeps its layout (an id with the spec beside it, so that the id is not reused while its entry
-    lives; the oldest dropped beyond :data:`_SCATTER_PLANS_KEPT`)."""
-    hit = _SCATTER_PLANS.get(id(spec))
-    if hit is not None and hit[0] is spec:
-        return hit[1]
-    layout = push_layout(spec)
-    entries: list[tuple[int, int]] = []
-    pos = 0
-    for k, (p, offset) in enumerate(zip(spec.params, layout.offsets)):
-        if offset is None:
-            continue
-        entries.append((k, offset - pos))
-        pos = offset + numel_of(p.shape)
-    tail = layout.numel - pos
-    plan = _ScatterPlan(tuple(entries), tail, max([pad for _, pad in entries] + [tail]), layout.numel)
-    with _SCATTER_PLANS_LOCK:
-        _SCATTER_PLANS[id(spec)] = (spec, plan)
-        while len(_SCATTER_PLANS) > _SCATTER_PLANS_KEPT:
-            del _SCATTER_PLANS[next(iter(_SCATTER_PLANS))]
-    return plan
-
-
-_SCATTER_PLANS: dict[int, tuple[StageSpec, _ScatterPlan]] = {}
-_SCATTER_PLANS_LOCK = threading.Lock()
-_SCATTER_PLANS_KEPT = 4096
 
 _CAT_ZEROS = 64
 """The longest run of zeros ``scatter_grads`` writes through its ``torch.cat`` (padding); a

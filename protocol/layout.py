@@ -52,6 +52,14 @@ class PushLayout(NamedTuple):
     numel: int
     grad_numel: int
     offsets: tuple[int | None, ...]
+    pieces: tuple[tuple[int, int], ...]
+    """Each of ``spec.params`` with a place, in the order of their places: (its index in
+    ``spec.params``, the zeros before it: alignment padding). What a worker assembles its push
+    from, one piece after another (``client/stages.py``, ``scatter_grads``)."""
+    tail: int
+    """Zeros after the last piece."""
+    max_gap: int
+    """The longest run of zeros before a piece or after the last."""
 
 
 _LAYOUTS: dict[int, tuple[StageSpec, GradLayout, PushLayout]] = {}
@@ -111,14 +119,25 @@ def _grad_layout(spec: StageSpec) -> GradLayout:
 
 def _push_layout(spec: StageSpec, grad: GradLayout) -> PushLayout:
     if not any(p.buffer for p in spec.params):
-        return PushLayout(grad.numel, grad.numel, grad.offsets)
+        return _with_pieces(spec, grad.numel, grad.numel, grad.offsets)
     offsets = list(grad.offsets)
     offset = grad.numel
     for k, p in enumerate(spec.params):
         if p.buffer:
             offsets[k] = offset
             offset = align(offset + numel_of(p.shape))
-    return PushLayout(offset, grad.numel, tuple(offsets))
+    return _with_pieces(spec, offset, grad.numel, tuple(offsets))
+
+
+def _with_pieces(spec: StageSpec, numel: int, grad_numel: int, offsets: tuple[int | None, ...]) -> PushLayout:
+    """The push layout of ``offsets`` (``numel`` in all), with its pieces and gaps."""
+    pieces: list[tuple[int, int]] = []
+    pos = 0
+    for offset, k in sorted((offset, k) for k, offset in enumerate(offsets) if offset is not None):
+        pieces.append((k, offset - pos))
+        pos = offset + numel_of(spec.params[k].shape)
+    tail = numel - pos
+    return PushLayout(numel, grad_numel, offsets, tuple(pieces), tail, max([gap for _, gap in pieces] + [tail]))
 
 
 def validate_stage(index: int, spec: StageSpec, *, on_base: bool = False) -> None:
