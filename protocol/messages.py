@@ -538,6 +538,8 @@ class WorkerInfo(Struct, frozen=True, kw_only=True):
 class JobInfo(Struct, frozen=True, kw_only=True):
     name: str
     stages: int
+    """The stages of the chain the job was made from (``Job.num_stages`` on a client), whether the
+    server holds them one each or cut into transfer units (``units``)."""
     params: int
     step: int
     ready: bool
@@ -566,6 +568,10 @@ class JobInfo(Struct, frozen=True, kw_only=True):
     """What the job's open step waits for on its workers, in words ("waiting for 1 of 2 workers to
     join ..." or "step 7: waiting for the gradients of worker 3 ..."); None when nothing waits on a
     worker. Workers quote it when a wait of theirs lasts."""
+    units: int | None = None
+    """How many server stages (transfer units, ``JobOptions.units``) hold the ``stages``; None: one
+    server stage per stage (or a server from before this field, whose ``stages`` counted server
+    stages). Per-stage metrics and the stage numbers of fetches, pushes and timelines count these."""
 
 
 class Layout(Message, tag="layout"):

@@ -210,6 +210,19 @@ class Job:
     def workers(self) -> dict[int, Worker]:
         return self.worker_table.all
 
+    def chain_stages(self, unit: int) -> int:
+        """How many chain stages server stage ``unit`` holds: its ``options.units`` entry (a
+        transfer unit, NOTE [Transfer units] in client/units.py), else one."""
+        units = self.options.units
+        return 1 if units is None else units[unit]
+
+    @property
+    def num_chain_stages(self) -> int:
+        """The stages of the chain the job was made from (the server holds them in
+        ``len(self.stages)`` server stages, fewer when cut into units)."""
+        units = self.options.units
+        return len(self.stages) if units is None else sum(units)
+
     @property
     def num_params(self) -> int:
         return self.published.num_params

@@ -57,7 +57,8 @@ def job_info(job: Job) -> m.JobInfo:
     now = time.monotonic()
     return m.JobInfo(
         name=job.name,
-        stages=len(job.stages),
+        stages=job.num_chain_stages,
+        units=None if job.options.units is None else len(job.stages),
         params=job.num_params,
         step=job.step,
         ready=job.ready,
@@ -98,13 +99,14 @@ def waiting_for(job: Job, now: float) -> str | None:
     if not job.contributors and not job.waiting_commit:
         return None  # nobody has begun the open step
     trained = [st for st in job.stages if st.trained]
+    total = sum(job.chain_stages(st.index) for st in trained)  # chain stages, as the worker counts them
     lagging = []
     for wid in sorted(table.expected(job.open_step)):
-        missing = sum(wid not in st.gathered and wid not in st.pending for st in trained)
+        missing = sum(job.chain_stages(st.index) for st in trained if wid not in st.gathered and wid not in st.pending)
         if missing:
             idle = now - table.all[wid].last_seen
             lagging.append(
-                f"the gradients of worker {wid} ({missing} of {len(trained)} stages missing; heard from {idle:.1f} s ago)"
+                f"the gradients of worker {wid} ({missing} of {total} stages missing; heard from {idle:.1f} s ago)"
             )
     if not lagging:
         return None

@@ -128,7 +128,8 @@ HELP: dict[str, str] = {
     "wstream_job_ready": "1 once the job is sealed (its weights are all uploaded).",
     "wstream_job_step": "Steps every stage of the job has completed.",
     "wstream_job_steps_per_second": f"Steps completed per second over the last {RATE_WINDOW_S} s.",
-    "wstream_job_stages": "Stages of the job.",
+    "wstream_job_stages": "Stages of the chain the job was made from.",
+    "wstream_job_units": "Server stages holding them (transfer units; the stage label of per-stage metrics counts these).",
     "wstream_job_parameters": "Parameters of the job.",
     "wstream_job_workers": "Workers training the job now.",
     "wstream_job_memory_bytes": (
@@ -229,7 +230,9 @@ def _collect_job(out: _Families, job: JobView, now: float, stage_limit: int) -> 
     out.gauge("wstream_job_ready", int(job.ready), job=name)
     out.gauge("wstream_job_step", job.step, job=name)
     out.gauge("wstream_job_steps_per_second", c.steps.rate(now), job=name)
-    out.gauge("wstream_job_stages", len(stages), job=name)
+    units = job.options.units  # a job cut into transfer units: its chain stages are their sum
+    out.gauge("wstream_job_stages", len(stages) if units is None else sum(units), job=name)
+    out.gauge("wstream_job_units", len(stages), job=name)
     out.gauge("wstream_job_parameters", job.num_params, job=name)
     out.gauge("wstream_job_workers", len(workers), job=name)
     for kind, nbytes in job.memory_by_kind(workers).items():

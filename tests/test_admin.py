@@ -32,13 +32,15 @@ def test_status_table_is_sized_to_its_contents() -> None:
                 lr=3e-4, grad_norm=1.23456,
             ),
             job_info("a-much-longer-name", ready=False, optimizer="SGD", bytes=2**20),
+            job_info("cut", stages=1000, units=9),
         ],
     )
     assert format_status(st, "tcp://h:5555").splitlines() == [
         "server tcp://h:5555  pid 42  protocol 2  up 12 s  memory 3.00 MiB of 1.00 GiB",
-        "job                 state     step  steps/s  workers    memory  snapshot  stages     params  optimizer      lr  grad-norm  opt-time",
-        "gpt                 ready      120     2.50        1  3.00 MiB       100      26  1,234,567  AdamW      0.0003      1.235     1.23s",
-        "a-much-longer-name  creating     0     0.00        0  1.00 MiB         -       1         10  SGD             -          -     0.00s",
+        "job                 state     step  steps/s  workers    memory  snapshot          stages     params  optimizer      lr  grad-norm  opt-time",
+        "gpt                 ready      120     2.50        1  3.00 MiB       100              26  1,234,567  AdamW      0.0003      1.235     1.23s",
+        "a-much-longer-name  creating     0     0.00        0  1.00 MiB         -               1         10  SGD             -          -     0.00s",
+        "cut                 ready        0     0.00        0  1.00 KiB         -  1000 (9 units)         10  AdamW           -          -     0.00s",
     ]
     empty = m.StatusReply(id=1, protocol=2, pid=42, uptime_s=1, memory_limit=2**30, memory_used=0, jobs=[])
     assert format_status(empty, "ipc:///s").splitlines()[1:] == ["no jobs"]

@@ -73,7 +73,7 @@ def test_a_job_of_units_trains_to_the_weights_of_plain_pytorch(client: Client, s
     assert max(job.units.counts) > 1  # some unit really holds several stages
     assert job.num_stages == 5 and len(job.unit_specs) == len(job.units.counts)
     status = {j.name: j for j in client.status().jobs}["units"]
-    assert status.stages == len(job.units.counts)  # what the server stores
+    assert (status.stages, status.units) == (5, len(job.units.counts))  # the chain's stages, the server's units
     transport = {"shm": mode != "frames", "zero_copy": mode == "zero-copy" if mode != "frames" else None}
     options = {"slots": 1} if schedule == "revolve" else {}
     with job.trainer(schedule=schedule, prefetch=1, **transport, **options) as trainer:

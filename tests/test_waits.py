@@ -56,6 +56,26 @@ def test_a_second_trainer_of_a_job_in_one_process_is_named_at_once_and_its_wait_
         first.close()
 
 
+def test_a_wait_on_a_job_of_units_counts_the_chain_stages_missing(server) -> None:
+    """A job cut into transfer units: what the server says its step waits for counts the stages
+    of the chain the worker trains (6), not the units it stores them in (3)."""
+    x = torch.randn(3, 4)
+    torch.manual_seed(0)
+    with Client(server.address, timeout=30, **WAIT) as client:
+        job = client.create_job("cut", [nn.Linear(4, 4) for _ in range(6)], token="t", optimizer=AdamW(lr=1e-2), unit_bytes=2 * 20 * 4)
+        assert job.units is not None and job.units.counts == (2, 2, 2)
+        first = job.trainer(prefetch=0)
+        first.step(x, x, nn.functional.mse_loss)
+        second = job.trainer(prefetch=0)
+        with pytest.raises(WaitTimeoutError) as err:
+            second.step(x, x, nn.functional.mse_loss)
+        assert f"the gradients of worker {first.connection.worker_id} (6 of 6 stages missing" in str(err.value), err.value
+        info = job_info(client, "cut")
+        assert (info.stages, info.units) == (6, 3)
+        second.close()
+        first.close()
+
+
 def test_world_size_two_with_one_worker_says_whom_it_waits_for(server, caplog: pytest.LogCaptureFixture) -> None:
     x, y = data()
     with Client(server.address, timeout=30, **WAIT) as client:
