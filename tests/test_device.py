@@ -249,14 +249,23 @@ class _Stat(nn.Module):
         self.register_buffer("stat", torch.zeros(3))
 
 
-@pytest.mark.parametrize("case", ["grad-tracked buffer", "missing gradient"])
+MODULES_TO_SCATTER = {
+    "grad-tracked buffer": _Stat,
+    "missing gradient": lambda: nn.Sequential(nn.Linear(5, 3), nn.Linear(300, 300)),
+    "padding between pieces": lambda: nn.Sequential(nn.Linear(5, 3), nn.Linear(3, 7)),
+    "small pieces, no padding (flattened)": lambda: nn.Sequential(*[nn.Linear(16, 16) for _ in range(20)]),
+    "large pieces, no padding (concatenated)": lambda: nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 32)),
+}
+
+
+@pytest.mark.parametrize("case", list(MODULES_TO_SCATTER))
 def test_scatter_grads_writes_every_piece_as_the_layout_says(case: str) -> None:
-    mod = _Stat() if case == "grad-tracked buffer" else nn.Sequential(nn.Linear(5, 3), nn.Linear(300, 300))
+    mod = MODULES_TO_SCATTER[case]()
     spec = spec_of(0, mod)
     grads: list[torch.Tensor | None] = [torch.randn(p.shape) for p in spec.params]
     if case == "grad-tracked buffer":
         grads[-1] = torch.randn(3, requires_grad=True) * 1.0
-    else:
+    elif case == "missing gradient":
         grads[2] = None  # 90,000 zeros, written in place rather than through a temporary
     layout = push_layout(spec)
     want = torch.zeros(layout.numel)
