@@ -54,7 +54,7 @@ def format_status(st: m.StatusReply, server: str) -> str:
             str(len(j.workers)),
             format_bytes(j.bytes),
             "-" if j.last_snapshot is None else str(j.last_snapshot),
-            str(j.stages) if j.units is None else f"{j.stages} ({j.units} units)",
+            str(j.stages) if j.units is None else f"{j.stages} ({j.units} unit{'' if j.units == 1 else 's'})",
             f"{j.params:,}",
             j.optimizer,
             "-" if j.lr is None else f"{j.lr:.3g}",

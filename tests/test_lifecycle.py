@@ -81,8 +81,8 @@ def test_status_command_prints_jobs_workers_steps_and_memory(tmp_path: Path) -> 
         fields = row.split()  # the memory cell is two words ("12.34 KiB")
         params = sum(p.numel() for m in models.mixed() for p in m.parameters())
         assert fields[1:3] == ["ready", "3"] and float(fields[3]) > 0 and fields[4] == "1"  # state, step, steps/s, workers
-        # no snapshot (no store); the server's stages: the 5 small stages are one transfer unit; params
-        assert fields[-7:-3] == ["-", "1", f"{params:,}", "AdamW"]
+        # no snapshot (no store); the chain's 5 small stages, held in one transfer unit; params
+        assert fields[-9:-3] == ["-", "5", "(1", "unit)", f"{params:,}", "AdamW"]
         assert float(fields[-3]) == 1e-3 and float(fields[-2]) > 0  # the lr and gradient norm of the last step
     finally:
         assert srv.stop() == 0
