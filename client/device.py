@@ -40,7 +40,7 @@ from wstream.protocol.frames import copy_frames_into
 from wstream.protocol.layout import grad_layout, push_layout
 from wstream.protocol.units import format_bytes
 
-from .stages import scatter_grads
+from .scatter import scatter_grads
 
 log = logging.getLogger(__name__)
 

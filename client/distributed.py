@@ -27,7 +27,7 @@ from wstream.protocol import StageSpec
 from wstream.protocol.layout import push_layout
 from wstream.protocol.messages import ParamSpec
 
-from .stages import scatter_grads
+from .scatter import scatter_grads
 
 
 @dataclass(frozen=True, slots=True)

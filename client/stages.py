@@ -9,7 +9,7 @@ skeleton of each module on the meta device and runs it on views cut from a strea
 # backward of each parameter's slice-view materializes a zero tensor as large as the whole stage
 # and the results are summed: for a 6-parameter block of 33 MB that was 2.7x the time of the
 # ordinary backward (BENCHMARKS.md). So each view is made its own leaf; autograd produces
-# parameter-sized gradients, element for element the module's own, and :func:`scatter_grads`
+# parameter-sized gradients, element for element the module's own, and ``scatter.scatter_grads``
 # writes them into the flat gradient slot at their offsets (padding zeroed) in one pass.
 
 # NOTE [Kept leaves]
@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from wstream.protocol import LayoutError, StageSpec
-from wstream.protocol.layout import build_stage_spec, numel_of, push_layout, validate_stage
+from wstream.protocol.layout import build_stage_spec, numel_of, validate_stage
 
 from .binding import Binding
 from .boundary import Boundary
@@ -441,69 +441,6 @@ class StageRunner:
         """Where each of :meth:`leaves`' gradients goes in ``spec.params`` (PlanRun.add_grads)."""
         return self._used
 
-
-
-def scatter_grads(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
-    """Write per-parameter ``grads`` (in ``spec.params`` order) into flat ``dst``, the stage's
-    push (``push_layout(spec)``: its gradient, which is ``spec``'s own layout unless a parameter is
-    frozen, then its buffers' values; frozen parameters have no place in it); unused parameters
-    and alignment padding become zeros. Where every gradient is there in ``dst``'s dtype it is
-    one call from the layout's ``pieces``: a transfer unit holds thousands of small parameters,
-    and a copy each cost ~5 us, a reshape each ~1.5 us. Small pieces without padding between
-    them are flattened by torch in one call and copied (:data:`_FLATTEN_BELOW`), others go
-    through one ``torch.cat`` into ``dst``."""
-    layout = push_layout(spec)
-    if layout.max_gap <= _CAT_ZEROS:
-        dtype = dst.dtype
-        ordered: list[torch.Tensor] = []
-        for k, _ in layout.pieces:
-            g = grads[k]
-            if g is None or g.dtype != dtype:
-                break
-            ordered.append(g)
-        else:
-            with torch.no_grad():  # a buffer a stage updated under autograd may require grad
-                if not layout.max_gap and _flatten is not None and layout.numel < _FLATTEN_BELOW * len(ordered):
-                    dst[: layout.numel].copy_(_flatten(ordered))
-                    return
-                zeros = dst.new_zeros(layout.max_gap) if layout.max_gap else dst
-                pieces: list[torch.Tensor] = []
-                for (_, gap), g in zip(layout.pieces, ordered):
-                    if gap:
-                        pieces.append(zeros[:gap])
-                    pieces.append(g.reshape(-1))
-                if layout.tail:
-                    pieces.append(zeros[: layout.tail])
-                torch.cat(pieces, out=dst[: layout.numel])
-            return
-    with torch.no_grad():  # a gradient missing or of another dtype, or a long gap: piece by piece
-        pos = 0
-        for k, gap in layout.pieces:
-            at = pos + gap
-            if gap:
-                dst[pos:at].zero_()
-            pos = at + numel_of(spec.params[k].shape)
-            g = grads[k]
-            if g is None:
-                dst[at:pos].zero_()  # in place: no temporary as large
-            else:
-                dst[at:pos].copy_(g.reshape(-1))
-        if layout.tail:
-            dst[pos : layout.numel].zero_()
-
-
-_flatten = getattr(torch._C._nn, "flatten_dense_tensors", None)
-"""torch's own flattening of a list of tensors into one (what ``torch._utils._flatten_dense_tensors``
-calls), in C++: no Python per piece. Private, so looked up once; without it the ``cat`` path runs."""
-
-_FLATTEN_BELOW = 1024
-"""Pieces of fewer elements than this on average are flattened and copied (one extra pass over
-the push, about 0.8 ns per element here, against ~1.5 us of reshape per piece saved); larger ones
-are concatenated straight into the slot."""
-
-_CAT_ZEROS = 64
-"""The longest run of zeros ``scatter_grads`` writes through its ``torch.cat`` (padding); a
-parameter without a gradient is zeroed in place instead of by a temporary as large."""
 
 
 def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:

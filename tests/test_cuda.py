@@ -16,7 +16,8 @@ import models
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import AdamW, Client, LossScale
 from wstream.client.device import CudaCopyEngine, GradientStager, HostRegistration, tensor_nbytes
-from wstream.client.stages import scatter_grads, spec_of
+from wstream.client.scatter import scatter_grads
+from wstream.client.stages import spec_of
 from wstream.protocol.shm import create_segment, map_segment, unlink_segment
 
 pytestmark = pytest.mark.cuda

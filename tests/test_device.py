@@ -25,7 +25,8 @@ from wstream.client.device import (
     ReceiveRing,
     ring_capacity,
 )
-from wstream.client.stages import scatter_grads, spec_of
+from wstream.client.scatter import scatter_grads
+from wstream.client.stages import spec_of
 from wstream.protocol import StaleStepError
 from wstream.protocol.frames import tensor_frames
 from wstream.protocol.layout import push_layout

@@ -198,7 +198,7 @@ def test_grad_layout_packs_trained_parameters_aligned_in_spec_order() -> None:
     assert layout.numel == 32 + ALIGN_ELEMENTS
     assert grad_layout(spec) is layout  # kept for the same spec object
     from wstream.client.distributed import flat_spec
-    from wstream.client.stages import scatter_grads
+    from wstream.client.scatter import scatter_grads
 
     assert flat_spec(spec).numel == layout.numel  # what reduce="allreduce" pushes
     dst = torch.full((layout.numel,), float("nan"))
