@@ -174,7 +174,8 @@ def run_phase(
         want = reference(args.stages, args.width, seed, args.steps, m, args.batch)
         assert got.keys() == want.keys(), (sorted(got)[:4], sorted(want)[:4])
         worst = max(worst, max((got[k] - want[k]).abs().max().item() for k in want))
-        steps_ok &= info[name].step == args.steps and info[name].updates == args.steps * info[name].stages  # server stages (units)
+        server_stages = info[name].stages if info[name].units is None else info[name].units  # updates count units
+        steps_ok &= info[name].step == args.steps and info[name].updates == args.steps * server_stages
         job.drop()
     latency = [s for r in reports for s in r["latency_s"]]
     return {
