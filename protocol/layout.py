@@ -55,7 +55,7 @@ class PushLayout(NamedTuple):
     pieces: tuple[tuple[int, int], ...]
     """Each of ``spec.params`` with a place, in the order of their places: (its index in
     ``spec.params``, the zeros before it: alignment padding). What a worker assembles its push
-    from, one piece after another (``client/stages.py``, ``scatter_grads``)."""
+    from, one piece after another (``client/scatter.py``, ``scatter_grads``)."""
     tail: int
     """Zeros after the last piece."""
     max_gap: int

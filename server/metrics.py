@@ -76,6 +76,8 @@ class JobView(Protocol):
     @property
     def stages(self) -> Sequence[StageView]: ...
     @property
+    def num_chain_stages(self) -> int: ...
+    @property
     def workers(self) -> Mapping[int, object]: ...
     @property
     def ready(self) -> bool: ...
@@ -230,8 +232,7 @@ def _collect_job(out: _Families, job: JobView, now: float, stage_limit: int) -> 
     out.gauge("wstream_job_ready", int(job.ready), job=name)
     out.gauge("wstream_job_step", job.step, job=name)
     out.gauge("wstream_job_steps_per_second", c.steps.rate(now), job=name)
-    units = job.options.units  # a job cut into transfer units: its chain stages are their sum
-    out.gauge("wstream_job_stages", len(stages) if units is None else sum(units), job=name)
+    out.gauge("wstream_job_stages", job.num_chain_stages, job=name)
     out.gauge("wstream_job_units", len(stages), job=name)
     out.gauge("wstream_job_parameters", job.num_params, job=name)
     out.gauge("wstream_job_workers", len(workers), job=name)
