@@ -21,6 +21,7 @@ from .loss_scale import LossScaler, all_finite, unscaled
 from .plan_run import PlanRun, add_into
 from .rng import StageRng
 from .stages import Buffers, StageRunner
+from .taped import TapedForward
 from .timeline import Tracer
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -64,7 +65,11 @@ class StageBackward:
             self._nothing_to_differentiate(run, i, runner)
             return
         weights, base = self.weights_of(stage, run.held)
-        if run.k == 1 and self.scaler is None and self.tracer is None and runner.simple:  # the common case, lean
+        taped = run.tapes.pop(i, None) if run.tapes else None
+        if taped is not None:  # its forward kept the graph: NOTE [Taped forwards and early stop]
+            with self._span(run, f"backward {i}", "backward", i):
+                param_grads = self._backward_taped(run, i, runner, weights, taped, loss_fn)
+        elif run.k == 1 and self.scaler is None and self.tracer is None and runner.simple:  # the common case, lean
             param_grads = self._backward_one(run, i, runner, weights, loss_fn)
         else:
             params = runner.leaves(weights, base)
@@ -105,6 +110,25 @@ class StageBackward:
         else:
             it = iter(grads[n:])
             run.grad_out = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
+        return grads[:n]
+
+    def _backward_taped(
+        self, run: PlanRun, i: int, runner: StageRunner, weights: torch.Tensor, taped: TapedForward, loss_fn: LossFn
+    ) -> Sequence[torch.Tensor | None]:
+        """:meth:`_backward_one` through the graph a taped forward of position i kept: the
+        recomputation binds this BACKWARD's weights and stops before the stage's last operation
+        (client/taped.py). Not the chain's last position: its gradient comes from the one above."""
+        assert run.current is not None and run.grad_out is not None, "a taped position without one above it: a bug in wstream"
+        taped.bind[0] = runner.bound_leaves(weights)[0]
+        run.drop_current()
+        roots, root_grads = _roots(run, taped.out, run.grad_out, loss_fn, 0)
+        inputs = taped.inputs
+        grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        leaves = taped.leaves
+        grads = backprop(roots, root_grads, [*leaves, *grad_inputs])
+        n = len(leaves)
+        it = iter(grads[n:])
+        run.grad_out = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
         return grads[:n]
 
     def _wants_input_grad(self, i: int) -> bool:

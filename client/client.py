@@ -510,7 +510,7 @@ class Job:
 
         The options come in four groups, each a dataclass of ``wstream.client.options`` whose
         fields say what they do: :class:`Checkpointing` (``schedule``, ``slots``,
-        ``memory_budget``, ``preserve_rng``), :class:`Transport` (``prefetch``, ``weight_budget``,
+        ``memory_budget``, ``preserve_rng``, ``early_stop``), :class:`Transport` (``prefetch``, ``weight_budget``,
         ``shm``, ``zero_copy``, ``grad_slots``, ``reconnect_s``, ``cpu_threads``), :class:`Precision`
         (``loss_scale``) and :class:`Parallelism` (``world_size``, ``reduce``). Each field may
         also be given as a flat keyword (``job.trainer(schedule="dnc", prefetch=1)``), but not

@@ -42,7 +42,7 @@ import torch
 
 from wstream.protocol.layout import push_layout
 
-from .backward import LossFn, StageBackward
+from .backward import LossFn, StageBackward, grad_inputs_of
 from .boundary import Boundary, as_boundary, join_lanes, lanes_of
 from .distributed import AllReduceGradients, flat_spec
 from .loss_scale import LossScaler
@@ -53,6 +53,7 @@ from .prefetch import Fetched, Prefetcher
 from .push import GradientPusher
 from .rng import StageRng
 from .stages import Buffers, StageRunner
+from .taped import taped_forward, tapes
 from .timeline import Tracer
 
 
@@ -80,8 +81,12 @@ class PlanExecutor(StageBackward):
         rng: StageRng,
         scaler: LossScaler | None = None,
         allreduce: AllReduceGradients | None = None,
+        early_stop: bool | None = None,
     ) -> None:
         self.runners = runners  # one per chain position
+        # positions whose forward may be taped where the plan allows (NOTE [Taped forwards and early
+        # stop] in plans/taping.py): not with loss scaling, whose retries run the stage again
+        self.tapes = [scaler is None and tapes(r, early_stop) for r in runners]
         self.first_use: dict[int, int] = {}  # weight stage -> its lowest position (its push follows that backward)
         for position, runner in enumerate(runners):
             self.first_use.setdefault(runner.stage, position)
@@ -200,18 +205,21 @@ class PlanExecutor(StageBackward):
             assert run.current is not None and run.current[0] == i
             self._backward_stage(run, i, loss_fn)
 
-    def run_actions(self, run: PlanRun, actions: Sequence[tuple[Op, int]], loss_fn: LossFn) -> None:
+    def run_actions(
+        self, run: PlanRun, actions: Sequence[tuple[Op, int]], loss_fn: LossFn, taped: frozenset[int] = frozenset()
+    ) -> None:
         """Execute a plan's ``actions`` in order: each run of consecutive ADVANCEs that can go
         the lean way (one micro-batch, no timeline, stages without buffers) in one loop
         (:meth:`_advance_run`), a BACKWARD straight to its method, every other action through
-        :meth:`execute`."""
+        :meth:`execute`. ``taped``: the indices of the ADVANCEs that may keep their graph
+        (``plans.taping.taped_advances`` of these actions)."""
         a, end = 0, len(actions)
         lean = run.k == 1 and self.tracer is None
         advance, backward = Op.ADVANCE, Op.BACKWARD
         while a < end:
             op, i = actions[a]
             if lean and op == advance and not run.runner_at(i).has_buffers:
-                a = self._advance_run(run, actions, a)
+                a = self._advance_run(run, actions, a, taped)
                 continue
             if op == backward:  # as ``execute`` would, without its walk past every other kind
                 assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
@@ -220,14 +228,17 @@ class PlanExecutor(StageBackward):
                 self.execute(run, op, i, loss_fn)
             a += 1
 
-    def _advance_run(self, run: PlanRun, actions: Sequence[tuple[Op, int]], a: int) -> int:
+    def _advance_run(
+        self, run: PlanRun, actions: Sequence[tuple[Op, int]], a: int, taped: frozenset[int] = frozenset()
+    ) -> int:
         """Run ``actions[a]``, an ADVANCE of one micro-batch on a stage without buffers, and the
         ADVANCEs like it that follow it, under one ``no_grad``: each stage runs on its weights
         (``weights_of``) in its RNG context, and its output becomes the current input. Returns
         the index of the first action not run. A deep chain's forward sweeps are such runs of
         thousands of stages: what is left per stage is the stage's call, its RNG record or
         replay and the bookkeeping of the current input (issue 17). First runs of stages that
-        drew no random number last time go as a quiet stretch (:meth:`_quiet_stretch`)."""
+        drew no random number last time go as a quiet stretch (:meth:`_quiet_stretch`); an
+        ADVANCE in ``taped`` of a position that tapes keeps its graph (:func:`taped_forward`)."""
         runner_at, advanced, held, states, rng = run.runner_at, run.advanced, run.held, run.rng, self.rng
         around, quiet = rng.around, rng.quiet
         end = len(actions)
@@ -245,8 +256,16 @@ class PlanExecutor(StageBackward):
                 if runner.has_buffers:
                     break
                 assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
+                if a in taped and self.tapes[i]:
+                    advanced.add(i)
+                    weights, _ = self.weights_of(runner.stage, held)
+                    inputs = grad_inputs_of(run.current[1], i, wanted=self._wants_input_grad(i))
+                    run.tapes[i], out = taped_forward(runner, weights, inputs, lambda i=i: around(states, i, 0))
+                    run.set_current(i + 1, out)
+                    a += 1
+                    continue
                 if i in quiet and (i, 0) not in states:
-                    a = self._quiet_stretch(run, actions, a)
+                    a = self._quiet_stretch(run, actions, a, taped)
                     continue
                 advanced.add(i)
                 weights, base = self.weights_of(runner.stage, held)
@@ -255,11 +274,12 @@ class PlanExecutor(StageBackward):
                 a += 1
         return a
 
-    def _quiet_stretch(self, run: PlanRun, actions: Sequence[tuple[Op, int]], a: int) -> int:
+    def _quiet_stretch(self, run: PlanRun, actions: Sequence[tuple[Op, int]], a: int, taped: frozenset[int]) -> int:
         """Run, from ``actions[a]``, the first runs of stages that drew no random number in their
         last first run (``StageRng.quiet``) without recording each one's RNG state: one check of
-        the whole stretch instead (NOTE [Quiet stretches] in rng.py). Returns the index of the
-        first action not run. Where the RNG moved after all, the stretch is run again from its
+        the whole stretch instead (NOTE [Quiet stretches] in rng.py); it ends before a taped
+        ADVANCE (``taped``). Returns the index of the first action not run. Where the RNG moved
+        after all, the stretch is run again from its
         input with the RNG set back, each stage recording its own state."""
         runner_at, advanced, held, states, rng = run.runner_at, run.advanced, run.held, run.rng, self.rng
         quiet = rng.quiet
@@ -276,7 +296,7 @@ class PlanExecutor(StageBackward):
                 run.keep(i)
                 a += 1
                 continue
-            if op != Op.ADVANCE or i not in quiet or (i, 0) in states:
+            if op != Op.ADVANCE or i not in quiet or (i, 0) in states or (a in taped and self.tapes[i]):
                 break
             runner = runner_at(i)
             if runner.has_buffers or runner.stage != stage:

@@ -49,6 +49,13 @@ class Checkpointing:
     preserve_rng: bool = True
     """A recomputation replays the random numbers of the stage's first run (same dropout masks),
     and the RNG ends where plain training leaves it."""
+    early_stop: bool | None = None
+    """Keep a stage's graph from its last forward before its backward, where the plan holds that
+    forward's input and output anyway, so that the backward's recomputation stops before the
+    stage's last operation, as ``torch.utils.checkpoint`` does (NOTE [Taped forwards and early
+    stop] in ``wstream.client.plans.taping``). None: for stages of at least 4 Mi parameter
+    elements (``client/taped.py``: it costs ~0.1 ms of Python per stage, and saves the last
+    operation's time); True: every stage the plan allows; False: never."""
 
     def __post_init__(self) -> None:
         if self.memory_budget is not None:

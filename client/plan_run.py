@@ -15,6 +15,7 @@ import torch
 from .boundary import Boundary, boundary_bytes
 from .offload import PendingMove
 from .stages import Buffers, StageRunner
+from .taped import TapedForward
 
 
 class PlanRun:
@@ -25,6 +26,7 @@ class PlanRun:
         "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last",
         "runner_at", "held", "grads", "_kept_bytes", "_arriving_bytes", "_current_bytes", "_current_kept",
         "k", "targets", "advanced", "scales", "step", "delayed", "buffers", "buffers_before", "buffers_start",
+        "tapes",
     )
 
     def __init__(
@@ -60,6 +62,9 @@ class PlanRun:
         self.arriving: dict[int, PendingMove] = {}  # inputs being prefetched back from the host
         self.rng: dict[tuple[int, int], Any] = {}  # (stage, micro-batch) -> RNG state of its first run
         self.grad_out: list[torch.Tensor | None] | None = None
+        # position -> the graph its taped forward kept for its BACKWARD (NOTE [Taped forwards and
+        # early stop] in plans/taping.py)
+        self.tapes: dict[int, TapedForward] = {}
         self.loss = 0.0
         self.pushed = False
         self.peak_bytes = 0

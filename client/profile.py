@@ -23,6 +23,7 @@ from .device import synchronize
 from .backward import grad_inputs_of
 from .executor import PlanExecutor
 from .plans import Plan, StageCosts
+from .plans.taping import taped_advances
 from .prefetch import Prefetcher
 from .stages import StageRunner
 
@@ -51,6 +52,8 @@ class Planning:
         self.k = 1
         self.fetch_order = stages_of(plan.fetch_order()) if plan is not None else []
         """The weight stages a step fetches, in order."""
+        self.taped = taped_advances(plan.actions) if plan is not None else frozenset()
+        """The plan's ADVANCEs that may keep their graph (NOTE [Taped forwards and early stop])."""
 
     def needs_profile(self, k: int) -> bool:
         """Whether a step of ``k`` micro-batches must be profiled first."""
@@ -65,6 +68,7 @@ class Planning:
         self.plan = plan = self._from_profile(self.profile)
         self.k = k
         self.fetch_order = self._stages_of(plan.fetch_order())
+        self.taped = taped_advances(plan.actions)
         log.info(
             "schedule %r from the profile (%d micro-batch%s): %d recomputed forwards, %d live inputs at most",
             plan.name,

@@ -85,6 +85,7 @@ class Trainer:
             rng=StageRng(device, options.checkpointing.preserve_rng),
             scaler=scaler_for(conn.compute_dtype, options.precision.loss_scale, endpoint.job),
             allreduce=allreduce,
+            early_stop=options.checkpointing.early_stop,
         )
         self.planning = Planning(plan, from_profile, self.executor.stages_of)
         self._step = conn.joined_step
@@ -382,7 +383,7 @@ class Trainer:
         )
         started = time.monotonic_ns()
         try:
-            ex.run_actions(run, plan.actions, loss_fn)
+            ex.run_actions(run, plan.actions, loss_fn, planning.taped)
             ex.end_fetches()
             self._commit(run)
         except (ServerUnavailable, SessionExpiredError):

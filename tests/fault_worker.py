@@ -69,19 +69,19 @@ def install(fault: Fault) -> None:
             fault.event("action", run.step)
         execute(self, run, op, i, loss_fn)
 
-    def hooked_run_actions(self: PlanExecutor, run: Any, actions: Any, loss_fn: Any) -> None:
+    def hooked_run_actions(self: PlanExecutor, run: Any, actions: Any, loss_fn: Any, taped: frozenset[int] = frozenset()) -> None:
         # runs of ADVANCEs go in one loop, not through execute: the plan is cut before the K-th
         # action, and the fault lands between the two parts
         k = fault.k - fault.seen if fault.kind == "action" and run.step == fault.step and not fault.fired else -1
         in_run[0] = True
         try:
             if 0 <= k < len(actions):
-                run_actions(self, run, actions[:k], loss_fn)
+                run_actions(self, run, actions[:k], loss_fn, frozenset(a for a in taped if a < k))
                 fault.seen = fault.k
                 fault.event("action", run.step)
-                run_actions(self, run, actions[k:], loss_fn)
+                run_actions(self, run, actions[k:], loss_fn, frozenset(a - k for a in taped if a >= k))
             else:
-                run_actions(self, run, actions, loss_fn)
+                run_actions(self, run, actions, loss_fn, taped)
                 if fault.kind == "action" and run.step == fault.step:
                     fault.seen += len(actions)
         finally:

@@ -1,0 +1,143 @@
+"""Taped forwards: a stage's graph kept from its forward, so that its backward's recomputation stops
+before its last operation (NOTE [Taped forwards and early stop] in client/plans/taping.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import models
+from test_equivalence import assert_weights_equal, reference_train
+from wstream.client import AdamW, Client
+from wstream.client.plans import Op, divide_and_conquer, revolve, sqrt_segments, store_all
+from wstream.client.plans.taping import taped_advances
+
+A, S, R, F, B, O, P = Op.ADVANCE, Op.SNAPSHOT, Op.RESTORE, Op.FREE, Op.BACKWARD, Op.OFFLOAD, Op.PREFETCH
+
+
+def positions(plan_actions, taped) -> list[int]:
+    return sorted(plan_actions[a][1] for a in taped)
+
+
+def test_store_all_tapes_every_advance() -> None:
+    plan = store_all(6)
+    assert positions(plan.actions, taped_advances(plan.actions)) == [0, 1, 2, 3, 4]
+
+
+def test_sqrt_tapes_the_last_forward_of_each_kept_input() -> None:
+    plan = sqrt_segments(9)
+    # segments [0-2], [3-5], [6-8]: 2 and 5 are never kept, so their forwards hold nothing the plan holds
+    assert positions(plan.actions, taped_advances(plan.actions)) == [0, 1, 3, 4, 6, 7]
+    taped = taped_advances(plan.actions)
+    for a in taped:  # the last ADVANCE of its position before that position's BACKWARD
+        op, i = plan.actions[a]
+        b = plan.actions.index((B, i))
+        assert op == A and a < b and (A, i) not in plan.actions[a + 1 : b]
+
+
+@pytest.mark.parametrize("actions, want", [
+    # x_1 is not kept: holding it from the ADVANCE of 1 to its BACKWARD would cost memory (rule 2)
+    ([(S, 0), (A, 0), (A, 1), (B, 2), (R, 0), (A, 0), (B, 1), (R, 0), (B, 0)], [0]),
+    # x_2 (the output of 1) is consumed by an ADVANCE, not kept for the BACKWARD of 2 (rule 3)
+    ([(S, 0), (A, 0), (S, 1), (A, 1), (A, 2), (B, 3), (R, 0), (A, 0), (A, 1), (B, 2), (R, 1), (B, 1), (R, 0), (B, 0)], []),
+    # a compute between the BACKWARD of i + 1 and that of i (rule 4): the recomputation of 0 to reach 1
+    ([(S, 0), (A, 0), (S, 1), (A, 1), (B, 2), (R, 0), (A, 0), (B, 1), (R, 0), (B, 0)], [0]),
+    # x_1 offloaded, dropped on the device by the ADVANCE of 1 and prefetched back for its BACKWARD:
+    # neither forward holds only what the plan holds (rules 2 and 3)
+    ([(S, 0), (A, 0), (O, 1), (A, 1), (B, 2), (P, 1), (R, 1), (B, 1), (R, 0), (B, 0)], []),
+    # the same with x_1 also kept on the device: both forwards are taped
+    ([(S, 0), (A, 0), (S, 1), (O, 1), (A, 1), (B, 2), (R, 1), (B, 1), (R, 0), (B, 0)], [0, 1]),
+])
+def test_a_forward_is_taped_only_where_its_graph_costs_no_memory(actions, want) -> None:
+    assert positions(actions, taped_advances(actions)) == want
+
+
+def test_revolve_and_bisection_tape_only_what_their_plans_keep() -> None:
+    for plan in (revolve(20, 4), divide_and_conquer(20)):
+        for a in taped_advances(plan.actions):
+            op, i = plan.actions[a]
+            assert op == A and i < plan.n - 1
+
+
+class Counted(nn.Module):
+    """Counts its completed forwards: an early-stopped recomputation never completes its last op."""
+
+    def __init__(self, module: nn.Module, counter: list[int]) -> None:
+        super().__init__()
+        self.module = module
+        self.counter = counter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.module(x)
+        self.counter[0] += 1
+        return out
+
+
+def counted_chain(n: int, counter: list[int], seed: int = 0) -> list[nn.Module]:
+    torch.manual_seed(seed)
+    return [nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 32), nn.GELU(), Counted(nn.Linear(32, 16), counter)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("schedule", ["store_all", "sqrt", "revolve", "dnc"])
+def test_early_stop_trains_as_plain_pytorch_and_skips_the_last_op(client: Client, schedule: str) -> None:
+    n, steps = 9, 3
+    runs: dict[bool, tuple[dict, list[float], int]] = {}
+    for early in (False, True):
+        counter = [0]
+        stages = counted_chain(n, counter)
+        job = client.create_job(f"es-{schedule}-{early}", stages, optimizer=AdamW(lr=1e-2), token="t", unit_bytes=None)
+        g = torch.Generator().manual_seed(5)
+        data = [(torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g)) for _ in range(steps)]
+        with job.trainer(schedule=schedule, early_stop=early) as trainer:
+            losses = [trainer.step(x, y, torch.nn.functional.mse_loss) for x, y in data]
+            forwards = trainer.plan_summary()["forward_evaluations"]
+            taped = len(trainer.planning.taped)
+        runs[early] = (job.state_dict(), losses, counter[0])
+    plain_counter = [0]
+    want = reference_train_on(counted_chain(n, plain_counter), data)
+    for early, (got, losses, count) in runs.items():
+        assert_weights_equal(got, want, atol=1e-6)
+    assert runs[True][1] == runs[False][1]
+    # without early stop every forward evaluation completes the last op; with it, the taped ones' recomputations do not
+    assert runs[False][2] == steps * forwards
+    assert runs[True][2] == steps * (forwards - taped)
+    assert taped > 0
+
+
+def reference_train_on(stages: list[nn.Module], data) -> dict[str, torch.Tensor]:
+    ref = nn.Sequential(*stages)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for x, y in data:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ref(x), y).backward()
+        opt.step()
+    return ref.state_dict()
+
+
+def test_early_stop_replays_dropout_and_freezes_as_plain_pytorch(client: Client) -> None:
+    """Dropout masks of the stopped recomputation are the forward's (RNG replayed), and a frozen
+    first stage (no input gradient wanted below it) trains as plain PyTorch does."""
+    stages = models.dropout_chain(seed=4)
+    for p in stages[0].parameters():
+        p.requires_grad_(False)
+    start = copy.deepcopy(stages)
+    job = client.create_job("es-drop", stages, optimizer=AdamW(lr=3e-3), token="t", unit_bytes=None)
+    torch.manual_seed(11)
+    with job.trainer(early_stop=True) as trainer:
+        for s in range(4):
+            trainer.step(*models.batch("dropout_chain", s), models.loss_fn)
+        assert len(trainer.planning.taped) == 4
+    torch.manual_seed(11)
+    want = reference_train(start, lambda p: torch.optim.AdamW([q for q in p if q.requires_grad], lr=3e-3), "dropout_chain", 4)
+    assert_weights_equal(job.state_dict(), want, atol=1e-6)
+
+
+def test_early_stop_defaults_to_large_stages(client: Client) -> None:
+    small = client.create_job("es-small", models.mixed(), optimizer=AdamW(lr=1e-3), token="t")
+    with small.trainer() as trainer:
+        assert not any(trainer.executor.tapes)
+    with small.trainer(early_stop=True) as trainer:
+        assert all(trainer.executor.tapes)
