@@ -129,6 +129,7 @@ def test_worker_lease_expiry_lets_the_other_worker_go_on(tmp_path: Path) -> None
             with job.trainer(world_size=2) as alive:
                 loss = alive.step(*models.batch("mixed", 0), models.loss_fn)  # waits for the lease
             assert torch.isfinite(torch.tensor(loss))
+            job.state_dict()  # a pull waits for its stage's update: the step is applied everywhere
             st = c.status().jobs[0]
             assert st.step == 1 and st.workers == []
             assert "silent for more than its 1 s lease" in srv.log()
