@@ -2,15 +2,21 @@
 
 Both train the same chain of MLP blocks (each stage >= 20 ms of forward compute here) on the
 same batches. Plain PyTorch keeps only stage boundaries with `torch.utils.checkpoint` on every
-stage (so it recomputes each stage once in backward, like wstream's current schedule) and steps
+stage (so it recomputes each stage once in backward, like wstream's store_all schedule) and steps
 `torch.optim.AdamW(fused=True)`. wstream streams every stage from a server process (shared
 memory), with the optimizer running there, stage by stage, during backward.
+
+The recomputation is the same on both sides: by default both stop it early, before each stage's
+last operation (the block's down-projection), torch's checkpoint by its default and wstream by
+its taped forwards (``Checkpointing.early_stop``, on by default for stages this large);
+``--early-stop off`` turns it off on both (each stage recomputed whole).
 The sides alternate in blocks of a few steps (plain, wstream, plain, ...), each block timed until
 its work is done (wstream's updates included), and the medians of the blocks' step times are
 compared, so drift of a shared machine hits all alike. Ratio = wstream / plain median step time (target <= 1.15). Each mode of the optimizer (``--modes``:
 commit, the default, and delayed) trains a job of its own, alternated with the others.
 
     python bench/train_step.py [--stages 8] [--width 1024] [--batch 256] [--steps 12] [--block 3] [--modes commit,delayed]
+        [--early-stop on|off]
 """
 
 from __future__ import annotations
@@ -58,7 +64,9 @@ def main() -> None:
         help="where the updates run, each a job of its own, alternated with plain PyTorch: commit (default: "
         "after the step's commit point, overlapping the next forward), delayed (during the whole next step)",
     )
+    p.add_argument("--early-stop", choices=["on", "off"], default="on", help="stop recomputations early, on both sides")
     args = parse_args(p, smoke=dict(stages=2, width=64, batch=8, steps=1, block=1))
+    early_stop = args.early_stop == "on"
     modes = args.modes.split(",")
     if not modes or not set(modes) <= {"commit", "delayed"}:
         raise SystemExit(f"--modes takes commit and/or delayed, got {args.modes!r}")
@@ -84,7 +92,7 @@ def main() -> None:
     def plain_step(x: torch.Tensor, y: torch.Tensor) -> float:
         h = x
         for stage in ref:
-            h = checkpoint(stage, h, use_reentrant=False)
+            h = checkpoint(stage, h, use_reentrant=False, early_stop=early_stop)
         loss = loss_fn(h, y)
         loss.backward()
         opt.step()
@@ -104,7 +112,8 @@ def main() -> None:
             job = client.create_job(
                 f"step-{mode}", copy.deepcopy(stages), optimizer=AdamW(lr=1e-4), token="b", delayed_update=mode == "delayed"
             )
-            by_mode[mode] = (job, trainers.enter_context(job.trainer(prefetch=args.prefetch)))
+            trainer = job.trainer(prefetch=args.prefetch, early_stop=early_stop)
+            by_mode[mode] = (job, trainers.enter_context(trainer))
         plain_step(*data[0])  # warm-up every side
         for _, trainer in by_mode.values():
             trainer.step(*data[0], loss_fn)
@@ -124,6 +133,7 @@ def main() -> None:
                 ws_times[mode].append((time.perf_counter() - t0) / len(block))
         stats = {mode: trainer.stats() for mode, (_, trainer) in by_mode.items()}
     t_plain = statistics.median(plain_times)
+    print(f"early stop of recomputations: {args.early_stop} (both sides)")
     print(f"plain PyTorch (checkpoint per stage + fused AdamW): {t_plain * 1e3:7.1f} ms/step")
     for mode in modes:
         t_ws, st = statistics.median(ws_times[mode]), stats[mode]
