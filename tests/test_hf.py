@@ -104,13 +104,15 @@ def test_streamed_logits_equal_transformers(client: Client, tmp_path: Path, kind
 
 
 @pytest.mark.parametrize(
-    ("kind", "blocks_per_stage", "dropout"), [("gpt2", 1, 0.1), ("llama", 1, 0.0), ("llama_tied", 2, 0.0)]
+    ("kind", "blocks_per_stage", "dropout", "early_stop"),
+    [("gpt2", 1, 0.1, None), ("llama", 1, 0.0, None), ("llama_tied", 2, 0.0, None), ("gpt2", 1, 0.1, True), ("llama_tied", 2, 0.0, True)],
 )
 def test_training_equals_transformers_with_adamw(
-    client: Client, tmp_path: Path, kind: str, blocks_per_stage: int, dropout: float
+    client: Client, tmp_path: Path, kind: str, blocks_per_stage: int, dropout: float, early_stop: bool | None
 ) -> None:
     """A few steps through a real server give the weights of the same steps of plain
-    ``transformers`` training: in particular the tied embedding gets both uses' gradients."""
+    ``transformers`` training: in particular the tied embedding gets both uses' gradients. With
+    ``early_stop`` every block's recomputation stops before its last op (its dropout replayed)."""
     folder = save_model(kind, tmp_path / "model", dropout=dropout)
     steps, lr, wd = 3, 1e-3, 0.01
     model = reference(folder)
@@ -129,7 +131,8 @@ def test_training_equals_transformers_with_adamw(
         client, kind, folder, token="t", blocks_per_stage=blocks_per_stage, optimizer=AdamW(lr=lr, weight_decay=wd)
     )
     torch.manual_seed(123)
-    with job.trainer() as trainer:
+    with job.trainer(early_stop=early_stop) as trainer:
+        assert bool(trainer.planning.taped) and all(trainer.executor.tapes) if early_stop else not any(trainer.executor.tapes)
         losses = [trainer.step(batch(s), batch(s), causal_lm_loss) for s in range(steps)]
     got = weights_by_name(job.state_dict())
     want = model.state_dict()
