@@ -10,8 +10,9 @@ Runs the server's own per-stage work of one step on a real `Job`, as the job han
   step): `GatherTask.run` copies the slot into the stage's accumulator, then the update;
 * *gathered, server's norm* (before protocol 7, or a push without its norm): the copy and a norm
   pass over the accumulator, then the update;
-* W workers: each gradient added into the accumulator, the last gather taking the norm of the
-  sum, then the update on the mean.
+* W workers: the pushes parked until the last one comes, then one gather sums them into the
+  accumulator (``torch.add(a, b, out=grad)``) and takes the norm of the sum, then the update on
+  the mean (before session 12: each gradient copied or added into the accumulator as it came).
 
 As the baseline, a bare `torch.optim.AdamW([p], fused=True).step()` on a flat tensor of the same
 size, alternately in this process. Ratio = baseline time / wstream time (1.0 = as fast as bare fused AdamW).
@@ -62,7 +63,12 @@ def make_job(numel: int, *, double_buffer: bool, workers: int, path: str = "held
     st = job.stages[0]
     held = workers == 1 and path == "held"
     sumsq = float(torch.linalg.vector_norm(grads[0])) ** 2 if workers == 1 and path == "gathered" else None
-    gathers = [] if held else [GatherTask(job, st, w, g, job.attempt, workers, sumsq) for w, g in enumerate(grads)]
+    if held:
+        gathers = []
+    elif workers == 1:
+        gathers = [GatherTask(job, st, (0,), (grads[0],), job.attempt, 1, sumsq)]
+    else:  # the pushes are parked until the last one comes, then summed in one task
+        gathers = [GatherTask(job, st, tuple(range(workers)), tuple(grads), job.attempt, workers)]
     update = UpdateTask(job, st, grad_scale=float(workers), lr=1e-4, source=grads[0] if held else None)
 
     def one_stage_step() -> None:

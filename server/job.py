@@ -161,6 +161,7 @@ class Job:
             st.waiting_fetch.clear()
             st.waiting_pull.clear()
             st.pending.clear()
+            st.parked.clear()
             st.waiting_push.clear()
         for d, _ in self.step_commit.waiting_commit:
             error(d.identity, d.request_id)

@@ -131,6 +131,10 @@ class StageState:
     count), NOTE [Buffers] above."""
     gathered: set[int] = field(default_factory=set)
     """Workers whose gradient of the open step is in ``grad`` (their gather finished)."""
+    parked: dict[int, torch.Tensor] = field(default_factory=dict)
+    """Pending pushes of a multi-worker step left in their slots until the last expected one
+    comes, when one gather sums them all (NOTE [Held gradient slots] in step_commit.py, rule 4):
+    worker id -> its slot's push-layout elements."""
     gathering: int = 0
     """Gather tasks of this stage handed to the pool and not finished."""
     grad_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -252,13 +256,17 @@ class StageState:
 
 @dataclass(slots=True)
 class GatherTask:
-    """Add one worker's gradient (its slot) into the stage's accumulator, off the loop thread; the
-    task that adds the ``expected``-th gradient of its attempt also computes the squared norm."""
+    """Add workers' gradients (their slots) into the stage's accumulator, off the loop thread, in one
+    pass over memory: the first gradients of an attempt are summed into it (``torch.add(a, b,
+    out=grad)``: read 8 bytes and write 4 per parameter, where copying the first and adding the
+    second took 20), and the task that brings the ``expected``-th gradient of its attempt also
+    computes the squared norm of the sum."""
 
     job: UpdatedJob
     stage: StageState
-    worker: int
-    source: torch.Tensor
+    workers: tuple[int, ...]
+    sources: tuple[torch.Tensor, ...]
+    """Each worker's slot (its push-layout elements), in ``workers`` order."""
     attempt: int
     expected: int
     sumsq: float | None = None
@@ -280,11 +288,16 @@ class GatherTask:
                 attempt, count = st.acc
                 if attempt != self.attempt:
                     count = 0
-                if count == 0:
-                    st.grad.copy_(self.source)
-                else:
-                    st.grad.add_(self.source)
-                count += 1
+                sources = self.sources
+                if count == 0 and len(sources) >= 2:
+                    torch.add(sources[0], sources[1], out=st.grad)
+                    sources = sources[2:]
+                elif count == 0:
+                    st.grad.copy_(sources[0])
+                    sources = sources[1:]
+                for source in sources:
+                    st.grad.add_(source)
+                count += len(self.sources)
                 st.acc = (self.attempt, count)
                 if count == self.expected:
                     norm = self.sumsq if count == 1 and self.sumsq is not None else squared_norm(st.gradient)

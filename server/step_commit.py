@@ -56,6 +56,15 @@ their completion, and the open step discarded when a worker leaves in the middle
 #    done, which frees the slot. A step discarded before its commit answers held pushes with the
 #    error as it does pending ones; a committed step's held slot stays mapped (the server holds
 #    its own mapping) until its update, even when its worker left meanwhile.
+# 4. With several workers expected, a push is *parked*: left pending in its slot until the last
+#    expected worker's push of the stage comes, which gathers them all in one task (the sum
+#    written once: ``torch.add(a, b, out=grad)``, 12 bytes per parameter for two workers where a
+#    copy then an add moved 20). A parked slot waits only for the other workers' pushes of the
+#    same stage, which every worker pushes in the same order (its plan's BACKWARDs, from the last
+#    position down), so a worker ahead waits for one behind, never the reverse. A worker that
+#    leaves having pushed nothing stops being expected: the parked pushes then gather
+#    (``check_complete``); one that leaves having pushed discards the step (their pushes are
+#    answered with the error).
 # Otherwise the push is gathered as before; a lone worker's norm still spares the gather's norm
 # pass. The norm each stage adds to the global one is the same float either way: the fp32
 # ``vector_norm`` of that stage's gradient sum, squared in float64 (``squared_norm``; the worker
@@ -194,8 +203,22 @@ class StepCommit:
             now = time.monotonic_ns()  # taken without a task: an instant in the gather category
             self.job.timeline.add(f"held {st.index}", "gather", "held gradients", now, now, st.index, self.open_step)
             return self.check_complete([st], submit)
+        if expected > 1:  # NOTE [Held gradient slots] rule 4: one gather when the last of them comes
+            st.parked[worker.id] = source
+            return self._gather_parked(st, expected_set, submit)
         st.gathering += 1
-        submit(GatherTask(self.job, st, worker.id, source, self.attempt, expected, msg.sumsq if expected == 1 else None))
+        submit(GatherTask(self.job, st, (worker.id,), (source,), self.attempt, expected, msg.sumsq if expected == 1 else None))
+        return []
+
+    def _gather_parked(self, st: StageState, expected: set[int], submit: Submit) -> list[Outgoing]:
+        """Sum the stage's parked pushes in one gather once every expected worker's gradient is
+        parked or gathered (NOTE [Held gradient slots] rule 4)."""
+        if not st.parked or not expected <= st.gathered | st.parked.keys():
+            return []
+        workers, sources = tuple(st.parked), tuple(st.parked.values())
+        st.parked = {}
+        st.gathering += 1
+        submit(GatherTask(self.job, st, workers, sources, self.attempt, len(expected)))
         return []
 
     def commit(self, msg: m.Commit, identity: bytes, worker: Worker) -> Outgoing | None:
@@ -227,18 +250,23 @@ class StepCommit:
         st = task.stage
         st.gathering -= 1
         if task.attempt != self.attempt:
-            return []  # discarded meanwhile: its push was answered then
-        p = st.pending.pop(task.worker, None)
-        w = self.job.workers.get(task.worker)
-        if p is None or w is None:
-            return []
-        w.busy.discard(p.slot)
+            return []  # discarded meanwhile: its pushes were answered then
         self.job.timeline.add(f"gather {st.index}", "gather", task.thread, task.started_ns,
                               task.started_ns + int(task.seconds * 1e9), st.index, self.open_step)
+        out: list[Outgoing] = []
+        for wid in task.workers:
+            p = st.pending.pop(wid, None)
+            w = self.job.workers.get(wid)
+            if p is None or w is None:
+                continue
+            w.busy.discard(p.slot)
+            if error is not None:
+                out.append(Outgoing(p.identity, m.Error(id=p.request_id, code="internal", message=f"gather failed: {error}")))
+                continue
+            st.gathered.add(wid)
+            out.append(Outgoing(p.identity, m.Pushed(id=p.request_id, stage=st.index, step=self.open_step, slot=p.slot)))
         if error is not None:
-            return [Outgoing(p.identity, m.Error(id=p.request_id, code="internal", message=f"gather failed: {error}"))]
-        st.gathered.add(task.worker)
-        out = [Outgoing(p.identity, m.Pushed(id=p.request_id, stage=st.index, step=self.open_step, slot=p.slot))]
+            return out
         return out + self.check_complete([st], submit)
 
     def check_complete(self, stages: Iterable[StageState], submit: Submit) -> list[Outgoing]:
@@ -250,6 +278,8 @@ class StepCommit:
         if not expected:
             return []
         for st in stages:
+            if st.parked:  # fewer workers expected now (one left having pushed nothing): maybe all in
+                self._gather_parked(st, expected, submit)
             if st.index in self._complete or not st.trained or st.gathering or not expected <= st.gathered:
                 continue
             if st.sumsq is not None and st.sumsq[:2] == (self.attempt, len(st.gathered)):
@@ -389,6 +419,7 @@ class StepCommit:
             for p in st.pending.values():  # their gathers add nothing now; the slots die with the sessions
                 out.append(Outgoing.error(p.identity, p.request_id, gone))
             st.pending = {}
+            st.parked = {}
             if st.held is not None and st.held.attempt == self.attempt - 1:  # of the discarded step
                 out.append(Outgoing.error(st.held.push.identity, st.held.push.request_id, gone))
                 held_by = self.job.workers.get(st.held.worker)

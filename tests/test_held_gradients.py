@@ -150,3 +150,68 @@ def test_holding_never_leaves_the_worker_without_a_slot_for_the_rest_of_its_step
         assert held == [False, False, False, True, True]
     finally:
         job.close()
+
+
+def two_worker_job(stages: int) -> tuple[Job, list[object]]:
+    """A sealed job of ``stages`` one-parameter stages with two joined workers of 2 slots each."""
+    created = m.CreateJob(name="j2", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=AdamW(lr=1e-3)))
+    job = Job.create(created, MemoryAccount(2**30))
+    for i in range(stages):
+        spec = build_stage_spec(str(i), [("w", (10,))])
+        job.add_stage(m.AddStage(session=b"s" * 16, index=i, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
+    job.seal()
+    for s in (b"a" * 16, b"b" * 16):
+        job.join(s, m.Join(session=s, shm=True, grad_slots=2))
+    job.open_barrier(lambda task: None)
+    return job, []
+
+
+def finish(job: Job, tasks: list[object]) -> list[object]:
+    """Run the queued pool tasks as the pool would and return the replies."""
+    out: list[object] = []
+    while tasks:
+        t = tasks.pop(0)
+        t.run()  # type: ignore[attr-defined]
+        out += job.finish_task(t, None, tasks.append)  # type: ignore[arg-type]
+    return out
+
+
+def test_two_workers_pushes_are_parked_and_summed_in_one_gather() -> None:
+    """Rule 4: the first push of a stage waits in its slot; the last one gathers both in one task,
+    whose sum and norm are the two gradients'."""
+    job, tasks = two_worker_job(2)
+    try:
+        a, b = job.worker_of(b"a" * 16), job.worker_of(b"b" * 16)
+        st = job.stages[1]
+        numel = st.grad.numel()  # type: ignore[union-attr]
+        a.slots[0][:numel].copy_(torch.arange(numel, dtype=torch.float32))
+        b.slots[1][:numel].copy_(torch.full((numel,), 2.0))
+        job.push(m.Push(session=a.session, stage=1, step=0, slot=0, numel=numel), [], b"a-id", a, tasks.append)
+        assert tasks == [] and set(st.parked) == {a.id} and 0 in a.busy  # parked: no copy, its slot kept
+        job.push(m.Push(session=b.session, stage=1, step=0, slot=1, numel=numel), [], b"b-id", b, tasks.append)
+        assert len(tasks) == 1 and tasks[0].workers == (a.id, b.id) and st.parked == {}  # type: ignore[attr-defined]
+        replies = finish(job, tasks)
+        assert sorted(r.identity for r in replies) == [b"a-id", b"b-id"]  # type: ignore[attr-defined]
+        assert all(isinstance(r.message, m.Pushed) for r in replies)  # type: ignore[attr-defined]
+        want = torch.arange(numel, dtype=torch.float32) + 2.0
+        assert torch.equal(st.grad, want) and st.gathered == {a.id, b.id}
+        assert st.sumsq is not None and st.sumsq[1:] == (2, float(torch.linalg.vector_norm(want)) ** 2)
+        assert 0 not in a.busy and 1 not in b.busy
+    finally:
+        job.close()
+
+
+def test_a_parked_push_is_gathered_when_its_partner_leaves_having_pushed_nothing() -> None:
+    job, tasks = two_worker_job(1)
+    try:
+        a, b = job.worker_of(b"a" * 16), job.worker_of(b"b" * 16)
+        numel = job.stages[0].grad.numel()  # type: ignore[union-attr]
+        a.slots[0][:numel].fill_(3.0)
+        job.push(m.Push(session=a.session, stage=0, step=0, slot=0, numel=numel), [], b"a-id", a, tasks.append)
+        assert tasks == []
+        job.remove_worker(b.id, tasks.append, lambda wid, why: None, "its lease ended")
+        replies = finish(job, tasks)  # the gather of a's gradient alone, then the commit's update
+        assert [r.identity for r in replies if isinstance(r.message, m.Pushed)] == [b"a-id"]  # type: ignore[attr-defined]
+        assert job.step == 1 and torch.equal(job.stages[0].master, torch.full((numel,), -1e-3))
+    finally:
+        job.close()
