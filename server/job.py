@@ -138,6 +138,11 @@ class Job:
         self.published.seal()
         if units is not None:
             self.options = msgspec.structs.replace(self.options, units=list(units))
+            first = 0
+            for st, n in zip(self.stages, units):  # errors name the chain stages a unit holds
+                chain = f"chain stage {first}" if n == 1 else f"chain stages {first}-{first + n - 1}"
+                st.label = f"unit {st.index} ({chain})"
+                first += n
         self.sealed = True
 
     def close(self) -> None:

@@ -152,6 +152,14 @@ class StageState:
     updates: int = 0
     optimizer_s: float = 0.0
     last_optimizer_s: float = 0.0
+    label: str = ""
+    """What errors call the stage: ``"stage 3"``, or for a transfer unit (NOTE [Transfer units] in
+    client/units.py) ``"unit 3 (chain stages 300-399)"``, set when the job is sealed."""
+
+    @property
+    def what(self) -> str:
+        """The stage as an error names it (``label``)."""
+        return self.label or f"stage {self.index}"
 
     def capture(self) -> dict[str, torch.Tensor]:
         """Copies of what a snapshot keeps of this stage (call with ``lock`` held)."""
@@ -211,7 +219,7 @@ class StageState:
     def accept_push(self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker) -> PendingPush:
         """Check a worker's gradient for this stage (NOTE [The step commit point] in step_commit.py),
         copy it into its slot when it came in data frames, and record it as pending."""
-        where = f"gradient of stage {msg.stage} step {msg.step}"
+        where = f"gradient of {self.what} step {msg.step}"
         if worker.reader:
             raise GradientError(f"{where}: this worker joined as a reader, which never pushes")
         if msg.step < worker.first_step:
@@ -234,7 +242,7 @@ class StageState:
         numel = self.grad.numel()  # the push layout: frozen parameters have no gradient, buffers follow it
         if msg.numel != numel:
             raise GradientError(
-                f"{where}: {msg.numel} elements, stage {self.index}'s gradient has {numel}"
+                f"{where}: {msg.numel} elements, its gradient has {numel}"
                 + (f" (its frozen parameters have none; the stage has {self.spec.numel})" if numel != self.spec.numel else "")
                 + (f" ({self.grad_numel} of gradient, then its buffers)" if self.buffers else "")
             )

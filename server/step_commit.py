@@ -165,7 +165,7 @@ class StepCommit:
             raise InternalError(st.failed)
         if self.job.options.delayed_update and st.version < msg.step <= self.open_step + 1:
             if len(st.waiting_push) >= len(worker.slots) * max(1, len(self.job.workers)):
-                raise StateError(f"too many pushes held for stage {st.index}: wait for their replies")
+                raise StateError(f"too many pushes held for {st.what}: wait for their replies")
             st.waiting_push.append(DeferredPush(msg, frames, identity, worker))  # NOTE rule 6
             return []
         return self._accept_push(st, msg, frames, identity, worker, submit)
@@ -175,7 +175,7 @@ class StepCommit:
     ) -> list[Outgoing]:
         if msg.step != self.open_step and msg.step == st.version:
             raise StaleStepError(
-                f"gradient of stage {msg.stage} step {msg.step}: the job gathers step {self.open_step}"
+                f"gradient of {st.what} step {msg.step}: the job gathers step {self.open_step}"
             )
         pending = st.accept_push(msg, frames, identity, worker)
         self.contributors.add(worker.id)
@@ -336,7 +336,7 @@ class StepCommit:
             self.job.timeline.add(f"update {st.index}", "optimizer", task.thread, task.started_ns, end, st.index, st.version)
         if error is not None:  # a bug: the stage stays at its version, and who waits for it is told
             log.error("job %r stage %d: the update of step %d failed: %r", self.job.name, st.index, st.version, error)
-            st.failed = f"the update of stage {st.index} step {st.version} failed: {error!r} (a bug in wstream)"
+            st.failed = f"the update of {st.what} step {st.version} failed: {error!r} (a bug in wstream)"
             failed = InternalError(st.failed)
             waiting = [*st.waiting_fetch, *st.waiting_pull]
             st.waiting_fetch, st.waiting_pull = [], []

@@ -97,10 +97,10 @@ class StageVersions:
             return None
         if t > st.version + 1:
             raise StaleStepError(
-                f"stage {msg.stage} is at step {st.version}; step {msg.step} is more than one step ahead"
+                f"{st.what} is at step {st.version}; step {msg.step} is more than one step ahead"
             )
         raise StaleStepError(
-            f"stage {msg.stage} weights of step {t} were replaced (the stage is at step "
+            f"{st.what}: weights of step {t} were replaced (the stage is at step "
             f"{st.version}{', updating' if st.updating else ''})"
         )
 

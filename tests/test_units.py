@@ -359,3 +359,29 @@ def test_a_unit_whose_gradient_no_scale_makes_finite_sends_nothing_and_the_train
         monkeypatch.setattr(InfiniteSlope, "forward", lambda self, x: self.lin(x))
         trainer.step(*models.batch("mixed", 0), _loss)
         assert trainer.stats().pushes == 1 and trainer.step_index == 1
+
+
+def test_the_servers_push_and_fetch_errors_name_a_units_chain_stages() -> None:
+    import zmq
+
+    from wstream.protocol import AdamW as AdamWSpec
+    from wstream.protocol import GradientError, StaleStepError
+    from wstream.protocol import messages as m
+    from wstream.protocol.layout import build_stage_spec
+    from wstream.server.job import Job
+    from wstream.server.memory import MemoryAccount
+
+    created = m.CreateJob(name="u", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=AdamWSpec()))
+    job = Job.create(created, MemoryAccount(2**30))
+    try:
+        for i in range(2):
+            spec = build_stage_spec(str(i), [("w", (10,))])
+            job.add_stage(m.AddStage(session=b"s" * 16, index=i, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
+        job.seal(units=[3, 2])  # unit 0 holds chain stages 0-2, unit 1 holds 3-4
+        w = job.join(b"w" * 16, m.Join(session=b"w" * 16, shm=True, grad_slots=2))
+        with pytest.raises(GradientError, match=r"gradient of unit 1 \(chain stages 3-4\) step 0: 7 elements, its gradient has 16"):
+            job.push(m.Push(session=w.session, stage=1, step=0, slot=0, numel=7), [], b"id", w, lambda task: None)
+        with pytest.raises(StaleStepError, match=r"unit 0 \(chain stages 0-2\) is at step 0; step 5 is more than one step ahead"):
+            job.fetch(m.Fetch(session=w.session, stage=0, step=5), b"id", w)
+    finally:
+        job.close()
