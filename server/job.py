@@ -139,9 +139,8 @@ class Job:
         if units is not None:
             self.options = msgspec.structs.replace(self.options, units=list(units))
             first = 0
-            for st, n in zip(self.stages, units):  # errors name the chain stages a unit holds
-                chain = f"chain stage {first}" if n == 1 else f"chain stages {first}-{first + n - 1}"
-                st.label = f"unit {st.index} ({chain})"
+            for st, n in zip(self.stages, units):  # errors and spans name the chain stages a unit holds
+                st.chain = (first, first + n - 1)
                 first += n
         self.sealed = True
 

@@ -152,14 +152,25 @@ class StageState:
     updates: int = 0
     optimizer_s: float = 0.0
     last_optimizer_s: float = 0.0
-    label: str = ""
-    """What errors call the stage: ``"stage 3"``, or for a transfer unit (NOTE [Transfer units] in
-    client/units.py) ``"unit 3 (chain stages 300-399)"``, set when the job is sealed."""
+    chain: tuple[int, int] | None = None
+    """For a transfer unit (NOTE [Transfer units] in client/units.py): the first and last chain
+    stages it holds, set when the job is sealed; None: the stage is one chain stage."""
 
     @property
     def what(self) -> str:
-        """The stage as an error names it (``label``)."""
-        return self.label or f"stage {self.index}"
+        """The stage as an error names it: ``"stage 3"``, ``"unit 3 (chain stages 300-399)"``."""
+        if self.chain is None:
+            return f"stage {self.index}"
+        first, last = self.chain
+        return f"unit {self.index} (chain stage {first})" if first == last else f"unit {self.index} (chain stages {first}-{last})"
+
+    @property
+    def span(self) -> str:
+        """The stage in a timeline span's name: ``"3"``, or a unit's ``"3 (300-399)"``."""
+        if self.chain is None:
+            return str(self.index)
+        first, last = self.chain
+        return f"{self.index} ({first})" if first == last else f"{self.index} ({first}-{last})"
 
     def capture(self) -> dict[str, torch.Tensor]:
         """Copies of what a snapshot keeps of this stage (call with ``lock`` held)."""

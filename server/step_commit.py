@@ -201,7 +201,7 @@ class StepCommit:
             st.sumsq = (self.attempt, 1, msg.sumsq)
             self.job.counters.held_gradients += 1
             now = time.monotonic_ns()  # taken without a task: an instant in the gather category
-            self.job.timeline.add(f"held {st.index}", "gather", "held gradients", now, now, st.index, self.open_step)
+            self.job.timeline.add(f"held {st.span}", "gather", "held gradients", now, now, st.index, self.open_step)
             return self.check_complete([st], submit)
         if expected > 1:  # NOTE [Held gradient slots] rule 4: one gather when the last of them comes
             st.parked[worker.id] = source
@@ -251,7 +251,7 @@ class StepCommit:
         st.gathering -= 1
         if task.attempt != self.attempt:
             return []  # discarded meanwhile: its pushes were answered then
-        self.job.timeline.add(f"gather {st.index}", "gather", task.thread, task.started_ns,
+        self.job.timeline.add(f"gather {st.span}", "gather", task.thread, task.started_ns,
                               task.started_ns + int(task.seconds * 1e9), st.index, self.open_step)
         out: list[Outgoing] = []
         for wid in task.workers:
@@ -332,8 +332,8 @@ class StepCommit:
         self.updating -= 1
         if task.started_ns:
             end = task.started_ns + int(task.seconds * 1e9)
-            self.job.timeline.add(f"queued {st.index}", "queue", "update queue", task.submitted_ns, task.started_ns, st.index, st.version)
-            self.job.timeline.add(f"update {st.index}", "optimizer", task.thread, task.started_ns, end, st.index, st.version)
+            self.job.timeline.add(f"queued {st.span}", "queue", "update queue", task.submitted_ns, task.started_ns, st.index, st.version)
+            self.job.timeline.add(f"update {st.span}", "optimizer", task.thread, task.started_ns, end, st.index, st.version)
         if error is not None:  # a bug: the stage stays at its version, and who waits for it is told
             log.error("job %r stage %d: the update of step %d failed: %r", self.job.name, st.index, st.version, error)
             st.failed = f"the update of {st.what} step {st.version} failed: {error!r} (a bug in wstream)"

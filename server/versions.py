@@ -132,7 +132,7 @@ class StageVersions:
         for d in waiting:
             if d.step == st.version:
                 out.append(self.weights_reply(st, d.step, d.identity, d.request_id, d.shm))
-                self.job.timeline.add(f"fetch {st.index} waited", "deferred", "deferred fetches", d.since_ns, time.monotonic_ns(), st.index, d.step)
+                self.job.timeline.add(f"fetch {st.span} waited", "deferred", "deferred fetches", d.since_ns, time.monotonic_ns(), st.index, d.step)
                 if d.worker is not None:
                     d.worker.waiting -= 1
             else:

@@ -361,7 +361,7 @@ def test_a_unit_whose_gradient_no_scale_makes_finite_sends_nothing_and_the_train
         assert trainer.stats().pushes == 1 and trainer.step_index == 1
 
 
-def test_the_servers_push_and_fetch_errors_name_a_units_chain_stages() -> None:
+def test_the_servers_errors_and_spans_name_a_units_chain_stages() -> None:
     import zmq
 
     from wstream.protocol import AdamW as AdamWSpec
@@ -383,5 +383,8 @@ def test_the_servers_push_and_fetch_errors_name_a_units_chain_stages() -> None:
             job.push(m.Push(session=w.session, stage=1, step=0, slot=0, numel=7), [], b"id", w, lambda task: None)
         with pytest.raises(StaleStepError, match=r"unit 0 \(chain stages 0-2\) is at step 0; step 5 is more than one step ahead"):
             job.fetch(m.Fetch(session=w.session, stage=0, step=5), b"id", w)
+        job.open_barrier(lambda task: None)  # a lone worker's push with its norm: held, a span of the timeline
+        job.push(m.Push(session=w.session, stage=1, step=0, slot=0, numel=16, sumsq=1.0), [], b"id", w, lambda task: None)
+        assert [e.name for e in job.timeline.events] == ["held 1 (3-4)"]
     finally:
         job.close()
