@@ -113,23 +113,33 @@ class StageBackward:
         return grads[:n]
 
     def _backward_taped(
-        self, run: PlanRun, i: int, runner: StageRunner, weights: torch.Tensor, taped: TapedForward, loss_fn: LossFn
+        self, run: PlanRun, i: int, runner: StageRunner, weights: torch.Tensor, taped: list[TapedForward], loss_fn: LossFn
     ) -> Sequence[torch.Tensor | None]:
-        """:meth:`_backward_one` through the graph a taped forward of position i kept: the
-        recomputation binds this BACKWARD's weights and stops before the stage's last operation
-        (client/taped.py). Not the chain's last position: its gradient comes from the one above."""
+        """:meth:`_backward_one` through the graphs a taped forward of position i kept, one per
+        micro-batch (their parameter gradients summed in micro-batch order, as
+        :meth:`_backward_lanes` does): each recomputation binds this BACKWARD's weights and stops
+        before the stage's last operation (client/taped.py). Never the chain's last position:
+        its gradient comes from the one above."""
         assert run.current is not None and run.grad_out is not None, "a taped position without one above it: a bug in wstream"
-        taped.bind[0] = runner.bound_leaves(weights)[0]
+        assert len(taped) == run.k, "a taped position without a graph per micro-batch: a bug in wstream"
+        kept = runner.bound_leaves(weights)[0]
         run.drop_current()
-        roots, root_grads = _roots(run, taped.out, run.grad_out, loss_fn, 0)
-        inputs = taped.inputs
-        grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-        leaves = taped.leaves
-        grads = backprop(roots, root_grads, [*leaves, *grad_inputs])
-        n = len(leaves)
-        it = iter(grads[n:])
-        run.grad_out = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
-        return grads[:n]
+        grad_lanes = lanes_of(tuple(run.grad_out), run.k)
+        param_grads: list[torch.Tensor | None] = [None] * len(taped[0].leaves)
+        grad_out: list[torch.Tensor | None] = []
+        for j, (record, lane_grad_out) in enumerate(zip(taped, grad_lanes)):
+            record.bind[0] = kept
+            roots, root_grads = _roots(run, record.out, lane_grad_out, loss_fn, j)
+            inputs = record.inputs
+            grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+            grads = backprop(roots, root_grads, [*record.leaves, *grad_inputs])
+            n = len(record.leaves)
+            add_into(param_grads, grads[:n])
+            it = iter(grads[n:])
+            grad_out.extend(next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs)
+            del roots, root_grads, grads
+        run.grad_out = grad_out
+        return param_grads
 
     def _wants_input_grad(self, i: int) -> bool:
         """Whether position i's input gradient is used: a position below it trains."""

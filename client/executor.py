@@ -170,19 +170,27 @@ class PlanExecutor(StageBackward):
         if self._mover is not None:
             self._mover.close()
 
-    def execute(self, run: PlanRun, op: Op, i: int, loss_fn: LossFn) -> None:
+    def execute(self, run: PlanRun, op: Op, i: int, loss_fn: LossFn, *, tape: bool = False) -> None:
+        """Run one action; ``tape``: an ADVANCE the plan lets keep its graph (``run_actions``)."""
         if op == Op.ADVANCE:
             assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
             runner = run.runner_at(i)
             if run.k == 1 and self.tracer is None and not runner.has_buffers:  # the common case, lean
-                self._advance_run(run, ((op, i),), 0)
+                self._advance_run(run, ((op, i),), 0, frozenset((0,)) if tape else frozenset())
                 return
             weights, base = self.weights_of(runner.stage, run.held)
             first = i not in run.advanced
             run.advanced.add(i)
             outs: list[Boundary] = []
+            taped = tape and self.tapes[i]
             with self._span(run, ("forward " if first else "recompute ") + str(i), "forward" if first else "recompute", i):
                 for j, lane in enumerate(lanes_of(run.current[1], run.k)):  # stage-major: every micro-batch
+                    if taped:  # each micro-batch's graph kept for the BACKWARD (runner.simple: no buffers)
+                        inputs = grad_inputs_of(lane, i, wanted=self._wants_input_grad(i))
+                        record, out = taped_forward(runner, weights, inputs, lambda j=j: self.rng.around(run.rng, i, j))
+                        run.tapes.setdefault(i, []).append(record)
+                        outs.append(out)
+                        continue
                     buffers = self._buffers(run, runner, weights, i, j, real=first)
                     with torch.no_grad(), self.rng.around(run.rng, i, j):
                         outs.append(as_boundary(runner(weights, lane, base, buffers)))
@@ -225,7 +233,7 @@ class PlanExecutor(StageBackward):
                 assert run.current is not None and run.current[0] == i, "plan out of step: a bug in wstream"
                 self._backward_stage(run, i, loss_fn)
             else:
-                self.execute(run, op, i, loss_fn)
+                self.execute(run, op, i, loss_fn, tape=a in taped)
             a += 1
 
     def _advance_run(
@@ -260,7 +268,8 @@ class PlanExecutor(StageBackward):
                     advanced.add(i)
                     weights, _ = self.weights_of(runner.stage, held)
                     inputs = grad_inputs_of(run.current[1], i, wanted=self._wants_input_grad(i))
-                    run.tapes[i], out = taped_forward(runner, weights, inputs, lambda i=i: around(states, i, 0))
+                    record, out = taped_forward(runner, weights, inputs, lambda i=i: around(states, i, 0))
+                    run.tapes[i] = [record]
                     run.set_current(i + 1, out)
                     a += 1
                     continue

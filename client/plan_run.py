@@ -62,9 +62,9 @@ class PlanRun:
         self.arriving: dict[int, PendingMove] = {}  # inputs being prefetched back from the host
         self.rng: dict[tuple[int, int], Any] = {}  # (stage, micro-batch) -> RNG state of its first run
         self.grad_out: list[torch.Tensor | None] | None = None
-        # position -> the graph its taped forward kept for its BACKWARD (NOTE [Taped forwards and
-        # early stop] in plans/taping.py)
-        self.tapes: dict[int, TapedForward] = {}
+        # position -> the graphs its taped forward kept for its BACKWARD, one per micro-batch (NOTE
+        # [Taped forwards and early stop] in plans/taping.py)
+        self.tapes: dict[int, list[TapedForward]] = {}
         self.loss = 0.0
         self.pushed = False
         self.peak_bytes = 0

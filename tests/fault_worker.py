@@ -64,10 +64,10 @@ def install(fault: Fault) -> None:
     commit = getattr(GradientPusher, "commit", None)  # absent before the step commit point
     in_run = [False]  # inside run_actions, which counts its actions itself
 
-    def hooked_execute(self: PlanExecutor, run: Any, op: Any, i: int, loss_fn: Any) -> None:
+    def hooked_execute(self: PlanExecutor, run: Any, op: Any, i: int, loss_fn: Any, **kw: Any) -> None:
         if not in_run[0]:
             fault.event("action", run.step)
-        execute(self, run, op, i, loss_fn)
+        execute(self, run, op, i, loss_fn, **kw)
 
     def hooked_run_actions(self: PlanExecutor, run: Any, actions: Any, loss_fn: Any, taped: frozenset[int] = frozenset()) -> None:
         # runs of ADVANCEs go in one loop, not through execute: the plan is cut before the K-th

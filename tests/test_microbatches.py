@@ -46,12 +46,16 @@ def accumulated_reference(stages: list[nn.Module], k: int, steps: int, size: int
         (2, 16, "sqrt", {}),
         (2, 16, "auto", {"memory_budget": "32KiB"}),
         (2, 16, "min_peak", {}),
+        # every stage's graph kept from its forward, one per micro-batch (early stop)
+        (4, 16, "store_all", {"early_stop": True}),
+        (3, 10, "revolve", {"slots": 2, "early_stop": True}),
+        (2, 16, "offload", {"memory_budget": "64KiB", "early_stop": True}),
     ],
 )
 def test_gradients_equal_ordinary_accumulation(client: Client, k: int, size: int, schedule: str, extra: dict) -> None:
     stages = models.mixed()
     start = copy.deepcopy(stages)
-    job = client.create_job(f"mb-{schedule}", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t")
+    job = client.create_job(f"mb-{schedule}-{len(extra)}", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t")
     with job.trainer(zero_copy=False, schedule=schedule, **extra) as trainer:
         losses = [
             trainer.step(*models.batch("mixed", s, size=size), models.loss_fn, micro_batches=k) for s in range(STEPS)
