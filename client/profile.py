@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -79,9 +79,10 @@ class Planning:
         )
         return plan
 
-    def summary(self, stage_bytes: list[int], *, peak_boundary: int) -> dict[str, Any]:
+    def summary(self, stage_bytes: list[int], *, peak_boundary: int, tapes: Sequence[bool] = ()) -> dict[str, Any]:
         """What the plan costs per step: recomputation, memory (``peak_boundary``: the most a step
-        held, measured) and weight traffic (``stage_bytes``: each weight stage's size)."""
+        held, measured) and weight traffic (``stage_bytes``: each weight stage's size); ``tapes``:
+        which positions tape their forward where the plan allows (the executor's)."""
         plan = self.plan
         if plan is None:
             raise StateError("the plan is made from a profile of the first step: call step() first")
@@ -90,6 +91,8 @@ class Planning:
             "stages": plan.n,
             "forward_evaluations": plan.forward_evaluations,
             "recomputed_forwards": plan.advances,
+            # BACKWARDs whose re-run stops before the stage's last op (NOTE [Taped forwards and early stop])
+            "early_stopped_recomputations": sum(1 for a in self.taped if tapes and tapes[plan.actions[a][1]]),
             "peak_kept_states": plan.peak_slots,
             "peak_live_states": plan.peak_states,
             "peak_activation_bytes_measured": peak_boundary,

@@ -312,7 +312,7 @@ class Trainer:
 
     def plan_summary(self) -> dict[str, Any]:
         """What the checkpoint plan costs per step: recomputation, memory and weight traffic."""
-        return self.planning.summary(self.connection.stage_bytes(), peak_boundary=self._peak_boundary)
+        return self.planning.summary(self.connection.stage_bytes(), peak_boundary=self._peak_boundary, tapes=self.executor.tapes)
 
     def stats(self) -> TrainerStats:
         """What the steps so far did (fetches, pushes, waits, memory, loss scale)."""
