@@ -40,7 +40,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.layout import build_stage_spec
 from wstream.protocol.shm import create_segment, map_segment, unlink_segment
 from wstream.server.job import Job
-from wstream.server.stage_state import GatherTask, UpdateTask
+from wstream.server.pool_tasks import GatherTask, UpdateTask
 from wstream.server.memory import MemoryAccount
 
 

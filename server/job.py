@@ -32,7 +32,8 @@ from .memory import MemoryAccount
 from .outgoing import Outgoing
 from .published import PublishedStages
 from .snapshot import JobRecord, Snapshot
-from .stage_state import Deferred, PoolTask, StageState, UpdateTask, align
+from .pool_tasks import PoolTask, UpdateTask
+from .stage_state import Deferred, StageState, align
 from .step_commit import CommitRecord, EndSession, StepCommit, Submit
 from .versions import StageVersions
 from .workers import MAX_WAITING_FETCHES, Worker, WorkerTable

@@ -1,10 +1,10 @@
-"""The state of one stage of a job on the server, and the update task that changes it.
+"""The state of one stage of a job on the server.
 
 A :class:`StageState` is the stage's fp32 master, its published slot(s) in the job's shared-memory
-segment, its optimizer, its version and the requests waiting on it; an :class:`UpdateTask` is one
-step's update of it, run on a pool thread (NOTE [Versions and who may read what] in versions.py
-says when). Kept apart from :mod:`wstream.server.job` so that the pool and the byte accounting need
-not know the whole job. A stage's buffers are gathered and updated here too (NOTE below).
+segment, its optimizer, its version, the gradients of the open step and the requests waiting on
+it; the pool's tasks that gather into it and update it are in :mod:`wstream.server.pool_tasks`.
+Kept apart from :mod:`wstream.server.job` so that the pool and the byte accounting need not know
+the whole job. A stage's buffers are gathered and updated with it (NOTE below).
 
 # NOTE [Buffers]
 # A stage's buffers (``ParamSpec.buffer``: BatchNorm's running statistics and count) are frozen
@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Union
+from typing import Any
 
 import torch
 
@@ -35,7 +35,6 @@ from wstream.protocol.frames import copy_frames_into, frames_nbytes, tensor_fram
 
 from .optimizer import StageOptimizer
 from .outgoing import Outgoing
-from .snapshot import Snapshot
 from .workers import Worker
 
 SLOT_ALIGN_BYTES = 64
@@ -89,16 +88,6 @@ class DeferredPush:
     frames: list[Any]
     identity: bytes
     worker: Worker
-
-
-class UpdatedJob(Protocol):
-    """What the pool's tasks need of their job (``wstream.server.job.Job``)."""
-
-    name: str
-    snapshot: Snapshot | None
-
-    @property
-    def attempt(self) -> int: ...
 
 
 @dataclass(slots=True)
@@ -271,137 +260,6 @@ class StageState:
         worker.busy.add(msg.slot)
         pending = self.pending[worker.id] = PendingPush(msg.slot, identity, msg.id)
         return pending
-
-
-@dataclass(slots=True)
-class GatherTask:
-    """Add workers' gradients (their slots) into the stage's accumulator, off the loop thread, in one
-    pass over memory: the first gradients of an attempt are summed into it (``torch.add(a, b,
-    out=grad)``: read 8 bytes and write 4 per parameter, where copying the first and adding the
-    second took 20), and the task that brings the ``expected``-th gradient of its attempt also
-    computes the squared norm of the sum."""
-
-    job: UpdatedJob
-    stage: StageState
-    workers: tuple[int, ...]
-    sources: tuple[torch.Tensor, ...]
-    """Each worker's slot (its push-layout elements), in ``workers`` order."""
-    attempt: int
-    expected: int
-    sumsq: float | None = None
-    """The worker's squared norm of its gradient (``Push.sumsq``): the stage's when it is the only
-    gradient expected, so that no pass over the sum is needed."""
-    seconds: float = 0.0
-    submitted_ns: int = field(default_factory=time.monotonic_ns)
-    started_ns: int = 0
-    thread: str = ""
-
-    def run(self) -> GatherTask:
-        self.started_ns = time.monotonic_ns()
-        self.thread = threading.current_thread().name
-        t0 = time.perf_counter()
-        st = self.stage
-        assert st.grad is not None
-        with st.grad_lock:
-            if self.attempt == self.job.attempt:  # else: a discarded attempt's, nothing to add
-                attempt, count = st.acc
-                if attempt != self.attempt:
-                    count = 0
-                sources = self.sources
-                if count == 0 and len(sources) >= 2:
-                    torch.add(sources[0], sources[1], out=st.grad)
-                    sources = sources[2:]
-                elif count == 0:
-                    st.grad.copy_(sources[0])
-                    sources = sources[1:]
-                for source in sources:
-                    st.grad.add_(source)
-                count += len(self.sources)
-                st.acc = (self.attempt, count)
-                if count == self.expected:
-                    norm = self.sumsq if count == 1 and self.sumsq is not None else squared_norm(st.gradient)
-                    st.sumsq = (self.attempt, count, norm)
-        self.seconds = time.perf_counter() - t0
-        return self
-
-
-@dataclass(slots=True)
-class NormTask:
-    """The squared norm of a stage whose last expected gradient came without a task knowing it
-    was the last (a worker that had pushed nothing left the step)."""
-
-    job: UpdatedJob
-    stage: StageState
-    attempt: int
-    seconds: float = 0.0
-
-    def run(self) -> NormTask:
-        t0 = time.perf_counter()
-        st = self.stage
-        assert st.grad is not None
-        with st.grad_lock:
-            attempt, count = st.acc
-            if attempt == self.attempt == self.job.attempt:
-                st.sumsq = (attempt, count, squared_norm(st.gradient))
-        self.seconds = time.perf_counter() - t0
-        return self
-
-
-def squared_norm(grad: torch.Tensor) -> float:
-    """||grad||^2 as ``torch.nn.utils.clip_grad_norm_`` measures it (a float32 L2 norm), squared
-    in float64 so that stages add up without overflow."""
-    return float(torch.linalg.vector_norm(grad)) ** 2
-
-
-@dataclass(slots=True)
-class UpdateTask:
-    """One stage's update of a committed step, run off the loop thread: the optimizer on the
-    accumulated gradient (divided by ``grad_scale``: the number of workers over the clipping
-    factor) at learning rate ``lr``, the buffers set to the ``workers``' mean, then publication of
-    the new weights. ``apply`` False (a skipped step, or a stage with nothing to train) only
-    publishes, so the version can move on."""
-
-    job: UpdatedJob
-    stage: StageState
-    grad_scale: float = 1.0
-    lr: float | None = None
-    apply: bool = True
-    workers: int = 1
-    source: torch.Tensor | None = None
-    """The step's gradient (then the buffers) when it is read in place from a held slot; None:
-    the stage's accumulator ``grad``."""
-    seconds: float = 0.0
-    submitted_ns: int = field(default_factory=time.monotonic_ns)
-    started_ns: int = 0
-    thread: str = ""
-
-    def run(self) -> UpdateTask:
-        self.started_ns = time.monotonic_ns()
-        self.thread = threading.current_thread().name
-        t0 = time.perf_counter()
-        st = self.stage
-        snap = self.job.snapshot
-        if snap is not None and snap.step == st.version:  # NOTE [Consistent snapshots], rule 2
-            snap.capture_before_update(st.index, st.lock, st.capture, st.state_nbytes)
-        with st.lock:
-            if self.apply and st.grad is not None:
-                grad = st.grad if self.source is None else self.source
-                st.optimizer.step(grad[: st.grad_numel], grad_scale=None if self.grad_scale == 1.0 else self.grad_scale, lr=self.lr)
-                for master_at, at, n, counts in st.buffers:  # the workers' mean (the sum divided: exact for W = 1)
-                    target = st.master[master_at : master_at + n]
-                    if counts:
-                        target.add_(grad[at : at + n] / self.workers)
-                    else:
-                        torch.div(grad[at : at + n], self.workers, out=target)
-            target = st.slots[st.slot_for(st.version + 1)]
-            if target is not st.master:
-                target.copy_(st.master)
-        self.seconds = time.perf_counter() - t0
-        return self
-
-
-PoolTask = Union[UpdateTask, GatherTask, NormTask]
-"""What the loop hands the optimizer pool."""
 
 
 def stage_bytes(numel: int, state: int, dtype: str, double_buffer: bool, *, grad_numel: int) -> tuple[int, int]:

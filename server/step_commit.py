@@ -87,7 +87,8 @@ from wstream.protocol.lr_schedules import lr_at
 
 from .counters import JobCounters, Timeline
 from .outgoing import Outgoing
-from .stage_state import Deferred, DeferredPush, GatherTask, HeldPush, NormTask, PoolTask, StageState, UpdatedJob, UpdateTask
+from .pool_tasks import GatherTask, NormTask, PoolTask, UpdatedJob, UpdateTask
+from .stage_state import Deferred, DeferredPush, HeldPush, StageState
 from .versions import StageVersions
 from .workers import Worker, WorkerTable
 

@@ -16,7 +16,7 @@ import models
 from conftest import ServerProcess, run_workers, start_server
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import AdamW, Client
-from wstream.server.stage_state import UpdateTask
+from wstream.server.pool_tasks import UpdateTask
 
 STEPS = 8
 

@@ -42,7 +42,7 @@ from wstream.protocol.frames import tensor_frames
 from wstream.protocol.shm import segment_paths
 from wstream.server.inprocess import InProcessServer
 from wstream.server.snapshot import SnapshotStore
-from wstream.server.stage_state import GatherTask, UpdateTask
+from wstream.server.pool_tasks import GatherTask, UpdateTask
 
 DEADLINE_S = 20.0
 """Time a reply may take on a loaded 2-core machine; a reply that never comes fails the test."""
