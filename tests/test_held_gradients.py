@@ -100,17 +100,23 @@ def test_a_delayed_job_is_gathered(client: Client, server: ServerThread) -> None
 # ---- the job's rules, without a worker process -------------------------------------------------------
 
 
-def lone_job(stages: int, slots: int) -> tuple[Job, list[m.Push], list[object]]:
-    """A sealed one-stage-per-``stages`` job with one joined worker of ``slots`` slots."""
-    created = m.CreateJob(name="j", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=AdamW(lr=1e-3)))
+def joined_job(stages: int, sessions: tuple[bytes, ...], slots: int, name: str = "j") -> Job:
+    """A sealed job of ``stages`` one-parameter stages with a joined worker of ``slots`` slots per session."""
+    created = m.CreateJob(name=name, token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=AdamW(lr=1e-3)))
     job = Job.create(created, MemoryAccount(2**30))
     for i in range(stages):
         spec = build_stage_spec(str(i), [("w", (10,))])
         job.add_stage(m.AddStage(session=b"s" * 16, index=i, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
     job.seal()
-    job.join(b"w" * 16, m.Join(session=b"w" * 16, shm=True, grad_slots=slots))
+    for session in sessions:
+        job.join(session, m.Join(session=session, shm=True, grad_slots=slots))
     job.open_barrier(lambda task: None)
-    return job, [], []
+    return job
+
+
+def lone_job(stages: int, slots: int) -> tuple[Job, list[m.Push], list[object]]:
+    """A sealed one-stage-per-``stages`` job with one joined worker of ``slots`` slots."""
+    return joined_job(stages, (b"w" * 16,), slots), [], []
 
 
 def test_a_push_without_its_norm_is_gathered_and_a_negative_norm_is_refused() -> None:
@@ -154,16 +160,7 @@ def test_holding_never_leaves_the_worker_without_a_slot_for_the_rest_of_its_step
 
 def two_worker_job(stages: int) -> tuple[Job, list[object]]:
     """A sealed job of ``stages`` one-parameter stages with two joined workers of 2 slots each."""
-    created = m.CreateJob(name="j2", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=AdamW(lr=1e-3)))
-    job = Job.create(created, MemoryAccount(2**30))
-    for i in range(stages):
-        spec = build_stage_spec(str(i), [("w", (10,))])
-        job.add_stage(m.AddStage(session=b"s" * 16, index=i, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
-    job.seal()
-    for s in (b"a" * 16, b"b" * 16):
-        job.join(s, m.Join(session=s, shm=True, grad_slots=2))
-    job.open_barrier(lambda task: None)
-    return job, []
+    return joined_job(stages, (b"a" * 16, b"b" * 16), 2, name="j2"), []
 
 
 def finish(job: Job, tasks: list[object]) -> list[object]:
