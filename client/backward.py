@@ -66,22 +66,31 @@ class StageBackward:
             return
         weights, base = self.weights_of(stage, run.held)
         taped = run.tapes.pop(i, None) if run.tapes else None
-        if taped is not None:  # its forward kept the graph: NOTE [Taped forwards and early stop]
-            with self._span(run, f"backward {i}", "backward", i):
-                param_grads = self._backward_taped(run, i, runner, weights, taped, loss_fn)
-        elif run.k == 1 and self.scaler is None and self.tracer is None and runner.simple:  # the common case, lean
-            param_grads = self._backward_one(run, i, runner, weights, loss_fn)
-        else:
-            params = runner.leaves(weights, base)
-            lanes = lanes_of(run.current[1], run.k)
-            grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
-            run.drop_current()
-            with self._span(run, f"backward {i}", "backward", i):
-                param_grads, run.grad_out = self._backward_lanes(
-                    run, i, runner, weights, params, lanes, grad_lanes, loss_fn
-                )
-            del params
-            self._done_with(run, i)
+        try:
+            if taped is not None:  # its forward kept the graph: NOTE [Taped forwards and early stop]
+                with self._span(run, f"backward {i}", "backward", i):
+                    param_grads = self._backward_taped(run, i, runner, weights, taped, loss_fn)
+            elif run.k == 1 and self.scaler is None and self.tracer is None and runner.simple:  # the common case, lean
+                param_grads = self._backward_one(run, i, runner, weights, loss_fn)
+            else:
+                params = runner.leaves(weights, base)
+                lanes = lanes_of(run.current[1], run.k)
+                grad_lanes = [None] * run.k if i == run.last else lanes_of(tuple(run.grad_out or ()), run.k)
+                run.drop_current()
+                with self._span(run, f"backward {i}", "backward", i):
+                    param_grads, run.grad_out = self._backward_lanes(
+                        run, i, runner, weights, params, lanes, grad_lanes, loss_fn
+                    )
+                del params
+                self._done_with(run, i)
+        except RuntimeError as exc:
+            if _inner_checkpoint(exc):
+                raise RuntimeError(
+                    f"the backward of position {i} (stage {stage}) re-ran part of the stage outside its run: "
+                    "does its forward call torch.utils.checkpoint? wstream checkpoints stages itself (the "
+                    "schedule) on weights bound only while the stage runs; remove the inner checkpoint"
+                ) from exc
+            raise
         grads = run.add_grads(stage, len(runner.spec.params), runner.grad_indices, param_grads)
         if i == self.first_use[stage]:  # backward has no use of this stage left
             del run.grads[stage]
@@ -247,6 +256,14 @@ def _roots(
             roots.append(o)
             root_grads.append(g)
     return roots, root_grads
+
+
+def _inner_checkpoint(exc: RuntimeError) -> bool:
+    """Whether a backward failed the way a ``torch.utils.checkpoint`` inside a stage makes it fail:
+    its recomputation ran on the meta skeleton (non-reentrant), or torch refused it under
+    ``autograd.grad`` (reentrant)."""
+    text = str(exc)
+    return ("device meta" in text and "expected device" in text) or "torch.utils.checkpoint is incompatible with .grad()" in text
 
 
 def grad_inputs_of(inputs: Boundary, i: int, *, wanted: bool = True) -> Boundary:

@@ -118,6 +118,14 @@ def spec_of(
     ``trainable_only`` it is left out instead (a job on a base holds only the others; its buffers
     are its own). ``groups`` gives each trained parameter its parameter group (else every one is
     in group 0)."""
+    for name, sub in module.named_modules():
+        if getattr(sub, "gradient_checkpointing", False) is True:  # Hugging Face's gradient_checkpointing_enable()
+            raise LayoutError(
+                f"stage {index}: module {name or type(module).__name__!r} has gradient checkpointing on "
+                "(model.gradient_checkpointing_enable()); wstream checkpoints its stages itself, and a "
+                "checkpoint inside a stage cannot recompute on streamed weights: call "
+                "model.gradient_checkpointing_disable() first"
+            )
     buffers = stage_buffers(index, module)
     params: list[tuple[str, tuple[int, ...], int, bool, str]] = []
     for name, p in module.named_parameters():

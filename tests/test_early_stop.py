@@ -148,3 +148,42 @@ def test_early_stop_defaults_to_large_stages(client: Client) -> None:
         assert not any(trainer.executor.tapes)
     with small.trainer(early_stop=True) as trainer:
         assert all(trainer.executor.tapes)
+
+
+class InnerCheckpoint(nn.Module):
+    """A stage whose forward checkpoints part of itself (what wstream's schedule does already)."""
+
+    def __init__(self, reentrant: bool) -> None:
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.b = nn.Linear(32, 16)
+        self.reentrant = reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.b(checkpoint(lambda t: torch.tanh(self.a(t)), x, use_reentrant=self.reentrant))
+
+
+@pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # the reentrant one, in a no-grad forward
+@pytest.mark.parametrize("reentrant", [False, True])
+@pytest.mark.parametrize("early_stop", [False, True])
+def test_a_checkpoint_inside_a_stage_is_named_and_nothing_is_applied(client: Client, reentrant: bool, early_stop: bool) -> None:
+    torch.manual_seed(0)
+    job = client.create_job(f"inner-{reentrant}-{early_stop}", [InnerCheckpoint(reentrant) for _ in range(3)],
+                            optimizer=AdamW(lr=1e-2), token="t", unit_bytes=None)
+    before = job.state_dict()
+    with job.trainer(early_stop=early_stop) as trainer:
+        with pytest.raises(RuntimeError, match=r"position \d \(stage \d\).*torch.utils.checkpoint.*remove the inner checkpoint"):
+            trainer.step(torch.randn(4, 16), torch.randn(4, 16), torch.nn.functional.mse_loss)
+    after = job.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_hugging_faces_gradient_checkpointing_is_refused_at_creation(client: Client) -> None:
+    stage = nn.Sequential(nn.Linear(16, 16))
+    stage[0].gradient_checkpointing = True  # what gradient_checkpointing_enable() sets on a layer
+    from wstream.client import LayoutError
+
+    with pytest.raises(LayoutError, match=r"stage 1: module '0' has gradient checkpointing on .*gradient_checkpointing_disable\(\)"):
+        client.create_job("hf-gc", [nn.Linear(16, 16), stage], optimizer=AdamW(), token="t")
