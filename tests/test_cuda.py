@@ -135,6 +135,24 @@ def test_cuda_worker_trains_to_the_cpu_reference_within_its_weight_budget(client
     assert_weights_equal(job.state_dict(), want, atol=1e-5)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_cuda_taped_forwards_train_to_the_cpu_reference(client: Client, k: int) -> None:
+    """Early stop on a GPU (NOTE [Taped forwards and early stop]): with a ring of two buffers a
+    stage's forward buffer holds other weights by its backward, whose recomputation must bind the
+    weights fetched for it; ``k`` micro-batches keep a graph each."""
+    from test_microbatches import accumulated_reference
+
+    stages = [Slow(s) for s in models.mixed(seed=9)]
+    start = copy.deepcopy(stages)
+    job = client.create_job(f"cuda-es{k}", stages, optimizer=AdamW(lr=3e-3, weight_decay=0.05), token="t", unit_bytes=None)
+    with job.trainer("cuda", early_stop=True, prefetch=1) as trainer:
+        for s in range(STEPS):
+            trainer.step(*models.batch("mixed", s), models.loss_fn, micro_batches=k)
+        assert trainer.plan_summary()["early_stopped_recomputations"] == len(stages) - 1
+    want, _ = accumulated_reference(start, k, STEPS, 16)
+    assert_weights_equal(job.state_dict(), want, atol=1e-5)
+
+
 def test_bfloat16_job_on_cuda_trains_close_to_float32(client: Client) -> None:
     def run(dtype: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         job = client.create_job(f"mp-{dtype}", models.mixed(seed=6), optimizer=AdamW(lr=3e-3), token="t", dtype=dtype)  # type: ignore[arg-type]
