@@ -288,8 +288,8 @@ class PlanExecutor(StageBackward):
         last first run (``StageRng.quiet``) without recording each one's RNG state: one check of
         the whole stretch instead (NOTE [Quiet stretches] in rng.py); it ends before a taped
         ADVANCE (``taped``). Returns the index of the first action not run. Where the RNG moved
-        after all, the stretch is run again from its
-        input with the RNG set back, each stage recording its own state."""
+        after all, the stretch is run again from its input with the RNG set back, each stage
+        recording its own state."""
         runner_at, advanced, held, states, rng = run.runner_at, run.advanced, run.held, run.rng, self.rng
         quiet = rng.quiet
         assert run.current is not None
