@@ -52,6 +52,7 @@ class StageView(Protocol):
     updates: int
     optimizer_s: float
     last_optimizer_s: float
+    chain: tuple[int, int] | None
 
 
 class CommitView(Protocol):
@@ -131,7 +132,7 @@ HELP: dict[str, str] = {
     "wstream_job_step": "Steps every stage of the job has completed.",
     "wstream_job_steps_per_second": f"Steps completed per second over the last {RATE_WINDOW_S} s.",
     "wstream_job_stages": "Stages of the chain the job was made from.",
-    "wstream_job_units": "Server stages holding them (transfer units; the stage label of per-stage metrics counts these).",
+    "wstream_job_units": "Server stages holding them (transfer units; the stage label of per-stage metrics counts these, chain_stages names the chain's stages each holds).",
     "wstream_job_parameters": "Parameters of the job.",
     "wstream_job_workers": "Workers training the job now.",
     "wstream_job_memory_bytes": (
@@ -255,9 +256,12 @@ def _collect_job(out: _Families, job: JobView, now: float, stage_limit: int) -> 
     out.counter("wstream_gradient_bytes_received_total", c.gradient_bytes, job=name)
     out.histogram("wstream_optimizer_seconds", c.optimizer, job=name)
     if len(stages) <= stage_limit:
-        for st in stages:
-            out.summary("wstream_stage_optimizer_seconds", st.updates, st.optimizer_s, job=name, stage=str(st.index))
-            out.gauge("wstream_stage_optimizer_last_seconds", st.last_optimizer_s, job=name, stage=str(st.index))
+        for st in stages:  # ``stage``: the server's stage (a unit); ``chain_stages``: the chain's it holds
+            first, last = (st.index, st.index) if st.chain is None else st.chain
+            chain = str(first) if first == last else f"{first}-{last}"
+            labels = {"job": name, "stage": str(st.index), "chain_stages": chain}
+            out.summary("wstream_stage_optimizer_seconds", st.updates, st.optimizer_s, **labels)
+            out.gauge("wstream_stage_optimizer_last_seconds", st.last_optimizer_s, **labels)
     out.histogram("wstream_snapshot_seconds", c.snapshots, job=name)
     out.counter("wstream_snapshot_bytes_total", c.snapshot_bytes, job=name)
     out.counter("wstream_snapshot_failures_total", c.snapshot_failures, job=name)

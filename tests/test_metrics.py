@@ -98,8 +98,8 @@ def test_metrics_agree_with_the_work_done_and_with_status(tmp_path: Path) -> Non
     assert value(samples, "wstream_optimizer_seconds_sum", job="m") == pytest.approx(info.optimizer_s)
     assert value(samples, "wstream_optimizer_seconds_bucket", job="m", le="+Inf") == steps * stages
     for i in range(stages):
-        assert value(samples, "wstream_stage_optimizer_seconds_count", job="m", stage=str(i)) == steps
-        assert value(samples, "wstream_stage_optimizer_last_seconds", job="m", stage=str(i)) > 0
+        assert value(samples, "wstream_stage_optimizer_seconds_count", job="m", stage=str(i), chain_stages=str(i)) == steps
+        assert value(samples, "wstream_stage_optimizer_last_seconds", job="m", stage=str(i), chain_stages=str(i)) > 0
     assert total(samples, "wstream_stage_optimizer_seconds_sum", job="m") == pytest.approx(info.optimizer_s)
     assert total(samples, "wstream_stage_optimizer_seconds_count", job="deep") == 0  # 6 stages > limit 5
     assert value(samples, "wstream_job_steps_per_second", job="m") > 0 and info.steps_per_s > 0

@@ -388,3 +388,30 @@ def test_the_servers_errors_and_spans_name_a_units_chain_stages() -> None:
         assert [e.name for e in job.timeline.events] == ["held 1 (3-4)"]
     finally:
         job.close()
+
+
+def test_per_stage_metrics_of_a_unit_name_its_chain_stages() -> None:
+    import time
+
+    import zmq
+
+    from wstream.protocol import AdamW as AdamWSpec
+    from wstream.protocol import messages as m
+    from wstream.protocol.layout import build_stage_spec
+    from wstream.server.job import Job
+    from wstream.server.memory import MemoryAccount
+    from wstream.server.metrics import _collect_job, _Families
+
+    created = m.CreateJob(name="mu", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=AdamWSpec()))
+    job = Job.create(created, MemoryAccount(2**30))
+    try:
+        for i in range(2):
+            spec = build_stage_spec(str(i), [("w", (10,))])
+            job.add_stage(m.AddStage(session=b"s" * 16, index=i, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
+        job.seal(units=[3, 1])
+        out = _Families()
+        _collect_job(out, job, time.monotonic(), stage_limit=10)
+        family = {f.name: f for f in out}["wstream_stage_optimizer_last_seconds"]
+        assert [(s.labels["stage"], s.labels["chain_stages"]) for s in family.samples] == [("0", "0-2"), ("1", "3")]
+    finally:
+        job.close()
