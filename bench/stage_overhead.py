@@ -5,11 +5,13 @@ Each chain is ``n`` stages of ``Linear(W, W) + GELU``. Plain PyTorch keeps only 
 ``torch.optim.AdamW(fused=True)``; wstream streams every stage from a server subprocess on the same
 machine (shared memory) with its default settings and the ``store_all`` plan (the same
 recomputation: keep every stage input, recompute each stage once in backward). Both train the same
-batches; the sides alternate step by step after a warm-up step each, and each wstream step is timed
-until its updates are done. Printed per chain: the median step times, their ratio, and the
-overhead per stage, ``(wstream - plain) / n``.
+batches; the sides alternate after a warm-up step each, in blocks of ``--block`` steps (1: step by
+step), and each wstream block is timed until its updates are done: with blocks of one step every
+step pays its whole update after its backward; with longer blocks a step's updates overlap the
+next step's forward, as in a training run (steady state). Printed per chain: the median times per
+step, their ratio, and the overhead per stage, ``(wstream - plain) / n``.
 
-    python bench/stage_overhead.py [--chains 100x48,1000x48,10000x48,60x256,30x1024] [--batch 16] [--steps 3]
+    python bench/stage_overhead.py [--chains 100x48,1000x48,10000x48,60x256,30x1024] [--batch 16] [--steps 3] [--block 1]
         [--unit-bytes auto|none|N]   # transfer units (client/units.py): the default, none, or N bytes
 """
 
@@ -39,13 +41,15 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 def measure(
-    client: Client, n: int, width: int, batch: int, steps: int, cpu_threads: int | None, unit_bytes: str = "auto"
+    client: Client, n: int, width: int, batch: int, steps: int, cpu_threads: int | None, unit_bytes: str = "auto",
+    block: int = 1,
 ) -> tuple[float, float]:
-    """Median seconds per step of plain PyTorch and of wstream on the chain ``n x width``."""
+    """Median seconds per step of plain PyTorch and of wstream on the chain ``n x width``, over
+    blocks of ``block`` steps."""
     stages = chain(n, width)
     ref = nn.Sequential(*copy.deepcopy(stages))
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
-    data = [(torch.randn(batch, width), torch.randn(batch, width)) for _ in range(steps + 1)]
+    data = [(torch.randn(batch, width), torch.randn(batch, width)) for _ in range(steps * block + 1)]
 
     def plain_step(x: torch.Tensor, y: torch.Tensor) -> None:
         h = x
@@ -62,27 +66,30 @@ def measure(
     with job.trainer(schedule="store_all", cpu_threads=cpu_threads) as trainer:
         plain_step(*data[0])
         trainer.step(*data[0], loss_fn)
-        plain, streamed = alternate(plain_step, trainer, job, data[1:])
+        plain, streamed = alternate(plain_step, trainer, job, data[1:], block)
     job.drop()
     return statistics.median(plain), statistics.median(streamed)
 
 
 def alternate(
     plain_step: Callable[[torch.Tensor, torch.Tensor], None], trainer: Trainer, job: Job,
-    data: list[tuple[torch.Tensor, torch.Tensor]],
+    data: list[tuple[torch.Tensor, torch.Tensor]], block: int = 1,
 ) -> tuple[list[float], list[float]]:
-    """Seconds of each step of plain PyTorch and of wstream, alternating batch by batch; a
-    wstream step is timed until its updates are done."""
+    """Seconds per step of plain PyTorch and of wstream, alternating in blocks of ``block``
+    batches; a wstream block is timed until its updates are done."""
     plain, streamed = [], []
-    for x, y in data:
+    for start in range(0, len(data), block):
+        batches = data[start : start + block]
         t0 = time.perf_counter()
-        plain_step(x, y)
-        plain.append(time.perf_counter() - t0)
+        for x, y in batches:
+            plain_step(x, y)
+        plain.append((time.perf_counter() - t0) / len(batches))
         t0 = time.perf_counter()
-        trainer.step(x, y, loss_fn)
+        for x, y in batches:
+            trainer.step(x, y, loss_fn)
         trainer.flush()
-        job.pull_stage(job.num_stages - 1)  # its (unit's) update is the last to run: the step's work is done
-        streamed.append(time.perf_counter() - t0)
+        job.pull_stage(job.num_stages - 1)  # its (unit's) update is the last to run: the block's work is done
+        streamed.append((time.perf_counter() - t0) / len(batches))
     return plain, streamed
 
 
@@ -90,7 +97,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--chains", default="100x48,1000x48,10000x48,60x256,30x1024", help="N x WIDTH, comma-separated")
     p.add_argument("--batch", type=int, default=16)
-    p.add_argument("--steps", type=int, default=3, help="timed steps of each side (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=3, help="timed blocks of each side (after one warm-up step)")
+    p.add_argument("--block", type=int, default=1, help="steps per timed block (1: each step waits for its updates)")
     p.add_argument("--server-arg", action="append", default=[], help="an extra wstream-server argument (repeat)")
     p.add_argument("--cpu-threads", type=int, default=None, help="the worker's torch threads (default: the cores the server leaves)")
     p.add_argument(
@@ -102,13 +110,13 @@ def main() -> None:
     print(f"machine: {machine()}")
     print(
         f"wstream-server arguments: {args.server_arg or 'defaults'}; worker threads: "
-        f"{args.cpu_threads or 'the cores the server leaves'}; batch {args.batch}; {args.steps} timed steps; "
+        f"{args.cpu_threads or 'the cores the server leaves'}; batch {args.batch}; {args.steps} timed blocks of {args.block} step(s); "
         f"unit_bytes {args.unit_bytes}"
     )
     print(f"{'chain':>12} {'plain ms/step':>14} {'wstream ms/step':>16} {'ratio':>7} {'overhead/stage':>15}")
     with server("--memory-limit", "16GiB", *args.server_arg) as address, Client(address, timeout=120) as client:
         for n, width in chains:
-            t_plain, t_ws = measure(client, n, width, args.batch, args.steps, args.cpu_threads, args.unit_bytes)
+            t_plain, t_ws = measure(client, n, width, args.batch, args.steps, args.cpu_threads, args.unit_bytes, args.block)
             per_stage_us = (t_ws - t_plain) / n * 1e6
             print(
                 f"{f'{n}x{width}':>12} {t_plain * 1e3:14.1f} {t_ws * 1e3:16.1f} {t_ws / t_plain:7.2f} "
