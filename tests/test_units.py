@@ -361,11 +361,12 @@ def test_a_unit_whose_gradient_no_scale_makes_finite_sends_nothing_and_the_train
         assert trainer.stats().pushes == 1 and trainer.step_index == 1
 
 
-def test_the_servers_errors_and_spans_name_a_units_chain_stages() -> None:
+def server_job_of_units(units: list[int]):  # noqa: ANN201 - a sealed wstream.server.job.Job
+    """A server-side job of ``len(units)`` one-parameter stages, sealed as units holding ``units``
+    chain stages each (what a client's ``seal`` sends)."""
     import zmq
 
     from wstream.protocol import AdamW as AdamWSpec
-    from wstream.protocol import GradientError, StaleStepError
     from wstream.protocol import messages as m
     from wstream.protocol.layout import build_stage_spec
     from wstream.server.job import Job
@@ -373,11 +374,19 @@ def test_the_servers_errors_and_spans_name_a_units_chain_stages() -> None:
 
     created = m.CreateJob(name="u", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=AdamWSpec()))
     job = Job.create(created, MemoryAccount(2**30))
+    for i in range(len(units)):
+        spec = build_stage_spec(str(i), [("w", (10,))])
+        job.add_stage(m.AddStage(session=b"s" * 16, index=i, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
+    job.seal(units=units)
+    return job
+
+
+def test_the_servers_errors_and_spans_name_a_units_chain_stages() -> None:
+    from wstream.protocol import GradientError, StaleStepError
+    from wstream.protocol import messages as m
+
+    job = server_job_of_units([3, 2])  # unit 0 holds chain stages 0-2, unit 1 holds 3-4
     try:
-        for i in range(2):
-            spec = build_stage_spec(str(i), [("w", (10,))])
-            job.add_stage(m.AddStage(session=b"s" * 16, index=i, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
-        job.seal(units=[3, 2])  # unit 0 holds chain stages 0-2, unit 1 holds 3-4
         w = job.join(b"w" * 16, m.Join(session=b"w" * 16, shm=True, grad_slots=2))
         with pytest.raises(GradientError, match=r"gradient of unit 1 \(chain stages 3-4\) step 0: 7 elements, its gradient has 16"):
             job.push(m.Push(session=w.session, stage=1, step=0, slot=0, numel=7), [], b"id", w, lambda task: None)
@@ -393,22 +402,10 @@ def test_the_servers_errors_and_spans_name_a_units_chain_stages() -> None:
 def test_per_stage_metrics_of_a_unit_name_its_chain_stages() -> None:
     import time
 
-    import zmq
-
-    from wstream.protocol import AdamW as AdamWSpec
-    from wstream.protocol import messages as m
-    from wstream.protocol.layout import build_stage_spec
-    from wstream.server.job import Job
-    from wstream.server.memory import MemoryAccount
     from wstream.server.metrics import _collect_job, _Families
 
-    created = m.CreateJob(name="mu", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=AdamWSpec()))
-    job = Job.create(created, MemoryAccount(2**30))
+    job = server_job_of_units([3, 1])
     try:
-        for i in range(2):
-            spec = build_stage_spec(str(i), [("w", (10,))])
-            job.add_stage(m.AddStage(session=b"s" * 16, index=i, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
-        job.seal(units=[3, 1])
         out = _Families()
         _collect_job(out, job, time.monotonic(), stage_limit=10)
         family = {f.name: f for f in out}["wstream_stage_optimizer_last_seconds"]
