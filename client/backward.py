@@ -111,14 +111,13 @@ class StageBackward:
         with self.rng.around(run.rng, i, 0), torch.enable_grad():
             out = runner.call_own(params, inputs)
         roots, root_grads = _roots(run, out, None if i == run.last else run.grad_out, loss_fn, 0)
-        grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        grad_inputs = _differentiable(inputs)
         grads = backprop(roots, root_grads, [*leaves, *grad_inputs])
         n = len(leaves)
         if len(inputs) == 1:  # one tensor flows between stages: the common boundary
             run.grad_out = [grads[n] if grad_inputs else None]
         else:
-            it = iter(grads[n:])
-            run.grad_out = [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
+            run.grad_out = _per_input(inputs, grads[n:])
         return grads[:n]
 
     def _backward_taped(
@@ -139,13 +138,10 @@ class StageBackward:
         for j, (record, lane_grad_out) in enumerate(zip(taped, grad_lanes)):
             record.bind[0] = kept
             roots, root_grads = _roots(run, record.out, lane_grad_out, loss_fn, j)
-            inputs = record.inputs
-            grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
-            grads = backprop(roots, root_grads, [*record.leaves, *grad_inputs])
+            grads = backprop(roots, root_grads, [*record.leaves, *_differentiable(record.inputs)])
             n = len(record.leaves)
             add_into(param_grads, grads[:n])
-            it = iter(grads[n:])
-            grad_out.extend(next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs)
+            grad_out += _per_input(record.inputs, grads[n:])
             del roots, root_grads, grads
         run.grad_out = grad_out
         return param_grads
@@ -201,7 +197,7 @@ class StageBackward:
                 buffers = self._buffers(run, runner, weights, i, j, real=first and i not in run.advanced)
                 with self.rng.around(run.rng, i, j), torch.enable_grad():
                     out = runner.call_with(params if buffers is None else {**params, **buffers}, inputs)
-                grad_inputs = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+                grad_inputs = _differentiable(inputs)
                 roots, root_grads = _roots(run, out, lane_grad_out, loss_fn, j, first=first)
                 grads = backprop(roots, root_grads, [*leaves, *grad_inputs])
                 del out, roots, root_grads
@@ -217,8 +213,7 @@ class StageBackward:
                 first = False
             own = grads[: len(leaves)]
             add_into(param_grads, own if scaler is None or run.scales is None else unscaled(own, run.scales[j]))
-            it = iter(grads[len(leaves) :])
-            grad_out.extend(next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs)
+            grad_out += _per_input(inputs, grads[len(leaves) :])
             del grads, inputs, grad_inputs, own
         return param_grads, grad_out
 
@@ -256,6 +251,18 @@ def _roots(
             roots.append(o)
             root_grads.append(g)
     return roots, root_grads
+
+
+def _differentiable(inputs: Boundary) -> list[torch.Tensor]:
+    """The inputs that want a gradient (the leaves :func:`grad_inputs_of` made)."""
+    return [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+
+
+def _per_input(inputs: Boundary, grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    """Each input's gradient: ``grads`` are those of :func:`_differentiable`'s inputs, in order;
+    None for the others."""
+    it = iter(grads)
+    return [next(it) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs]
 
 
 def _inner_checkpoint(exc: RuntimeError) -> bool:

@@ -186,10 +186,7 @@ class PlanExecutor(StageBackward):
             with self._span(run, ("forward " if first else "recompute ") + str(i), "forward" if first else "recompute", i):
                 for j, lane in enumerate(lanes_of(run.current[1], run.k)):  # stage-major: every micro-batch
                     if taped:  # each micro-batch's graph kept for the BACKWARD (runner.simple: no buffers)
-                        inputs = grad_inputs_of(lane, i, wanted=self._wants_input_grad(i))
-                        record, out = taped_forward(runner, weights, inputs, lambda j=j: self.rng.around(run.rng, i, j))
-                        run.tapes.setdefault(i, []).append(record)
-                        outs.append(out)
+                        outs.append(self._taped(run, runner, weights, lane, i, j))
                         continue
                     buffers = self._buffers(run, runner, weights, i, j, real=first)
                     with torch.no_grad(), self.rng.around(run.rng, i, j):
@@ -267,10 +264,7 @@ class PlanExecutor(StageBackward):
                 if a in taped and self.tapes[i]:
                     advanced.add(i)
                     weights, _ = self.weights_of(runner.stage, held)
-                    inputs = grad_inputs_of(run.current[1], i, wanted=self._wants_input_grad(i))
-                    record, out = taped_forward(runner, weights, inputs, lambda i=i: around(states, i, 0))
-                    run.tapes[i] = [record]
-                    run.set_current(i + 1, out)
+                    run.set_current(i + 1, self._taped(run, runner, weights, run.current[1], i, 0))
                     a += 1
                     continue
                 if i in quiet and (i, 0) not in states:
@@ -325,6 +319,15 @@ class PlanExecutor(StageBackward):
         again = self._advance_run(run, [(Op.ADVANCE, i) for i in positions], 0)
         assert again == len(positions), "a quiet stretch ran again only in part: a bug in wstream"
         return a
+
+    def _taped(self, run: PlanRun, runner: StageRunner, weights: torch.Tensor, lane: Boundary, i: int, j: int) -> Boundary:
+        """Run micro-batch ``j`` of position i forward keeping its graph for the BACKWARD (NOTE
+        [Taped forwards and early stop] in plans/taping.py; appended to ``run.tapes[i]``); returns
+        its output, detached."""
+        inputs = grad_inputs_of(lane, i, wanted=self._wants_input_grad(i))
+        record, out = taped_forward(runner, weights, inputs, lambda: self.rng.around(run.rng, i, j))
+        run.tapes.setdefault(i, []).append(record)
+        return out
 
     def _span(self, run: PlanRun, name: str, cat: str, stage: int) -> contextlib.AbstractContextManager[None]:
         """A compute span on the timeline (nothing when not tracing)."""
