@@ -52,7 +52,9 @@ class StageView(Protocol):
     updates: int
     optimizer_s: float
     last_optimizer_s: float
-    chain: tuple[int, int] | None
+
+    @property
+    def chain_stages(self) -> str: ...
 
 
 class CommitView(Protocol):
@@ -257,9 +259,7 @@ def _collect_job(out: _Families, job: JobView, now: float, stage_limit: int) -> 
     out.histogram("wstream_optimizer_seconds", c.optimizer, job=name)
     if len(stages) <= stage_limit:
         for st in stages:  # ``stage``: the server's stage (a unit); ``chain_stages``: the chain's it holds
-            first, last = (st.index, st.index) if st.chain is None else st.chain
-            chain = str(first) if first == last else f"{first}-{last}"
-            labels = {"job": name, "stage": str(st.index), "chain_stages": chain}
+            labels = {"job": name, "stage": str(st.index), "chain_stages": st.chain_stages}
             out.summary("wstream_stage_optimizer_seconds", st.updates, st.optimizer_s, **labels)
             out.gauge("wstream_stage_optimizer_last_seconds", st.last_optimizer_s, **labels)
     out.histogram("wstream_snapshot_seconds", c.snapshots, job=name)

@@ -146,20 +146,23 @@ class StageState:
     stages it holds, set when the job is sealed; None: the stage is one chain stage."""
 
     @property
+    def chain_stages(self) -> str:
+        """The chain stages it holds: ``"3"``, or a unit's ``"300-399"``."""
+        first, last = self.chain or (self.index, self.index)
+        return str(first) if first == last else f"{first}-{last}"
+
+    @property
     def what(self) -> str:
         """The stage as an error names it: ``"stage 3"``, ``"unit 3 (chain stages 300-399)"``."""
         if self.chain is None:
             return f"stage {self.index}"
-        first, last = self.chain
-        return f"unit {self.index} (chain stage {first})" if first == last else f"unit {self.index} (chain stages {first}-{last})"
+        plural = "s" if self.chain[0] != self.chain[1] else ""
+        return f"unit {self.index} (chain stage{plural} {self.chain_stages})"
 
     @property
     def span(self) -> str:
         """The stage in a timeline span's name: ``"3"``, or a unit's ``"3 (300-399)"``."""
-        if self.chain is None:
-            return str(self.index)
-        first, last = self.chain
-        return f"{self.index} ({first})" if first == last else f"{self.index} ({first}-{last})"
+        return str(self.index) if self.chain is None else f"{self.index} ({self.chain_stages})"
 
     def capture(self) -> dict[str, torch.Tensor]:
         """Copies of what a snapshot keeps of this stage (call with ``lock`` held)."""

@@ -206,21 +206,21 @@ class StepCommit:
             return self.check_complete([st], submit)
         if expected > 1:  # NOTE [Held gradient slots] rule 4: one gather when the last of them comes
             st.parked[worker.id] = source
-            return self._gather_parked(st, expected_set, submit)
+            self._gather_parked(st, expected_set, submit)
+            return []
         st.gathering += 1
         submit(GatherTask(self.job, st, (worker.id,), (source,), self.attempt, expected, msg.sumsq if expected == 1 else None))
         return []
 
-    def _gather_parked(self, st: StageState, expected: set[int], submit: Submit) -> list[Outgoing]:
+    def _gather_parked(self, st: StageState, expected: set[int], submit: Submit) -> None:
         """Sum the stage's parked pushes in one gather once every expected worker's gradient is
         parked or gathered (NOTE [Held gradient slots] rule 4)."""
         if not st.parked or not expected <= st.gathered | st.parked.keys():
-            return []
+            return
         workers, sources = tuple(st.parked), tuple(st.parked.values())
         st.parked = {}
         st.gathering += 1
         submit(GatherTask(self.job, st, workers, sources, self.attempt, len(expected)))
-        return []
 
     def commit(self, msg: m.Commit, identity: bytes, worker: Worker) -> Outgoing | None:
         """Answer when step ``msg.step`` commits (held until then; a delayed job's worker may
