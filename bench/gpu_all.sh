@@ -2,7 +2,7 @@
 # Every GPU figure and the CUDA tests, sized for one H100 80 GB (128 GiB host, 16 cores), in at
 # most 25 minutes, in two parts of under 10 minutes each (the device tool's limit per command):
 #   bash bench/gpu_all.sh 1   # CUDA tests, figure 1 (bandwidth), figures 2-3 (GPT, 1.4 B)
-#   bash bench/gpu_all.sh 2   # a model larger than GPU memory (10 B, SGD), figure 4 (DeepSpeed)
+#   bash bench/gpu_all.sh 2   # a model larger than GPU memory (11.5 B, SGD), figure 4 (DeepSpeed)
 #   bash bench/gpu_all.sh     # both
 # Logs and figures go to $OUT (the device tool's folder) or bench/out. Wheels the image lacks come
 # from .whl/ (bench/gpu_prepare.sh). Every step has its own time limit (SIGINT first, so that a
@@ -54,7 +54,7 @@ if [[ $part == 2 || $part == all ]]; then
     if [[ $(id -u) == 0 ]] && grep -q hugetlbfs /proc/mounts; then
         echo 0 > /proc/sys/vm/nr_hugepages  # give figure 1's pages back: the 10 B model needs the RAM
     fi
-    step gpu_train_big 420 python3 bench/gpu_train.py --only big --big-layers 48 --big-width 4096 --big-heads 32 \
+    step gpu_train_big 420 python3 bench/gpu_train.py --only big --big-layers 56 --big-width 4096 --big-heads 32 \
         --seq 1024 --big-batch 4 --steps 4 --weight-budget 4GiB
     step gpu_deepspeed 120 python3 bench/gpu_deepspeed.py --layers 24 --width 2048 --seq 1024 --batches 4,8,16 \
         --compare /tmp/wstream-gpu_train.json

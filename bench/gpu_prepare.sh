@@ -15,11 +15,15 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 if [[ "${1:-}" == "--with-deepspeed" ]]; then
     # DeepSpeed has no prebuilt wheel: build a pure-Python one (ops compile just in time there),
     # and fetch what it needs that the image lacks.
-    python3 -m pip download -q --no-deps --no-binary=:all: -d .whl/src deepspeed
-    DS_BUILD_OPS=0 python3 -m pip wheel -q --no-deps --no-build-isolation -w .whl .whl/src/deepspeed-*.tar.gz
+    # its setup.py imports torch, so no build isolation: this python needs torch, setuptools and wheel
+    py=python3
+    [[ -x .venv/bin/python ]] && py=.venv/bin/python
+    $py -c "import torch, setuptools, wheel" 2>/dev/null || $py -m pip install -q setuptools wheel
+    $py -m pip download -q --no-deps --no-binary=:all: -d .whl/src deepspeed
+    DS_BUILD_OPS=0 $py -m pip wheel -q --no-deps --no-build-isolation -w .whl .whl/src/deepspeed-*.tar.gz
     rm -rf .whl/src
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        "${plats[@]}" -d .whl hjson pydantic pydantic-core annotated-types typing-inspection
+        "${plats[@]}" -d .whl hjson pydantic pydantic-core annotated-types typing-inspection ninja py-cpuinfo einops
 fi
 ls -l .whl
 du -sh .whl

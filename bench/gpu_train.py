@@ -16,7 +16,7 @@ trained by wstream within the weight budget: tokens/s and peak GPU memory. It us
 the host (128 GiB on the device machine) holds it: 8 bytes/parameter on the server (fp32 master
 and two bf16 slots) against AdamW's 16.
 
-    python bench/gpu_train.py [--layers 24 --width 2048 --seq 1024 --batches 4,8,16] [--big-layers 48 --big-width 4096]
+    python bench/gpu_train.py [--layers 24 --width 2048 --seq 1024 --batches 4,8,16] [--big-layers 56 --big-width 4096]
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def main() -> None:
     p.add_argument("--weight-budget", default="4GiB")
     p.add_argument("--memory-limit", default="100GiB", help="the server's")
     p.add_argument("--server-threads", type=int, default=12, help="torch threads of the server's optimizer")
-    p.add_argument("--big-layers", type=int, default=48, help="0: skip the model larger than GPU memory")
+    p.add_argument("--big-layers", type=int, default=56, help="0: skip the model larger than GPU memory")
     p.add_argument("--big-width", type=int, default=4096)
     p.add_argument("--big-heads", type=int, default=32)
     p.add_argument("--big-batch", type=int, default=4)
@@ -157,9 +157,9 @@ def main() -> None:
     header(device)
     sizes = [int(b) for b in args.batches.split(",")]
     cfg = GPTConfig(vocab_size=VOCAB, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
-    print(f"GPT: {args.layers} blocks, width {args.width}, seq {args.seq}, {cfg.num_params / 1e9:.2f} B parameters, bf16")
-    sys.stdout.flush()
     if args.only != "big":
+        print(f"GPT: {args.layers} blocks, width {args.width}, seq {args.seq}, {cfg.num_params / 1e9:.2f} B parameters, bf16")
+        sys.stdout.flush()
         small(args, cfg, sizes, device)
     if args.big_layers and args.only != "small":
         big(args, device)
@@ -208,6 +208,7 @@ def big(args: argparse.Namespace, device: torch.device) -> None:
     total = torch.cuda.get_device_properties(device).total_memory
     need = cfg.num_params * 8  # fp32 weights + fp32 gradients, before any optimizer state or activation
     print(
+        f"GPT: {args.big_layers} blocks, width {args.big_width}, seq {args.seq}, bf16; "
         f"larger than GPU memory: {cfg.num_params / 1e9:.2f} B parameters; resident training needs at least "
         f"{gib(need).strip()} (fp32 weights + gradients) of {gib(total).strip()}: "
         f"{'does not fit' if need > total else 'FITS (choose a bigger model)'}"

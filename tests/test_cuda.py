@@ -110,7 +110,7 @@ def test_gradients_are_staged_in_fp32_and_copied_into_the_registered_slot() -> N
 def test_cuda_worker_trains_to_the_cpu_reference_within_its_weight_budget(client: Client, mode: str) -> None:
     stages = [Slow(s) for s in models.mixed(seed=9)]
     start = copy.deepcopy(stages)
-    job = client.create_job("cuda", stages, optimizer=AdamW(lr=3e-3), token="t")
+    job = client.create_job("cuda", stages, optimizer=AdamW(lr=3e-3), token="t", unit_bytes=None)
     largest = max(spec_of(i, s).numel for i, s in enumerate(models.mixed())) * 4
     budget = 2 * largest + largest // 2  # two buffers: every copy reuses one compute just left
     warm = nn.Linear(8, 8).to(DEV)  # cuBLAS takes its workspace from the caching allocator once
@@ -122,7 +122,8 @@ def test_cuda_worker_trains_to_the_cpu_reference_within_its_weight_budget(client
     with job.trainer("cuda", shm=mode == "shm", weight_budget=budget) as trainer:
         st = trainer.stats()
         assert st.ring_capacity == 2 and st.ring_bytes == 2 * largest <= budget
-        assert torch.cuda.memory_allocated() - base <= st.ring_bytes + st.grad_staging_bytes  # allocated once
+        # allocated once; the caching allocator rounds each block up to 512 bytes (a few blocks here)
+        assert torch.cuda.memory_allocated() - base <= st.ring_bytes + st.grad_staging_bytes + 8 * 512
         assert st.registered_bytes > 0 and st.registration_s > 0
         ptrs = [b.data_ptr() for b in trainer.connection.ring.buffers]
         for s in range(STEPS):
