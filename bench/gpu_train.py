@@ -103,7 +103,7 @@ def _resident(cfg: GPTConfig, sizes: list[int], device: torch.device, steps: int
 
 def wstream(
     cfg: GPTConfig, sizes: list[int], device: torch.device, steps: int, warmup: int, *, weight_budget: str,
-    optimizer: object, memory_limit: str, server_threads: int, huge_pages: str = "auto",
+    optimizer: object, memory_limit: str, server_threads: int, huge_pages: str = "auto", delayed_update: bool = False,
 ) -> dict[int, tuple[float, int, dict[str, float]]]:
     """Per batch size: (seconds per step, peak bytes, worker stats per step) through a server."""
     out: dict[int, tuple[float, int, dict[str, float]]] = {}
@@ -111,7 +111,7 @@ def wstream(
     with server(*extra) as address, Client(address, timeout=600) as client:
         torch.manual_seed(0)
         t0 = time.perf_counter()
-        job = client.create_job("gpt", gpt_stages(cfg), optimizer=optimizer, token="b", dtype="bfloat16")  # type: ignore[arg-type]
+        job = client.create_job("gpt", gpt_stages(cfg), optimizer=optimizer, token="b", dtype="bfloat16", delayed_update=delayed_update)  # type: ignore[arg-type]
         print(f"  job created in {time.perf_counter() - t0:.0f} s ({job.num_params / 1e9:.2f} B parameters)")
         sys.stdout.flush()
         for size in sizes:
@@ -151,6 +151,10 @@ def main() -> None:
     p.add_argument("--big-batch", type=int, default=4)
     p.add_argument("--huge-pages", default="auto", choices=["auto", "on", "off"], help="the server's --huge-pages")
     p.add_argument("--only", choices=["small", "big"], help="run only the model of figures 2/3 or the big one")
+    p.add_argument(
+        "--delayed-update", action="store_true",
+        help="wstream's job with delayed_update (step t's update overlaps all of step t + 1)",
+    )
     p.add_argument("--json", help="also write the figures here (bench/gpu_deepspeed.py --compare reads them)")
     args = parse_args(p, smoke=dict(steps=1, warmup=0, layers=1, width=64, heads=2, seq=16, batches="1", big_layers=0))
     device = require_cuda("gpu_train.py", smoke=args.smoke)
@@ -170,7 +174,7 @@ def small(args: argparse.Namespace, cfg: GPTConfig, sizes: list[int], device: to
     res = resident(cfg, sizes, device, args.steps, args.warmup)
     ws = wstream(
         cfg, sizes, device, args.steps, args.warmup, weight_budget=args.weight_budget, optimizer=AdamW(lr=1e-4),
-        memory_limit=args.memory_limit, server_threads=args.server_threads, huge_pages=args.huge_pages,
+        memory_limit=args.memory_limit, server_threads=args.server_threads, delayed_update=args.delayed_update, huge_pages=args.huge_pages,
     )
     print("batch | tokens/s resident | tokens/s wstream | ratio (wstream/resident) | peak GPU resident | peak GPU wstream | wstream waits/step (weights, updates)")
     for size in sizes:
