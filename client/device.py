@@ -37,6 +37,7 @@ import torch
 
 from wstream.protocol import StageSpec
 from wstream.protocol.frames import copy_frames_into
+from wstream.protocol.grad_norm import squared_norm, squared_norm_tensor
 from wstream.protocol.layout import grad_layout, push_layout
 from wstream.protocol.units import format_bytes
 
@@ -331,8 +332,8 @@ class GradientStager:
         self, slot: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor | None]
     ) -> tuple[CopyTicket, Callable[[], float]]:
         """:meth:`write`, and the squared norm of the gradient part, the float a push carries
-        (``Push.sumsq``): ``float(torch.linalg.vector_norm(g)) ** 2`` of the fp32 gradient
-        written (buffers left out). On a CPU worker it is measured on the slot at once; staged,
+        (``Push.sumsq``): ``squared_norm`` of the fp32 gradient written (buffers left out; NOTE
+        [Gradient norms] in wstream/protocol/grad_norm.py). On a CPU worker it is measured on the slot at once; staged,
         on the device buffer on the compute stream, its one float copied with the gradient. Call
         the function once the ticket is done."""
         numel = push_layout(spec).numel
@@ -346,19 +347,13 @@ class GradientStager:
         self._last[k].wait_stream()  # the compute stream waits until its last D2H has read it
         buf = self.buffers[k][:numel]
         scatter_grads(buf, spec, grads)
-        norm = torch.linalg.vector_norm(buf[:grad_numel])  # on the compute stream, before the mark
-        host = torch.empty((), dtype=torch.float32, pin_memory=self._pinned)  # one per push: read later
+        norm = squared_norm_tensor(buf[:grad_numel])  # on the compute stream, before the mark
+        host = torch.empty((), dtype=torch.float64, pin_memory=self._pinned)  # one per push: read later
         after = [self.engine.mark()]
         self._last[k] = self.engine.copy(slot[:numel], buf, after=after)
         ticket = self.engine.copy(host, norm, after=after)  # the same stream, after the gradient
         kept = (host, norm)  # ``norm`` lives until the copy stream has read it (the ticket)
-        return ticket, lambda: float(kept[0]) ** 2
-
-
-def squared_norm(grad: torch.Tensor) -> float:
-    """``float(torch.linalg.vector_norm(grad)) ** 2``: a float32 L2 norm, squared in float64 (the
-    server's ``squared_norm``, which a push's ``sumsq`` stands in for)."""
-    return float(torch.linalg.vector_norm(grad)) ** 2
+        return ticket, lambda: float(kept[0])
 
 
 def host_staging(device: torch.device) -> bool:

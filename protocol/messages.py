@@ -335,9 +335,9 @@ class Push(SessionMessage, tag="push"):
     nframes: FrameCount = 0
     sumsq: float | None = None
     """The squared L2 norm of the slot's gradient part (its first ``grad_layout(stage).numel``
-    elements, buffers left out), as the worker measured it: ``float(torch.linalg.vector_norm(g))
-    ** 2`` of those fp32 elements (a float32 norm, squared in float64), or nan/inf when the gradient
-    is not finite. When this worker is the only one the step waits for, the server takes this
+    elements, buffers left out), as the worker measured it: ``squared_norm`` of those fp32
+    elements (``wstream.protocol.grad_norm``: fp32 dots of pieces summed in float64), or nan/inf
+    when the gradient is not finite. When this worker is the only one the step waits for, the server takes this
     float as the stage's share of the global norm instead of reading the gradient again (protocol
     7; None: the server measures it); the server may then read the gradient from the slot in place
     until the stage's update (NOTE [Held gradient slots] in server/step_commit.py) and answer ``pushed``

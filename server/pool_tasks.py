@@ -14,6 +14,8 @@ from typing import Protocol, Union
 
 import torch
 
+from wstream.protocol.grad_norm import accumulate_with_norm, squared_norm
+
 from .snapshot import Snapshot
 from .stage_state import StageState
 
@@ -34,7 +36,8 @@ class GatherTask:
     pass over memory: the first gradients of an attempt are summed into it (``torch.add(a, b,
     out=grad)``: read 8 bytes and write 4 per parameter, where copying the first and adding the
     second took 20), and the task that brings the ``expected``-th gradient of its attempt also
-    computes the squared norm of the sum."""
+    computes the squared norm of the sum, chunk by chunk as it writes it (NOTE [Gradient norms] in
+    wstream/protocol/grad_norm.py), unless it is a lone worker's, which came with its norm."""
 
     job: UpdatedJob
     stage: StageState
@@ -62,20 +65,26 @@ class GatherTask:
                 attempt, count = st.acc
                 if attempt != self.attempt:
                     count = 0
-                sources = self.sources
-                if count == 0 and len(sources) >= 2:
-                    torch.add(sources[0], sources[1], out=st.grad)
-                    sources = sources[2:]
-                elif count == 0:
-                    st.grad.copy_(sources[0])
-                    sources = sources[1:]
-                for source in sources:
-                    st.grad.add_(source)
-                count += len(self.sources)
-                st.acc = (self.attempt, count)
-                if count == self.expected:
-                    norm = self.sumsq if count == 1 and self.sumsq is not None else squared_norm(st.gradient)
-                    st.sumsq = (self.attempt, count, norm)
+                total = count + len(self.sources)
+                last = total == self.expected
+                if last and not (total == 1 and self.sumsq is not None):
+                    # the sum and its norm in one pass (NOTE [Gradient norms])
+                    norm = accumulate_with_norm(st.grad, self.sources, first=count == 0, norm_numel=st.grad_numel)
+                else:
+                    norm = self.sumsq
+                    sources = self.sources
+                    if count == 0 and len(sources) >= 2:
+                        torch.add(sources[0], sources[1], out=st.grad)
+                        sources = sources[2:]
+                    elif count == 0:
+                        st.grad.copy_(sources[0])
+                        sources = sources[1:]
+                    for source in sources:
+                        st.grad.add_(source)
+                st.acc = (self.attempt, total)
+                if last:
+                    assert norm is not None
+                    st.sumsq = (self.attempt, total, norm)
         self.seconds = time.perf_counter() - t0
         return self
 
@@ -100,12 +109,6 @@ class NormTask:
                 st.sumsq = (attempt, count, squared_norm(st.gradient))
         self.seconds = time.perf_counter() - t0
         return self
-
-
-def squared_norm(grad: torch.Tensor) -> float:
-    """||grad||^2 as ``torch.nn.utils.clip_grad_norm_`` measures it (a float32 L2 norm), squared
-    in float64 so that stages add up without overflow."""
-    return float(torch.linalg.vector_norm(grad)) ** 2
 
 
 @dataclass(slots=True)

@@ -66,9 +66,9 @@ their completion, and the open step discarded when a worker leaves in the middle
 #    (``check_complete``); one that leaves having pushed discards the step (their pushes are
 #    answered with the error).
 # Otherwise the push is gathered as before; a lone worker's norm still spares the gather's norm
-# pass. The norm each stage adds to the global one is the same float either way: the fp32
-# ``vector_norm`` of that stage's gradient sum, squared in float64 (``squared_norm``; the worker
-# computes it on its slot, which with one worker is that sum).
+# pass. The norm each stage adds to the global one is the same float either way: ``squared_norm``
+# of that stage's gradient sum (NOTE [Gradient norms] in wstream/protocol/grad_norm.py; a CPU
+# worker computes it on its slot, which with one worker is that sum).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ from test_recipe import ADAMW, CLIP, STEPS, cosine_factor, reference
 from wstream.client import Client
 from wstream.protocol import AdamW, GradientError
 from wstream.protocol import messages as m
+from wstream.protocol.grad_norm import squared_norm
 from wstream.protocol.layout import build_stage_spec
 from wstream.server.job import Job
 from wstream.server.memory import MemoryAccount
@@ -192,7 +193,7 @@ def test_two_workers_pushes_are_parked_and_summed_in_one_gather() -> None:
         assert all(isinstance(r.message, m.Pushed) for r in replies)  # type: ignore[attr-defined]
         want = torch.arange(numel, dtype=torch.float32) + 2.0
         assert torch.equal(st.grad, want) and st.gathered == {a.id, b.id}
-        assert st.sumsq is not None and st.sumsq[1:] == (2, float(torch.linalg.vector_norm(want)) ** 2)
+        assert st.sumsq is not None and st.sumsq[1:] == (2, squared_norm(want))
         assert 0 not in a.busy and 1 not in b.busy
     finally:
         job.close()
