@@ -49,6 +49,9 @@ if [[ $part == 1 || $part == all ]]; then
     step gpu_train 270 python3 bench/gpu_train.py --only small --layers 24 --width 2048 --seq 1024 \
         --batches 4,8,16 --steps 4 --warmup 2 --weight-budget 4GiB --json "$out/gpu_train.json"
     cp "$out/gpu_train.json" /tmp/wstream-gpu_train.json 2>/dev/null  # for part 2 ($OUT is emptied per command)
+    # the same with a step ring (every gradient read in place by its update; session 13: not yet measured)
+    step gpu_train_step_ring 150 python3 bench/gpu_train.py --only small --layers 24 --width 2048 --seq 1024 \
+        --batches 4,16 --steps 4 --warmup 2 --weight-budget 4GiB --step-ring
 fi
 if [[ $part == 2 || $part == all ]]; then
     if [[ $(id -u) == 0 ]] && grep -q hugetlbfs /proc/mounts; then

@@ -104,6 +104,7 @@ def _resident(cfg: GPTConfig, sizes: list[int], device: torch.device, steps: int
 def wstream(
     cfg: GPTConfig, sizes: list[int], device: torch.device, steps: int, warmup: int, *, weight_budget: str,
     optimizer: object, memory_limit: str, server_threads: int, huge_pages: str = "auto", delayed_update: bool = False,
+    step_ring: bool = False,
 ) -> dict[int, tuple[float, int, dict[str, float]]]:
     """Per batch size: (seconds per step, peak bytes, worker stats per step) through a server."""
     out: dict[int, tuple[float, int, dict[str, float]]] = {}
@@ -116,7 +117,7 @@ def wstream(
         sys.stdout.flush()
         for size in sizes:
             torch.cuda.reset_peak_memory_stats(device)
-            with job.trainer(device, weight_budget=weight_budget) as trainer:
+            with job.trainer(device, weight_budget=weight_budget, step_ring=step_ring) as trainer:
                 st = trainer.stats()
                 print(
                     f"  wstream ring: {st.ring_capacity} stages, {st.ring_bytes / 2**30:.2f} GiB of {weight_budget}; "
@@ -155,6 +156,10 @@ def main() -> None:
         "--delayed-update", action="store_true",
         help="wstream's job with delayed_update (step t's update overlaps all of step t + 1)",
     )
+    p.add_argument(
+        "--step-ring", action="store_true",
+        help="the worker asks for a step ring (a gradient slot per stage, page-locked: every push read in place)",
+    )
     p.add_argument("--json", help="also write the figures here (bench/gpu_deepspeed.py --compare reads them)")
     args = parse_args(p, smoke=dict(steps=1, warmup=0, layers=1, width=64, heads=2, seq=16, batches="1", big_layers=0))
     device = require_cuda("gpu_train.py", smoke=args.smoke)
@@ -175,6 +180,7 @@ def small(args: argparse.Namespace, cfg: GPTConfig, sizes: list[int], device: to
     ws = wstream(
         cfg, sizes, device, args.steps, args.warmup, weight_budget=args.weight_budget, optimizer=AdamW(lr=1e-4),
         memory_limit=args.memory_limit, server_threads=args.server_threads, delayed_update=args.delayed_update, huge_pages=args.huge_pages,
+        step_ring=args.step_ring,
     )
     print("batch | tokens/s resident | tokens/s wstream | ratio (wstream/resident) | peak GPU resident | peak GPU wstream | wstream waits/step (weights, updates)")
     for size in sizes:

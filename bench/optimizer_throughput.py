@@ -6,8 +6,10 @@ Runs the server's own per-stage work of one step on a real `Job`, as the job han
 * *held* (a lone worker's push that sent its norm, where the ring allows: always for the step's
   last pushes): no gather; `UpdateTask.run` reads the gradient in place from the worker's slot
   (mean and clip folded into fused AdamW on the fp32 master, publication);
-* *gathered, worker's norm* (a lone worker's earlier pushes when the ring is smaller than the
-  step): `GatherTask.run` copies the slot into the stage's accumulator, then the update;
+* *gathered, worker's norm* (a lone worker's earlier pushes when its ring is smaller than the
+  step: since protocol 8 a lone CPU worker's step ring holds every push (the *held* line), so
+  this is a GPU worker's, or one with ``step_ring=False`` or no room for a step ring):
+  `GatherTask.run` copies the slot into the stage's accumulator, then the update;
 * *gathered, server's norm* (before protocol 7, or a push without its norm): the copy and a norm
   pass over the accumulator, then the update;
 * W workers: the pushes parked until the last one comes, then one gather sums them into the
@@ -37,6 +39,7 @@ import zmq
 from common import machine, median_time, parse_args
 from wstream.protocol import AdamW
 from wstream.protocol import messages as m
+from wstream.protocol.grad_norm import squared_norm
 from wstream.protocol.layout import build_stage_spec
 from wstream.protocol.shm import create_segment, map_segment, unlink_segment
 from wstream.server.job import Job
@@ -119,6 +122,23 @@ def main() -> None:
             line += f"   vs DeepSpeed {median_time(ds_step, repeat=args.repeat) / t:.2f}"
         print(line)
         job.close()
+    norm_accuracy(numel, args.repeat)
+
+
+def norm_accuracy(numel: int, repeat: int) -> None:
+    """The gradient norm a push carries and the server takes (NOTE [Gradient norms]): time and
+    relative error against a float64 sum, next to the float32 ``vector_norm`` it replaced."""
+    g = torch.randn(numel, generator=torch.Generator().manual_seed(1)) * 1e-3
+    g[::7] *= 50
+    exact = float(torch.sum(torch.square(g.double())))
+    t_old = median_time(lambda: torch.linalg.vector_norm(g), repeat=repeat)
+    t_new = median_time(lambda: squared_norm(g), repeat=repeat)
+    err_old = abs(float(torch.linalg.vector_norm(g)) ** 2 - exact) / exact
+    err_new = abs(squared_norm(g) - exact) / exact
+    print(
+        f"gradient norm of {numel:,} fp32: float32 vector_norm {t_old * 1e3:.2f} ms (rel. error {err_old:.1e}); "
+        f"squared_norm {t_new * 1e3:.2f} ms (rel. error {err_new:.1e}); time ratio {t_old / t_new:.2f}"
+    )
 
 
 def deepspeed_step(numel: int) -> Callable[[], None] | None:

@@ -42,7 +42,7 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def measure(
     client: Client, n: int, width: int, batch: int, steps: int, cpu_threads: int | None, unit_bytes: str = "auto",
-    block: int = 1, grad_slots: int = 2,
+    block: int = 1, grad_slots: int = 2, step_ring: bool | None = None,
 ) -> tuple[float, float]:
     """Median seconds per step of plain PyTorch and of wstream on the chain ``n x width``, over
     blocks of ``block`` steps."""
@@ -63,7 +63,7 @@ def measure(
         f"chain-{n}x{width}", stages, optimizer=AdamW(lr=1e-4), token="b", progress=False,
         unit_bytes=unit_bytes_arg(unit_bytes),
     )
-    with job.trainer(schedule="store_all", cpu_threads=cpu_threads, grad_slots=grad_slots) as trainer:
+    with job.trainer(schedule="store_all", cpu_threads=cpu_threads, grad_slots=grad_slots, step_ring=step_ring) as trainer:
         plain_step(*data[0])
         trainer.step(*data[0], loss_fn)
         plain, streamed = alternate(plain_step, trainer, job, data[1:], block)
@@ -100,6 +100,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3, help="timed blocks of each side (after one warm-up step)")
     p.add_argument("--block", type=int, default=1, help="steps per timed block (1: each step waits for its updates)")
     p.add_argument("--grad-slots", type=int, default=2, help="the worker's gradient ring (TransportOptions.grad_slots)")
+    p.add_argument(
+        "--step-ring", choices=["auto", "on", "off"], default="auto",
+        help="TransportOptions.step_ring: auto (the default: a CPU worker asks), on, off (a ring of --grad-slots)",
+    )
     p.add_argument("--server-arg", action="append", default=[], help="an extra wstream-server argument (repeat)")
     p.add_argument("--cpu-threads", type=int, default=None, help="the worker's torch threads (default: the cores the server leaves)")
     p.add_argument(
@@ -117,7 +121,9 @@ def main() -> None:
     print(f"{'chain':>12} {'plain ms/step':>14} {'wstream ms/step':>16} {'ratio':>7} {'overhead/stage':>15}")
     with server("--memory-limit", "16GiB", *args.server_arg) as address, Client(address, timeout=120) as client:
         for n, width in chains:
-            t_plain, t_ws = measure(client, n, width, args.batch, args.steps, args.cpu_threads, args.unit_bytes, args.block, args.grad_slots)
+            t_plain, t_ws = measure(client, n, width, args.batch, args.steps, args.cpu_threads, args.unit_bytes, args.block, args.grad_slots,
+                {"auto": None, "on": True, "off": False}[args.step_ring],
+            )
             per_stage_us = (t_ws - t_plain) / n * 1e6
             print(
                 f"{f'{n}x{width}':>12} {t_plain * 1e3:14.1f} {t_ws * 1e3:16.1f} {t_ws / t_plain:7.2f} "

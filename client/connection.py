@@ -114,6 +114,7 @@ class WorkerConnection:
                 grad_slots=transport.grad_slots,
                 world_size=self.world_size,
                 reader=self.reader,
+                step_ring=self.shm and (self.device.type == "cpu" if transport.step_ring is None else transport.step_ring),
             ),
             m.Joined,
         )
@@ -122,7 +123,14 @@ class WorkerConnection:
         """The job's step when this worker joined (the trainer trains it next)."""
         self._say_what_it_waits_for()
         max_numel = max(s.numel for s in attached.stages)
-        if self.shm and joined.grad_slots:
+        self.step_ring = bool(joined.grad_slot_offsets)
+        """Whether the gradient ring has a slot per stage (``TransportOptions.step_ring`` granted)."""
+        if self.step_ring:
+            ring = map_segment(joined.grad_path, joined.grad_ring_bytes)
+            self._register(ring, "gradient step ring")
+            ends = [*joined.grad_slot_offsets[1:], joined.grad_ring_bytes]
+            grad_views = [ring[at:end].view(torch.float32) for at, end in zip(joined.grad_slot_offsets, ends)]
+        elif self.shm and joined.grad_slots:
             ring = map_segment(joined.grad_path, joined.grad_slot_bytes * joined.grad_slots)
             self._register(ring, "gradient slots")
             grad_views = [
@@ -169,7 +177,7 @@ class WorkerConnection:
             self.receive = ReceiveRing(2, stage_bytes, self.device)
         self.prefetcher = Prefetcher(self.sc, self.ring, copy_engine(self.device, "h2d"), self.receive)
         self.stager = GradientStager(self.device, max_numel, copy_engine(self.device, "d2h"), staged=staged)
-        self.pusher = GradientPusher(self.sc, grad_views, shm=self.shm, stager=self.stager)
+        self.pusher = GradientPusher(self.sc, grad_views, shm=self.shm, stager=self.stager, step_ring=self.step_ring)
         self.heartbeat = HeartbeatThread(
             self.sc, interval_s=max(0.05, attached.lease_s / 3), timeout_s=min(ep.timeout_s, max(1.0, attached.lease_s))
         )

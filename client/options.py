@@ -89,7 +89,15 @@ class Transport:
     stage is updated only after every worker has pushed its gradient, i.e. after its last use of
     those weights (DESIGN.md)."""
     grad_slots: int = 2
-    """Gradients in flight to the server."""
+    """Gradients in flight to the server (the ring's slots, each the size of the largest stage)."""
+    step_ring: bool | None = None
+    """Ask for a slot per stage instead (``Join.step_ring``): every gradient of a step is then read
+    in place by its update, none copied on the server (NOTE [Held gradient slots] rule 5 in
+    server/step_commit.py), for shared memory the size of the model's gradient. The server grants
+    it to a lone worker (``world_size`` 1, no other worker pushing, not ``delayed_update``) when
+    its memory limit has room, else gives ``grad_slots`` slots. None: ask on a CPU worker on the
+    server's host; a GPU worker would page-lock the whole ring, so there it waits for its figure
+    (BENCHMARKS.md, "GPU") and is asked for with True."""
     reconnect_s: float = 300.0
     """When the server restarts (from its snapshots) or detaches this worker, the trainer attaches
     and joins again, retrying with backoff for this long (0: raise at once)."""

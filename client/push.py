@@ -63,13 +63,16 @@ class GradientPusher:
     own buffers whose bytes go out as data frames (a slot is busy until its reply, so a buffer is
     never refilled while ZeroMQ may still read it)."""
 
-    def __init__(self, sc: StreamContext, slots: list[torch.Tensor], *, shm: bool, stager: GradientStager) -> None:
+    def __init__(
+        self, sc: StreamContext, slots: list[torch.Tensor], *, shm: bool, stager: GradientStager, step_ring: bool = False
+    ) -> None:
         self._sc = sc
         self._slots = slots
         self._shm = shm
         self._stager = stager
+        self._step_ring = step_ring  # slot k is stage k's (Join.step_ring)
         self._cond = threading.Condition()
-        self._free = list(range(len(slots)))[::-1]
+        self._free = set(range(len(slots)))
         self._unsent: deque[_Unsent] = deque()
         self._outstanding: dict[int, _Sent] = {}  # request id -> what was sent
         self._replies = 0  # replies seen: progress, for the wait deadline
@@ -125,9 +128,18 @@ class GradientPusher:
         self._wait_until(done, f"wait update {stage}", f"for stage {stage}'s gradient to be taken")
 
     def _acquire(self, stage: int) -> int:
+        """A free slot for ``stage``'s gradient: the lowest free one, or, in a step ring, the stage's
+        own (free once the server's update read its last gradient)."""
+        if self._step_ring:
+            self._wait_until(lambda: stage in self._free, f"wait grad slot {stage}", f"for stage {stage}'s gradient slot")
+            with self._cond:
+                self._free.remove(stage)
+                return stage
         self._wait_until(lambda: bool(self._free), f"wait grad slot {stage}", "for a free gradient slot")
         with self._cond:
-            return self._free.pop()
+            slot = min(self._free)
+            self._free.remove(slot)
+            return slot
 
     def _wait_until(self, done: Callable[[], bool], what: str, why: str) -> None:
         """Wait (with the lock's condition) until ``done()``; raise what the sender thread met, an
@@ -228,7 +240,7 @@ class GradientPusher:
                     log.debug("dropping an unexpected reply %s", type(reply).__name__)
                     continue
                 if entry.slot is not None:
-                    self._free.append(entry.slot)
+                    self._free.add(entry.slot)
                 self._replies += 1
                 self._cond.notify_all()
             if entry.slot is None:

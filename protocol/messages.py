@@ -15,7 +15,7 @@ from msgspec import Meta, Struct
 
 from .lr_schedules import Constant, Schedule
 
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 """Carried in every header; a server answers any other value with ``version_mismatch``.
 docs/protocol.md lists what changed in each version."""
 
@@ -59,7 +59,7 @@ Step = Annotated[int, Meta(ge=0, le=MAX_STEP)]
 StageIndex = Annotated[int, Meta(ge=0, lt=MAX_STAGES)]
 Numel = Annotated[int, Meta(ge=0, le=MAX_NUMEL)]
 Dim = Annotated[int, Meta(ge=0, le=MAX_NUMEL)]
-SlotIndex = Annotated[int, Meta(ge=0, lt=MAX_GRAD_SLOTS)]
+SlotIndex = Annotated[int, Meta(ge=0, lt=MAX_STAGES)]  # a step ring has a slot per stage (Join.step_ring)
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 DTYPE_ITEMSIZE: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -318,6 +318,12 @@ class Join(SessionMessage, tag="join"):
     """A worker that fetches weights but never pushes: a rank whose gradients reach the server
     through another rank (reduced over torch.distributed first). It has no gradient ring, no step
     waits for it and it does not count towards ``world_size``."""
+    step_ring: bool = False
+    """Ask for a *step ring*: one slot per stage, each of that stage's push size, so that every
+    push of a step can be held in place until its update (NOTE [Held gradient slots] in
+    server/step_commit.py, rule 5). Granted to a lone shared-memory worker (``world_size`` 1, no
+    other worker pushing, not a delayed job) when the memory limit has room for it; otherwise
+    the worker gets ``grad_slots`` slots as usual (``Joined`` says which). Protocol 8."""
 
 
 class Fetch(SessionMessage, tag="fetch"):
@@ -468,11 +474,18 @@ class Attached(Message, tag="attached"):
 
 
 class Joined(Message, tag="joined"):
+    """The worker's id, the step it trains first, and its gradient ring: ``grad_slots`` slots of
+    ``grad_slot_bytes`` each in the segment ``grad_path`` (shared-memory workers), or, for a step
+    ring (``Join.step_ring`` granted), slot k (for stage k, pushed only there) of stage k's push
+    size at byte ``grad_slot_offsets[k]`` of a segment of ``grad_ring_bytes``."""
+
     worker: int
     step: Step
     grad_path: str
     grad_slot_bytes: int
     grad_slots: int
+    grad_slot_offsets: list[int] = []
+    grad_ring_bytes: int = 0
 
 
 class Weights(Message, tag="weights"):

@@ -337,6 +337,8 @@ class Handlers:
             grad_path=w.grad_path,
             grad_slot_bytes=w.slot_bytes,
             grad_slots=len(w.slots),
+            grad_slot_offsets=w.slot_offsets,
+            grad_ring_bytes=w.grad_buffer.numel(),
         )
         return Outgoing(identity, reply)
 

@@ -251,7 +251,17 @@ class Job:
         # NOTE [The step commit point] rule 5: the open step, unless part of it is gathered already
         joins_open = not self.worker_table.started or not self.contributors
         first_step = self.open_step if joins_open else self.open_step + 1
-        return self.worker_table.join(session, msg, first_step, numel, align(numel * 4))
+        return self.worker_table.join(session, msg, first_step, numel, align(numel * 4), self._step_ring(msg))
+
+    def _step_ring(self, msg: m.Join) -> list[int] | None:
+        """Each stage's push numel when ``msg`` may have a step ring (``Join.step_ring``): a lone
+        shared-memory worker of a job that is not delayed, with no other worker pushing; else None."""
+        alone = not any(not w.reader for w in self.workers.values())
+        if not (msg.step_ring and msg.shm and not msg.reader and msg.world_size == 1 and alone):
+            return None
+        if self.options.delayed_update:  # its pushes are never held (NOTE [Held gradient slots] rule 1)
+            return None
+        return [0 if st.grad is None else st.grad.numel() for st in self.stages]
 
     def open_barrier(self, submit: Submit) -> list[Outgoing]:
         """Start training once ``world_size`` workers have joined (checked after every join)."""

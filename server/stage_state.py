@@ -240,6 +240,8 @@ class StageState:
             raise GradientError(f"{where}: this worker already pushed it")
         if msg.slot >= len(worker.slots):
             raise GradientError(f"{where}: slot {msg.slot} does not exist (the ring has {len(worker.slots)})")
+        if worker.slot_offsets and msg.slot != self.index:
+            raise GradientError(f"{where}: slot {msg.slot} of a step ring, whose slot {self.index} is this stage's")
         if msg.slot in worker.busy:
             raise GradientError(f"{where}: slot {msg.slot} is still in use by an earlier push")
         numel = self.grad.numel()  # the push layout: frozen parameters have no gradient, buffers follow it

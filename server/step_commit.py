@@ -65,6 +65,14 @@ their completion, and the open step discarded when a worker leaves in the middle
 #    leaves having pushed nothing stops being expected: the parked pushes then gather
 #    (``check_complete``); one that leaves having pushed discards the step (their pushes are
 #    answered with the error).
+# 5. A *step ring* (``Join.step_ring``: a lone shared-memory worker of a job that is not delayed,
+#    where the memory limit has room) has a slot per stage, stage k's push always in slot k: rule
+#    2 always holds (slot k is free again once stage k's last update read it, which the worker's
+#    fetch of stage k for the next step waited for), so every push of the step is held and no
+#    gradient is copied. It costs shared memory the size of the step's gradient, reserved on top of
+#    the private accumulators, which such a worker never touches (``torch.empty``: no page of them
+#    is written; they are there for a second worker, which would get an ordinary ring and make
+#    the first one's pushes park in its slots, rule 4).
 # Otherwise the push is gathered as before; a lone worker's norm still spares the gather's norm
 # pass. The norm each stage adds to the global one is the same float either way: ``squared_norm``
 # of that stage's gradient sum (NOTE [Gradient norms] in wstream/protocol/grad_norm.py; a CPU
@@ -193,7 +201,7 @@ class StepCommit:
             msg.sumsq is not None
             and not self.job.options.delayed_update
             and expected_set == {worker.id}
-            and len(worker.held) + 1 + (self.trained - pushes) <= len(worker.slots)
+            and (worker.slot_offsets or len(worker.held) + 1 + (self.trained - pushes) <= len(worker.slots))
         ):
             del st.pending[worker.id]
             st.held = HeldPush(worker.id, pending, source, self.attempt)

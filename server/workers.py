@@ -23,6 +23,8 @@ from .memory import MemoryAccount
 
 log = logging.getLogger(__name__)
 
+SLOT_ALIGN = 64
+"""Bytes a step ring's slots are aligned to (as the job's published slots)."""
 MAX_WAITING_FETCHES = 1024
 """Deferred fetches one worker may have at once (a prefetcher has its ring's worth in flight)."""
 
@@ -35,10 +37,13 @@ class Worker:
     first_step: int
     grad_path: str
     grad_buffer: torch.Tensor  # uint8 mapping of the whole ring
-    slots: list[torch.Tensor]  # fp32 views, one per slot, max_stage_numel each
+    slots: list[torch.Tensor]  # fp32 views, one per slot, max_stage_numel each (a step ring: stage k's push size)
     slot_bytes: int
     reserved: int
     reader: bool = False  # fetches only (see Join.reader)
+    slot_offsets: list[int] = field(default_factory=list)
+    """A step ring's (``Join.step_ring``): slot k, stage k's only slot, at this byte offset; empty
+    for an ordinary ring, whose slots are ``slot_bytes`` apart."""
     busy: set[int] = field(default_factory=set)
     held: set[int] = field(default_factory=set)
     """Busy slots that a stage's update reads in place (NOTE [Held gradient slots] in step_commit.py): free
@@ -60,9 +65,14 @@ class WorkerTable:
         self.world_size: int | None = None  # set by the first join; see Join
         self.started = False  # the start barrier opened
 
-    def join(self, session: bytes, msg: m.Join, first_step: int, slot_numel: int, slot_bytes: int) -> Worker:
+    def join(
+        self, session: bytes, msg: m.Join, first_step: int, slot_numel: int, slot_bytes: int,
+        step_ring: list[int] | None = None,
+    ) -> Worker:
         """Add the worker of ``session``, with ``msg.grad_slots`` gradient slots of ``slot_numel``
-        fp32 elements ``slot_bytes`` apart (none for a reader)."""
+        fp32 elements ``slot_bytes`` apart (none for a reader), or, given ``step_ring`` (each
+        stage's push numel) and room for it in the memory account, a step ring: a slot per
+        stage of its own size (``Join.step_ring``; ordinary slots where the account has no room)."""
         if any(w.session == session for w in self.all.values()):
             raise StateError("this session already joined the job as a worker")
         if not self.started and self.world_size is not None and msg.world_size != self.world_size:
@@ -71,9 +81,23 @@ class WorkerTable:
                 f"{msg.world_size}: give every worker the same world_size"
             )
         nslots = 0 if msg.reader else msg.grad_slots
+        offsets = [k * slot_bytes for k in range(nslots)]
+        sizes = [slot_numel] * nslots
         nbytes = slot_bytes * nslots
+        if step_ring is not None:
+            ring_offsets = [0]
+            for numel in step_ring:
+                ring_offsets.append(ring_offsets[-1] + -(-numel * 4 // SLOT_ALIGN) * SLOT_ALIGN)
+            if self.memory.fits(ring_offsets[-1]):
+                offsets, sizes, nbytes = ring_offsets[:-1], list(step_ring), ring_offsets[-1]
+            else:
+                log.info(
+                    "job %r: no room for a step ring of %d bytes (memory limit); the worker gets %d slots",
+                    self.job_name, ring_offsets[-1], nslots,
+                )
+                step_ring = None
         path, buf = "", torch.empty(0, dtype=torch.uint8)
-        if nslots:
+        if nbytes:
             self.memory.reserve(nbytes, f"gradient ring of a worker of job {self.job_name!r}")
             try:
                 path = create_segment(nbytes)
@@ -81,7 +105,7 @@ class WorkerTable:
                 self.memory.release(nbytes)
                 raise
             buf = map_segment(path, nbytes)
-        slots = [buf[k * slot_bytes : k * slot_bytes + slot_numel * 4].view(torch.float32) for k in range(nslots)]
+        slots = [buf[at : at + numel * 4].view(torch.float32) for at, numel in zip(offsets, sizes)]
         wid = self._next
         self._next += 1
         w = Worker(
@@ -95,11 +119,13 @@ class WorkerTable:
             slot_bytes=slot_bytes,
             reserved=nbytes,
             reader=msg.reader,
+            slot_offsets=offsets if step_ring is not None else [],
         )
         self.all[wid] = w
         log.info(
-            "job %r: %s %d joined at step %d (shm=%s)",
+            "job %r: %s %d joined at step %d (shm=%s%s)",
             self.job_name, "reader" if w.reader else "worker", wid, w.first_step, w.shm,
+            ", a step ring" if w.slot_offsets else "",
         )
         if self.world_size is None:
             self.world_size = msg.world_size

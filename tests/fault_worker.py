@@ -140,7 +140,7 @@ def main() -> None:
             with job.trainer(world_size=args.world_size, reconnect_s=60) as trainer:
                 losses = trainer.fit(lambda t: models.batch(args.model, t), models.loss_fn, steps=args.steps)
                 report[name] = {"losses": {str(k): v for k, v in losses.items()}, "reconnects": trainer.reconnects,
-                                "step": trainer.step_index}
+                                "step": trainer.step_index, "step_ring": trainer.connection.step_ring}
     with open(args.out, "w") as f:
         json.dump(report, f)
 

@@ -211,7 +211,7 @@ class _HeldStager:
 
 def test_a_push_is_sent_only_once_its_copy_is_complete(client: Client) -> None:
     job = client.create_job("held", models.mixed(), optimizer=SGD(lr=0.1), token="t", unit_bytes=None)  # pushes stage 4 by hand
-    with job.trainer(zero_copy=False) as trainer:
+    with job.trainer(zero_copy=False, step_ring=False) as trainer:  # gathered (a step ring holds it until a commit)
         pusher = trainer.connection.pusher
         held = _HeldStager(pusher._stager)
         pusher._stager = held  # type: ignore[assignment]

@@ -165,7 +165,7 @@ class Scene:
 
     def worker(self, job: ClientJob) -> tuple[Trainer, SessionSigner]:
         """An idle worker of ``job`` whose requests the test sends by hand (as the fuzzer does)."""
-        trainer = job.trainer(shm=True, prefetch=0)
+        trainer = job.trainer(shm=True, prefetch=0, step_ring=False)  # its pushes go to slots the test picks
         self.trainers.append(trainer)
         return trainer, trainer.connection.sc.signer
 

@@ -682,7 +682,7 @@ class Fuzzer:
                 t.trainer.close()
             finally:
                 quiet.setLevel(level)
-        t.trainer = t.job.trainer(shm=t.shm, prefetch=0)
+        t.trainer = t.job.trainer(shm=t.shm, prefetch=0, step_ring=False)  # fuzzed pushes pick their slots
         t.worker = t.trainer.session
         t.gathered = set()  # (the old worker's pushes were discarded with the open step)
         self.signers[t.worker] = t.trainer.connection.sc.signer  # shared with its heartbeat thread

@@ -38,16 +38,23 @@ def adamw_reference(ranks: int = 1) -> tuple[dict[str, torch.Tensor], list[float
     return want, norms
 
 
-@pytest.mark.parametrize(("grad_slots", "held_per_step"), [(1, 1), (2, 2), (STAGES, STAGES), (8, STAGES)])
+@pytest.mark.parametrize(
+    ("grad_slots", "step_ring", "held_per_step"),
+    [(1, False, 1), (2, False, 2), (STAGES, False, STAGES), (8, False, STAGES), (2, None, STAGES)],
+)
 @pytest.mark.parametrize("shm", [True, False])
 def test_a_lone_worker_is_read_in_place_and_equals_pytorch_with_clipping(
-    client: Client, server: ServerThread, grad_slots: int, held_per_step: int, shm: bool
+    client: Client, server: ServerThread, grad_slots: int, step_ring: bool | None, held_per_step: int, shm: bool
 ) -> None:
     """Held: the step's last ``grad_slots`` pushes (with one slot, the last alone: it needs none
-    after it); the others are gathered with the worker's norm. Same weights either way."""
+    after it); the others are gathered with the worker's norm. A CPU worker on shared memory asks
+    for a step ring by default (rule 5): every push held. Same weights every way."""
+    if step_ring is None and not shm:
+        held_per_step = grad_slots  # data frames: no shared ring, so no step ring
     job = client.create_job("held", models.mixed(), optimizer=ADAMW, token="t", unit_bytes=None)  # counts per chain stage
     norms = []
-    with job.trainer(grad_slots=grad_slots, shm=shm) as trainer:
+    with job.trainer(grad_slots=grad_slots, shm=shm, step_ring=step_ring) as trainer:
+        assert trainer.connection.step_ring == (shm and step_ring is None)
         for s in range(STEPS):
             trainer.step(*models.batch("mixed", s), models.loss_fn)
             norms.append(trainer.stats().grad_norm)
@@ -67,7 +74,7 @@ def test_bfloat16_weights_are_the_same_held_or_gathered(client: Client, server: 
     for slots in (1, 8):
         name = f"bf16-{slots}"
         job = client.create_job(name, models.mixed(), optimizer=ADAMW, token="t", dtype="bfloat16", unit_bytes=None)  # held per stage
-        with job.trainer(grad_slots=slots) as trainer:
+        with job.trainer(grad_slots=slots, step_ring=slots == 8) as trainer:  # 8: the step ring
             for s in range(STEPS):
                 trainer.step(*models.batch("mixed", s), models.loss_fn)
         got[slots] = job.state_dict()

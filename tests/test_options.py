@@ -23,7 +23,7 @@ def test_every_flat_keyword_is_one_field_with_a_docstring() -> None:
     assert len(fields) == len(set(fields)) == len(FLAT)
     assert set(FLAT) == {
         "schedule", "slots", "memory_budget", "preserve_rng", "early_stop", "prefetch", "weight_budget", "shm", "zero_copy",
-        "grad_slots", "reconnect_s", "cpu_threads", "loss_scale", "world_size", "reduce",
+        "grad_slots", "step_ring", "reconnect_s", "cpu_threads", "loss_scale", "world_size", "reduce",
     }
 
 

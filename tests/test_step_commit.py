@@ -106,9 +106,10 @@ def run_faults(
             return
         wait_stopped(proc)
         wait_detached(address, name)  # stopped past its lease
-        proc.send_signal(signal.SIGCONT)
+        proc.send_signal(signal.SIGCONT)  # it goes on writing its old ring, which the server no longer reads
         report = wait_worker(proc, out, out.with_suffix(".log"), timeout=120)
         assert report[name]["reconnects"] >= 1 and report[name]["step"] == STEPS
+        assert report[name]["step_ring"]  # a lone CPU worker: every push held in its step ring
 
     for name, (sig, step, at) in zip(names, points):
         out = tmp_path / f"{name}.json"
@@ -121,7 +122,7 @@ def run_faults(
         wait_detached(address, name)
     out = tmp_path / "finish.json"
     report = wait_worker(spawn(address, ",".join(["ref", *killed]), out), out, out.with_suffix(".log"), timeout=240)
-    assert all(r["step"] == STEPS for r in report.values())
+    assert all(r["step"] == STEPS and r["step_ring"] for r in report.values())
     status = jobs_status(address)
     want = weights(address, "ref")
     for name, point in zip(names, points):
