@@ -38,7 +38,8 @@ from wstream.protocol import (
     lr_at,
 )
 
-from .client import Client, Job
+from .client import Client
+from .job_handle import Job
 from .groups import ParamGroup, no_decay
 from .local import local_server
 from .options import Checkpointing, Parallelism, Precision, Transport

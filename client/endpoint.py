@@ -1,6 +1,6 @@
 """What a trainer needs of the client that made it: where the server is and how to talk to it.
 
-:class:`WorkerEndpoint` is the seam between :class:`~wstream.client.client.Job` and the worker
+:class:`WorkerEndpoint` is the seam between :class:`~wstream.client.job_handle.Job` and the worker
 (``connection.py``, ``trainer.py``): a frozen record of the ZeroMQ context, the address, the CURVE
 keys, the timeouts and the job's name and token, plus callbacks through which the client keeps a
 list of its open trainers (``Client.close()`` closes them). The worker side never imports

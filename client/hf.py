@@ -65,7 +65,8 @@ from wstream.protocol import LayoutError, ParamSpec, StageSpec, parse_size
 from wstream.protocol.layout import numel_of
 
 from .chain import progress_bar
-from .client import Client, Job
+from .client import Client
+from .job_handle import Job
 from .hf_stages import FAMILIES, Blocks, Embedding, Head, Layout, TiedHead, default_attn_implementation, layout_of
 from .hf_stages import UnsupportedModel, block_causal_mask  # noqa: F401 - re-exported for users
 from .stages import DTYPE_OF_BUFFER, Tied

@@ -52,7 +52,7 @@ from torch.nn import functional as F
 
 from wstream.protocol import LayoutError, StageSpec
 
-from .client import Job
+from .job_handle import Job
 from .stages import Tied
 
 ADAPTER = "default"

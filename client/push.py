@@ -84,6 +84,11 @@ class GradientPusher:
         self._thread = threading.Thread(target=self._run, name="wstream-push", daemon=True)
         self._thread.start()
 
+    @property
+    def slots(self) -> int:
+        """Slots of the ring (a step ring: one per server stage)."""
+        return len(self._slots)
+
     # ---- the compute thread ----------------------------------------------------------------------
     def push(self, stage: int, step: int, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
         """Write the stage's per-parameter gradients (and its buffers' values: ``push_layout``)

@@ -52,6 +52,11 @@ class TrainerStats:
     """Seconds those registrations took."""
     grad_staging_bytes: int = 0
     """Device memory of the two fp32 gradient staging buffers (0 on a CPU worker)."""
+    grad_slots: int = 0
+    """Slots of this worker's gradient ring (a step ring: one per server stage)."""
+    step_ring: bool = False
+    """Whether the ring is a step ring (``TransportOptions.step_ring`` granted): every push held
+    in place until its update, none copied on the server."""
     loss_scale: float | None = None
     """The loss scale of the next step (None: no loss scaling; NOTE [Per-stage loss scaling])."""
     loss_scale_backoffs: int = 0
@@ -88,8 +93,10 @@ class TrainerStats:
         p50, p99 = self.fetch_latency.quantile(0.5), self.fetch_latency.quantile(0.99)
         latency = "" if math.isnan(p50) else f"; round trip p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms"
         lines.append(f"  weights: {self.fetches} fetches, {moved}, compute waited {self.fetch_wait_s:.3f} s{latency}")
+        kind = "a step ring" if self.step_ring else "a ring"
         lines.append(
-            f"  gradients: {self.pushes} pushes, {format_bytes(self.bytes_pushed)}, compute waited {self.push_wait_s:.3f} s"
+            f"  gradients: {self.pushes} pushes, {format_bytes(self.bytes_pushed)}, compute waited {self.push_wait_s:.3f} s; "
+            f"{kind} of {self.grad_slots} slot{'' if self.grad_slots == 1 else 's'}"
         )
         ring = f"{format_bytes(self.ring_bytes)}, " if self.ring_bytes else ""
         memory = (
@@ -147,6 +154,8 @@ def trainer_stats(
         registered_bytes=registered_bytes,
         registration_s=registration_s,
         grad_staging_bytes=conn.stager.nbytes,
+        grad_slots=conn.pusher.slots,
+        step_ring=conn.step_ring,
         loss_scale=None if scaler is None else scaler.scale,
         loss_scale_backoffs=0 if scaler is None else scaler.backoffs,
         samples_per_s=throughput.samples_per_s,

@@ -29,10 +29,6 @@ class MemoryAccount:
                 f"({self.free} bytes) of the server's {format_bytes(self.limit)} memory limit is free"
             )
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more would fit now."""
-        return nbytes <= self.free
-
     def reserve(self, nbytes: int, what: str) -> None:
         """Reserve ``nbytes`` for ``what`` or raise :class:`MemoryLimitError` with the numbers."""
         self.check(nbytes, what)

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from wstream.protocol import StateError
+from wstream.protocol import MemoryLimitError, StateError
 from wstream.protocol import messages as m
-from wstream.protocol.shm import create_segment, map_segment, unlink_segment
+from wstream.protocol.shm import SegmentSpaceError, create_segment, map_segment, unlink_segment
 
 from .memory import MemoryAccount
 
@@ -71,8 +71,8 @@ class WorkerTable:
     ) -> Worker:
         """Add the worker of ``session``, with ``msg.grad_slots`` gradient slots of ``slot_numel``
         fp32 elements ``slot_bytes`` apart (none for a reader), or, given ``step_ring`` (each
-        stage's push numel) and room for it in the memory account, a step ring: a slot per
-        stage of its own size (``Join.step_ring``; ordinary slots where the account has no room)."""
+        stage's push numel) and room for it in the memory account and /dev/shm, a step ring: a
+        slot per stage of its own size (``Join.step_ring``; ordinary slots where there is no room)."""
         if any(w.session == session for w in self.all.values()):
             raise StateError("this session already joined the job as a worker")
         if not self.started and self.world_size is not None and msg.world_size != self.world_size:
@@ -84,27 +84,19 @@ class WorkerTable:
         offsets = [k * slot_bytes for k in range(nslots)]
         sizes = [slot_numel] * nslots
         nbytes = slot_bytes * nslots
+        path, buf = "", torch.empty(0, dtype=torch.uint8)
         if step_ring is not None:
             ring_offsets = [0]
             for numel in step_ring:
                 ring_offsets.append(ring_offsets[-1] + -(-numel * 4 // SLOT_ALIGN) * SLOT_ALIGN)
-            if self.memory.fits(ring_offsets[-1]):
-                offsets, sizes, nbytes = ring_offsets[:-1], list(step_ring), ring_offsets[-1]
-            else:
-                log.info(
-                    "job %r: no room for a step ring of %d bytes (memory limit); the worker gets %d slots",
-                    self.job_name, ring_offsets[-1], nslots,
-                )
-                step_ring = None
-        path, buf = "", torch.empty(0, dtype=torch.uint8)
-        if nbytes:
-            self.memory.reserve(nbytes, f"gradient ring of a worker of job {self.job_name!r}")
             try:
-                path = create_segment(nbytes)
-            except BaseException:
-                self.memory.release(nbytes)
-                raise
-            buf = map_segment(path, nbytes)
+                path, buf = self._ring(ring_offsets[-1])
+                offsets, sizes, nbytes = ring_offsets[:-1], list(step_ring), ring_offsets[-1]
+            except (MemoryLimitError, SegmentSpaceError) as exc:  # the ordinary ring may still fit
+                log.info("job %r: no step ring (%s); the worker gets %d slots", self.job_name, exc, nslots)
+                step_ring = None
+        if step_ring is None and nbytes:
+            path, buf = self._ring(nbytes)
         slots = [buf[at : at + numel * 4].view(torch.float32) for at, numel in zip(offsets, sizes)]
         wid = self._next
         self._next += 1
@@ -130,6 +122,17 @@ class WorkerTable:
         if self.world_size is None:
             self.world_size = msg.world_size
         return w
+
+    def _ring(self, nbytes: int) -> tuple[str, torch.Tensor]:
+        """A gradient ring of ``nbytes`` in shared memory, reserved in the account (released
+        again if the segment cannot be made)."""
+        self.memory.reserve(nbytes, f"gradient ring of a worker of job {self.job_name!r}")
+        try:
+            path = create_segment(nbytes)
+        except BaseException:
+            self.memory.release(nbytes)
+            raise
+        return path, map_segment(path, nbytes)
 
     def barrier_opens(self) -> int | None:
         """The number of pushing workers when the start barrier opens now (``world_size`` of them

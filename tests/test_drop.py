@@ -31,7 +31,7 @@ import zmq
 from torch import nn
 
 from wstream.client import AdamW, Client
-from wstream.client.client import Job as ClientJob
+from wstream.client.job_handle import Job as ClientJob
 from wstream.client.trainer import Trainer
 from wstream.protocol import decode_reply, encode
 from wstream.protocol import messages as m

@@ -4,6 +4,7 @@ copied on the server; granted only where it is safe and fits, else an ordinary r
 
 from __future__ import annotations
 
+import errno
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,8 @@ from test_held_gradients import ADAMW, STAGES, STEPS, adamw_reference, counters,
 from wstream.protocol import AdamW, GradientError
 from wstream.protocol import messages as m
 from wstream.protocol.layout import build_stage_spec
+from wstream.protocol.shm import SegmentSpaceError, create_segment
+from wstream.server import workers as workers_module
 from wstream.server.job import Job
 from wstream.server.memory import MemoryAccount
 from wstream.server.pool_tasks import UpdateTask
@@ -79,13 +82,22 @@ def test_a_step_ring_push_must_use_its_stage_slot() -> None:
 
 
 @pytest.mark.parametrize(
-    "case", ["no room", "two ranks", "not alone", "delayed", "frames", "reader", "not asked"],
+    "case", ["no room", "no room in /dev/shm", "two ranks", "not alone", "delayed", "frames", "reader", "not asked"],
 )
-def test_an_ordinary_ring_where_a_step_ring_is_not_safe_or_does_not_fit(case: str) -> None:
+def test_an_ordinary_ring_where_a_step_ring_is_not_safe_or_does_not_fit(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     sizes = (1000, 1000, 1000)
     job = sealed_job(delayed=case == "delayed", sizes=sizes)
+    before = job.memory.used
     if case == "no room":  # the job and a 2-slot ring fit the limit, a ring of every stage does not
         job.memory.limit = job.memory.used + 10_000  # 2 slots of 4,032 bytes fit, 3 do not
+    if case == "no room in /dev/shm":  # the account has room, the file system does not
+
+        def create(nbytes: int) -> str:
+            if nbytes > 10_000:
+                raise SegmentSpaceError(errno.ENOSPC, f"/dev/shm is full, a segment of {nbytes} bytes does not fit")
+            return create_segment(nbytes)
+
+        monkeypatch.setattr(workers_module, "create_segment", create)
     try:
         if case == "not alone":
             join(job, b"a" * 16)
@@ -95,6 +107,8 @@ def test_an_ordinary_ring_where_a_step_ring_is_not_safe_or_does_not_fit(case: st
         w = join(job, b"w" * 16, **fields)
         assert w.slot_offsets == []  # type: ignore[attr-defined]
         assert len(w.slots) == (0 if case == "reader" else 2)  # type: ignore[attr-defined]
+        if case.startswith("no room"):  # nothing of the refused step ring stays reserved
+            assert job.memory.used - before == w.grad_buffer.numel() == 2 * 4032  # type: ignore[attr-defined]
     finally:
         job.close()
 
@@ -133,3 +147,11 @@ def test_a_worker_process_with_a_step_ring_trains_to_pytorch_and_holds_every_pus
     want, _ = adamw_reference()
     assert_weights_equal(got, want, atol=1e-6)
     assert counters(server, "ring-proc").held_gradients == STAGES * STEPS
+
+
+def test_the_trainer_stats_say_which_ring(client: object) -> None:
+    job = client.create_job("ring-stats", models.mixed(), optimizer=ADAMW, token="t", unit_bytes=None)  # type: ignore[attr-defined]
+    for step_ring, want in ((None, f"a step ring of {STAGES} slots"), (False, "a ring of 2 slots")):
+        with job.trainer(step_ring=step_ring) as trainer:
+            st = trainer.stats()
+            assert st.step_ring == (step_ring is None) and want in str(st)

@@ -1,0 +1,235 @@
+"""A handle on one job of a server (:class:`Job`, made by ``Client.create_job`` and
+``Client.attach_job``): trainers for it, its weights pulled or exported, its schedule, snapshots
+and drop. Kept apart from :mod:`wstream.client.client`, which connects, authenticates and
+creates jobs."""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Any, Protocol
+
+import msgspec
+import torch
+import zmq
+from torch import nn
+
+from wstream.protocol import LayoutError, StageSpec, StateError
+from wstream.protocol import messages as m
+from wstream.protocol.auth import SessionSigner
+from wstream.protocol.curve import ClientKeys
+from wstream.protocol.frames import copy_frames_into
+from wstream.protocol.layout import numel_of
+from wstream.protocol.lr_schedules import Schedule
+
+from .chain import Chain, progress_bar
+from .channel import Channel
+from .endpoint import Closeable, WorkerEndpoint
+from .groups import export_metadata
+from .options import Checkpointing, Parallelism, Precision, Transport, trainer_options
+from .stages import DTYPE_OF_BUFFER, StageRunner, frozen_params
+from .trainer import Trainer
+from .units import Units
+
+
+
+class JobClient(Protocol):
+    """What a :class:`Job` needs of the ``Client`` that made it (``wstream.client.client``, which
+    imports this module: a Protocol keeps the import one-way): its channel and the settings its
+    trainers' sockets take."""
+
+    ctx: zmq.Context[Any]
+    address: str
+    curve: ClientKeys | None
+    timeout_s: float
+    wait_timeout_s: float
+    wait_report_s: float
+    _chan: Channel
+    _trainers: weakref.WeakSet[Closeable]
+
+
+class Job:
+    """A handle on one job: make trainers, read its weights, drop it."""
+
+    def __init__(
+        self,
+        client: JobClient,
+        attached: m.Attached,
+        token: str,
+        chain: Chain | None,
+        signer: SessionSigner,
+    ) -> None:
+        self.client = client
+        self.name = attached.job
+        self.session = attached.session
+        self._signer = signer  # keeps the session's key in the client's keyring
+        self.options: m.JobOptions = attached.options
+        """How the job trains (optimizer, dtype, delayed update, base...), as the server holds it."""
+        self.units: Units | None = None if attached.options.units is None else Units(tuple(attached.options.units))
+        """Coalesced stages (NOTE [Transfer units] in ``client/units.py``): which server stage holds
+        each stage; None when each stage is a server stage of its own."""
+        self.unit_specs: list[StageSpec] = list(attached.stages)
+        """The server's stages: the units' layouts (the stages' own without units)."""
+        self.specs: list[StageSpec] = list(self.unit_specs) if self.units is None else self.units.chain_specs(self.unit_specs)
+        """Each stage's layout (with units: its own part of its unit's, names without the prefix)."""
+        self.base_stages: list[StageSpec] = list(attached.base_stages)
+        self._token = token
+        self._chain = chain
+
+    @property
+    def num_stages(self) -> int:
+        """Weight stages: the modules given to ``create_job`` (their parameters' owners). The
+        server stores, updates and streams them one by one, or ``len(unit_specs)`` units of them."""
+        return len(self.specs)
+
+    @property
+    def positions(self) -> list[int] | None:
+        """The weight stage each chain position runs on (``[0, 1, ..., n-1]`` without ties);
+        None for a job attached without its stages."""
+        return None if self._chain is None else [stage for stage, _ in self._chain]
+
+    def _runner(self, stage: int, skeleton: nn.Module) -> StageRunner:
+        """The runner of a position on weight stage ``stage``: on its own server stage, on its
+        frozen base's, or on its unit (a view of its part, NOTE [Transfer units])."""
+        if self.units is not None:
+            unit = self.units.unit_of[stage]
+            return StageRunner(unit, skeleton, self.unit_specs[unit], prefix=f"{stage}.")
+        return StageRunner(
+            stage,
+            skeleton,
+            self.specs[stage],
+            base_spec=self.base_stages[stage] if self.base_stages else None,
+            frozen=frozen_params(stage, skeleton, self.base_stages[stage]) if self.base_stages else (),
+        )
+
+    @property
+    def num_params(self) -> int:
+        return sum(numel_of(p.shape) for s in self.specs for p in s.params)
+
+    def trainer(
+        self,
+        device: str | torch.device = "cpu",
+        *,
+        checkpointing: Checkpointing | None = None,
+        transport: Transport | None = None,
+        precision: Precision | None = None,
+        parallelism: Parallelism | None = None,
+        **options: Any,
+    ) -> Trainer:
+        """Join the job as a data-parallel worker computing on ``device``.
+
+        The options come in four groups, each a dataclass of ``wstream.client.options`` whose
+        fields say what they do: :class:`Checkpointing` (``schedule``, ``slots``,
+        ``memory_budget``, ``preserve_rng``, ``early_stop``), :class:`Transport` (``prefetch``, ``weight_budget``,
+        ``shm``, ``zero_copy``, ``grad_slots``, ``step_ring``, ``reconnect_s``, ``cpu_threads``), :class:`Precision`
+        (``loss_scale``) and :class:`Parallelism` (``world_size``, ``reduce``). Each field may
+        also be given as a flat keyword (``job.trainer(schedule="dnc", prefetch=1)``), but not
+        together with its group's dataclass.
+        """
+        if self._chain is None:
+            raise StateError(
+                f"job {self.name!r} was attached without its stages: pass stages= to attach_job "
+                "(modules built under torch.device('meta') are enough)"
+            )
+        groups = {"checkpointing": checkpointing, "transport": transport, "precision": precision, "parallelism": parallelism}
+        chosen = trainer_options(groups, options)
+        runners = [self._runner(stage, skeleton) for stage, skeleton in self._chain]
+        if not any(r.trains for r in runners):
+            raise LayoutError(
+                f"job {self.name!r}: no chain position trains a parameter (every stage is frozen whole): "
+                "there is nothing to train (give some parameter requires_grad)"
+            )
+        client = self.client
+        endpoint = WorkerEndpoint(
+            ctx=client.ctx,
+            address=client.address,
+            curve=client.curve,
+            timeout_s=client.timeout_s,
+            wait_timeout_s=client.wait_timeout_s,
+            wait_report_s=client.wait_report_s,
+            job=self.name,
+            token=self._token,
+            stages=tuple(self.unit_specs),
+            units=None if self.units is None else self.units.counts,
+            base_stages=tuple(self.base_stages),
+            register=client._trainers.add,
+            unregister=client._trainers.discard,
+        )
+        return Trainer(endpoint, runners, device=torch.device(device), options=chosen)
+
+    def state_dict(self, *, progress: bool | None = None) -> dict[str, torch.Tensor]:
+        """The job's current fp32 weights (and buffers: :func:`stage_tensors`) as
+        ``{"<stage>.<param>": tensor}`` (pulled from the server).
+
+        ``progress``: a progress bar on stderr (None: only when stderr is a terminal)."""
+        out: dict[str, torch.Tensor] = {}
+        with progress_bar(progress, self.num_params, f"pulling {self.name}") as bar:
+            for j, spec in enumerate(self.unit_specs):
+                tensors = self._pull(j)  # with units, named "<stage>.<param>" already
+                out.update(tensors if self.units is not None else {f"{j}.{name}": t for name, t in tensors.items()})
+                bar.update(sum(numel_of(p.shape) for p in spec.params))
+        return out
+
+    def pull_stage(self, stage: int) -> dict[str, torch.Tensor]:
+        """Stage ``stage``'s current fp32 weights, ``{param: tensor}``: one stage in memory at a
+        time, for exports of models larger than this process's memory. With units, its unit is
+        pulled whole and cut (``state_dict`` pulls each unit once)."""
+        if self.units is None:
+            return self._pull(stage)
+        prefix = f"{stage}."
+        tensors = self._pull(self.units.unit_of[stage])
+        return {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
+
+    def _pull(self, server_stage: int) -> dict[str, torch.Tensor]:
+        spec = self.unit_specs[server_stage]
+        _, data = self.client._chan.request(m.Pull(session=self.session, stage=server_stage), m.Master)
+        return stage_tensors(spec, data)
+
+    def save(self, timeout: float | None = None) -> tuple[int, str]:
+        """Snapshot the job on the server's store; returns (step, directory) once it is durable.
+
+        The snapshot is of the job's next consistent step (at once when no step is under way). A
+        server with an admin secret refuses this: use ``Client.save_job`` with ``admin_secret``."""
+        reply, _ = self.client._chan.request(
+            m.Save(session=self.session), m.Saved, timeout_s=timeout or self.client.wait_timeout_s
+        )
+        return reply.step, reply.path
+
+    def set_schedule(self, schedule: Schedule | None = None, *, lr: float | None = None) -> None:
+        """Change the job's base ``lr`` and/or learning-rate ``schedule`` (e.g.
+        ``WarmupCosine(...)``), from the next step to commit on; the step index the schedule is
+        evaluated at stays the job's. A server with an admin secret refuses this from a job
+        session: use ``Client.set_schedule`` with ``admin_secret``."""
+        self.client._chan.request(m.SetSchedule(session=self.session, lr=lr, schedule=schedule), m.Ok)
+        opt = self.options.optimizer
+        opt = msgspec.structs.replace(opt, lr=opt.lr if lr is None else lr, schedule=schedule or opt.schedule)
+        self.options = msgspec.structs.replace(self.options, optimizer=opt)
+
+    def export(self, path: str | os.PathLike[str], *, progress: bool | None = None) -> None:
+        """Write the job's current fp32 weights to a plain safetensors file (names as
+        :meth:`state_dict`), for use outside wstream. ``progress`` as for :meth:`state_dict`."""
+        from safetensors.torch import save_file
+
+        metadata = export_metadata(self.name, self.specs, self.options.param_groups)
+        save_file(self.state_dict(progress=progress), os.fspath(path), metadata=metadata)
+
+    def drop(self) -> None:
+        """Delete the job from the server, freeing its memory (workers get errors afterwards).
+
+        A server with an admin secret refuses this (``AuthError``): use ``Client.drop_job`` with
+        ``admin_secret``."""
+        self.client._chan.request(m.DropJob(session=self.session), m.Ok)
+
+
+def stage_tensors(spec: StageSpec, data: list[Any]) -> dict[str, torch.Tensor]:
+    """A stage's parameters and buffers, ``{name: tensor}``, from the data frames of a ``master``
+    reply: fp32 (the master), but an integer or boolean buffer in its own dtype (BatchNorm's
+    ``num_batches_tracked`` is an int64 again), so that ``load_state_dict`` takes them as they are."""
+    flat = torch.empty(spec.numel, dtype=torch.float32)
+    copy_frames_into(flat, data)
+    out = {}
+    for p in spec.params:
+        t = flat[p.offset : p.offset + numel_of(p.shape)].view(p.shape).clone()
+        dtype = DTYPE_OF_BUFFER[p.buffer] if p.buffer else torch.float32
+        out[p.name] = t if dtype.is_floating_point else t.to(dtype)
+    return out
