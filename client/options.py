@@ -94,7 +94,7 @@ class Transport:
     """Ask for a slot per stage instead (``Join.step_ring``): every gradient of a step is then read
     in place by its update, none copied on the server (NOTE [Held gradient slots] rule 5 in
     server/step_commit.py), for shared memory the size of the model's gradient. The server grants
-    it to a lone worker (``world_size`` 1, no other worker pushing, not ``delayed_update``) when
+    it to a lone worker (``world_size`` 1, no other worker pushing) when
     its memory limit has room, else gives ``grad_slots`` slots. None: ask on a CPU worker on the
     server's host; a GPU worker would page-lock the whole ring, so there it waits for its figure
     (BENCHMARKS.md, "GPU") and is asked for with True."""

@@ -322,7 +322,7 @@ class Join(SessionMessage, tag="join"):
     """Ask for a *step ring*: one slot per stage, each of that stage's push size, so that every
     push of a step can be held in place until its update (NOTE [Held gradient slots] in
     server/step_commit.py, rule 5). Granted to a lone shared-memory worker (``world_size`` 1, no
-    other worker pushing, not a delayed job) when the memory limit has room for it; otherwise
+    other worker pushing) when the memory limit has room for it; otherwise
     the worker gets ``grad_slots`` slots as usual (``Joined`` says which). Protocol 8."""
 
 

@@ -255,11 +255,9 @@ class Job:
 
     def _step_ring(self, msg: m.Join) -> list[int] | None:
         """Each stage's push numel when ``msg`` may have a step ring (``Join.step_ring``): a lone
-        shared-memory worker of a job that is not delayed, with no other worker pushing; else None."""
+        shared-memory worker, with no other worker pushing; else None."""
         alone = not any(not w.reader for w in self.workers.values())
         if not (msg.step_ring and msg.shm and not msg.reader and msg.world_size == 1 and alone):
-            return None
-        if self.options.delayed_update:  # its pushes are never held (NOTE [Held gradient slots] rule 1)
             return None
         return [0 if st.grad is None else st.grad.numel() for st in self.stages]
 

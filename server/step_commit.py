@@ -41,7 +41,8 @@ their completion, and the open step discarded when a worker leaves in the middle
 # leave the worker without a free slot before its last push, and the commit waits for that push:
 # a deadlock. So a push is *held* only when holding cannot block the worker:
 # 1. It carries its norm (``Push.sumsq``: the worker measured its gradient, so no server pass
-#    does), the job is not delayed (its updates of step t run during step t + 1) and its worker
+#    does), the job is not delayed (its updates of step t run during step t + 1; but see rule 5)
+#    and its worker
 #    is the only one the open step waits for (the start barrier opened; ``expected`` can only
 #    shrink once a gradient of the step is accepted: a worker joining then trains the next step,
 #    NOTE [The step commit point] rule 5).
@@ -65,11 +66,13 @@ their completion, and the open step discarded when a worker leaves in the middle
 #    leaves having pushed nothing stops being expected: the parked pushes then gather
 #    (``check_complete``); one that leaves having pushed discards the step (their pushes are
 #    answered with the error).
-# 5. A *step ring* (``Join.step_ring``: a lone shared-memory worker of a job that is not delayed,
-#    where the memory limit has room) has a slot per stage, stage k's push always in slot k: rule
-#    2 always holds (slot k is free again once stage k's last update read it, which the worker's
-#    fetch of stage k for the next step waited for), so every push of the step is held and no
-#    gradient is copied. It costs shared memory the size of the step's gradient, reserved on top of
+# 5. A *step ring* (``Join.step_ring``: a lone shared-memory worker, where the memory limit has
+#    room) has a slot per stage, stage k's push always in slot k: rule 2 always holds (slot k is
+#    free again once stage k's last update read it), so every push of the step is held and no
+#    gradient is copied. A delayed job too (rule 1's exception): its updates of step t run in
+#    backward order during step t + 1, whose pushes come in the same order, each into the slot
+#    that stage's update of step t frees; the worker waits for that slot exactly as a push of
+#    rule 6 waits for its stage, and never pushes ahead of a stage's version. It costs shared memory the size of the step's gradient, reserved on top of
 #    the private accumulators, which such a worker never touches (``torch.empty``: no page of them
 #    is written; they are there for a second worker, which would get an ordinary ring and make
 #    the first one's pushes park in its slots, rule 4).
@@ -199,7 +202,7 @@ class StepCommit:
         source = worker.slots[pending.slot][: st.grad.numel()]
         if (  # NOTE [Held gradient slots] rules 1 and 2
             msg.sumsq is not None
-            and not self.job.options.delayed_update
+            and (worker.slot_offsets or not self.job.options.delayed_update)
             and expected_set == {worker.id}
             and (worker.slot_offsets or len(worker.held) + 1 + (self.trained - pushes) <= len(worker.slots))
         ):

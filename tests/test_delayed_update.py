@@ -46,15 +46,23 @@ def delayed_reference(
     return master.state_dict(), losses
 
 
-@pytest.mark.parametrize(("mode", "warmup"), [("zero-copy", 0), ("shm-copy", 3), ("frames", 0)])
+@pytest.mark.parametrize(
+    ("mode", "warmup"), [("zero-copy", 0), ("shm-copy", 3), ("frames", 0), ("ordinary ring", 0), ("ordinary ring", 3)]
+)
 def test_delayed_update_is_the_delayed_update_exactly(client: Client, mode: str, warmup: int) -> None:
+    """Shared-memory workers here have a step ring (every push held, NOTE [Held gradient slots]
+    rule 5 in server/step_commit.py); "ordinary ring" has its pushes gathered, and held back
+    while their stage still updates (NOTE [The step commit point] rule 6)."""
     stages = models.mixed()
     start = copy.deepcopy(stages)
     opt = AdamW(lr=3e-3, weight_decay=0.05)
     job = client.create_job("dpu", stages, optimizer=opt, token="t", delayed_update=True, delay_after=warmup)
     assert job.options.delayed_update and job.options.delay_after == warmup
-    kwargs = {"shm": False} if mode == "frames" else {"zero_copy": mode == "zero-copy"}
+    kwargs: dict[str, object] = {"shm": False} if mode == "frames" else {"zero_copy": mode == "zero-copy"}
+    if mode == "ordinary ring":
+        kwargs["step_ring"] = False
     with job.trainer(schedule="revolve", slots=2, **kwargs) as trainer:
+        assert trainer.connection.step_ring == (mode in ("zero-copy", "shm-copy"))
         losses = [trainer.step(*models.batch("mixed", s), models.loss_fn) for s in range(STEPS)]
     want, ref_losses = delayed_reference(start, STEPS, warmup=warmup)
     assert_weights_equal(job.state_dict(), want, atol=1e-6)
@@ -164,8 +172,10 @@ def test_a_restored_delayed_job_goes_on_from_its_snapshot(tmp_path: Path) -> Non
     assert_weights_equal(got, delayed_reference_resumed(start, 6, resumed_at=3), atol=1e-6)
 
 
-@pytest.mark.parametrize("delay", [0.0, 1.0])
-def test_a_failed_update_answers_the_pushes_it_held_back(client: Client, monkeypatch: pytest.MonkeyPatch, delay: float) -> None:
+@pytest.mark.parametrize(("delay", "step_ring"), [(0.0, False), (1.0, False), (0.0, None), (1.0, None)])
+def test_a_failed_update_answers_the_pushes_it_held_back(
+    client: Client, monkeypatch: pytest.MonkeyPatch, delay: float, step_ring: bool | None
+) -> None:
     """A delayed job's push of step t that reaches a stage still updating step t - 1 is held back
     until that update ends (NOTE [The step commit point] rule 6, server/step_commit.py). When the
     update fails (a bug in wstream, injected here), the held push is answered with the failure,
@@ -188,7 +198,7 @@ def test_a_failed_update_answers_the_pushes_it_held_back(client: Client, monkeyp
 
     def train() -> None:
         try:
-            with job.trainer() as trainer:
+            with job.trainer(step_ring=step_ring) as trainer:  # a step ring: the failed update's held slot is answered
                 for _ in range(3):
                     trainer.step(torch.randn(4, 8), torch.randn(4, 8), torch.nn.functional.mse_loss)
             outcome.append(None)

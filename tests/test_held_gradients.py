@@ -97,12 +97,18 @@ def test_two_workers_are_gathered_into_their_mean(server: ServerThread, tmp_path
     assert counters(server, "held-dp").gradients == 2 * STAGES * STEPS
 
 
-def test_a_delayed_job_is_gathered(client: Client, server: ServerThread) -> None:
-    job = client.create_job("held-delayed", models.mixed(), optimizer=ADAMW, token="t", delayed_update=True)
-    with job.trainer(grad_slots=8) as trainer:
+@pytest.mark.parametrize("step_ring", [False, None])
+def test_a_delayed_job_is_gathered_unless_its_worker_has_a_step_ring(
+    client: Client, server: ServerThread, step_ring: bool | None
+) -> None:
+    """Rule 1: an ordinary ring's pushes of a delayed job are gathered, however many slots; rule
+    5: a step ring's are all held (its slots free in the order the next step pushes)."""
+    name = f"held-delayed-{step_ring}"
+    job = client.create_job(name, models.mixed(), optimizer=ADAMW, token="t", delayed_update=True, unit_bytes=None)
+    with job.trainer(grad_slots=8, step_ring=step_ring) as trainer:
         for s in range(3):
             trainer.step(*models.batch("mixed", s), models.loss_fn)
-    assert counters(server, "held-delayed").held_gradients == 0
+    assert counters(server, name).held_gradients == (0 if step_ring is False else 3 * STAGES)
 
 
 # ---- the job's rules, without a worker process -------------------------------------------------------

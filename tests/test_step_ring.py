@@ -82,11 +82,11 @@ def test_a_step_ring_push_must_use_its_stage_slot() -> None:
 
 
 @pytest.mark.parametrize(
-    "case", ["no room", "no room in /dev/shm", "two ranks", "not alone", "delayed", "frames", "reader", "not asked"],
+    "case", ["no room", "no room in /dev/shm", "two ranks", "not alone", "frames", "reader", "not asked"],
 )
 def test_an_ordinary_ring_where_a_step_ring_is_not_safe_or_does_not_fit(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     sizes = (1000, 1000, 1000)
-    job = sealed_job(delayed=case == "delayed", sizes=sizes)
+    job = sealed_job(sizes=sizes)
     before = job.memory.used
     if case == "no room":  # the job and a 2-slot ring fit the limit, a ring of every stage does not
         job.memory.limit = job.memory.used + 10_000  # 2 slots of 4,032 bytes fit, 3 do not
