@@ -52,6 +52,9 @@ if [[ $part == 1 || $part == all ]]; then
     # the same with a step ring (every gradient read in place by its update; session 13: not yet measured)
     step gpu_train_step_ring 150 python3 bench/gpu_train.py --only small --layers 24 --width 2048 --seq 1024 \
         --batches 4,16 --steps 4 --warmup 2 --weight-budget 4GiB --step-ring
+    # and a delayed update with a step ring (session 13: delayed alone was slower than commit)
+    step gpu_train_delayed_step_ring 150 python3 bench/gpu_train.py --only small --layers 24 --width 2048 --seq 1024 \
+        --batches 4,16 --steps 4 --warmup 2 --weight-budget 4GiB --step-ring --delayed-update
 fi
 if [[ $part == 2 || $part == all ]]; then
     if [[ $(id -u) == 0 ]] && grep -q hugetlbfs /proc/mounts; then
