@@ -122,6 +122,16 @@ class GradientPusher:
             lambda: not self._outstanding and not self._unsent, "wait commit", "for the step to commit (every worker's gradients)"
         )
 
+    def wait_committed(self, step: int) -> None:
+        """Wait until step ``step`` committed (its ``committed`` reply): every push of it was
+        taken, gathered or held. Unlike :meth:`drain` it does not wait for the held slots, which
+        come back as their stages' updates end, overlapping the next step's forward; a later push
+        into one waits for it there (NOTE [Held gradient slots] in server/step_commit.py)."""
+        self._wait_until(
+            lambda: not self._unsent and self.committed is not None and self.committed.step >= step,
+            "wait commit", "for the step to commit (every worker's gradients)",
+        )
+
     def wait_stage(self, stage: int) -> None:
         """Wait until no push of ``stage`` is unacknowledged (its gradient was gathered)."""
 
@@ -255,6 +265,7 @@ class GradientPusher:
                 with self._cond:
                     self.committed = committed
                     self.stats.skipped_steps += committed.skipped
+                    self._cond.notify_all()
                 continue
             if self._sc.tracer is not None:  # the send; when the worker saw the reply goes in args
                 seen_us = (time.monotonic_ns() - entry.sent_ns) / 1000

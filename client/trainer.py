@@ -402,10 +402,11 @@ class Trainer:
         updates are delayed, wait until the step committed (server/step_commit.py NOTE [The step
         commit point]); the update itself overlaps the next step's forward."""
         pusher = self.connection.pusher
-        if not self.executor.reader:
-            pusher.commit(run.step)
+        if self.executor.reader:
+            return
+        pusher.commit(run.step)
         if not run.delayed:
-            pusher.drain()
+            pusher.wait_committed(run.step)  # held slots come back as their updates end
 
     def _end_run(self, run: PlanRun) -> None:
         """A step's run completed: record its peak, move the loss scale by what it met, and count it."""
