@@ -85,6 +85,8 @@ class WorkerTable:
         sizes = [slot_numel] * nslots
         nbytes = slot_bytes * nslots
         path, buf = "", torch.empty(0, dtype=torch.uint8)
+        if step_ring is not None and not any(step_ring):
+            step_ring = None  # no stage has a gradient or a buffer to push: nothing to hold
         if step_ring is not None:
             ring_offsets = [0]
             for numel in step_ring:
