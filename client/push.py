@@ -189,6 +189,17 @@ class GradientPusher:
         if self._sc.tracer is not None:
             self._sc.tracer.add(what, "wait", "compute", t0_ns)
 
+    def uncommitted(self) -> bool:
+        """Whether a push waits for a step this pusher sent no commit for (a step left half-way):
+        its reply may only come with an update that never runs (a held slot)."""
+        with self._cond:
+            commits = [u.message.step for u in self._unsent if isinstance(u.message, m.Commit)]
+            commits += [e.step for e in self._outstanding.values() if e.slot is None]
+            last = max([*commits, -1 if self.committed is None else self.committed.step])
+            pushes = [u.message.step for u in self._unsent if isinstance(u.message, m.Push)]
+            pushes += [e.step for e in self._outstanding.values() if e.slot is not None]
+            return any(step > last for step in pushes)
+
     def forget_outstanding(self) -> None:
         with self._cond:
             self._outstanding.clear()

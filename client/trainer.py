@@ -325,10 +325,15 @@ class Trainer:
         """Leave the job (the server detaches this worker) and stop every thread."""
         if self.connection.closed:
             return
-        try:
-            self.connection.pusher.drain()  # a delayed-update job's last gradients
-        except WstreamError as exc:
-            log.warning("the last gradients were not acknowledged: %s", exc)
+        pusher = self.connection.pusher
+        if pusher.uncommitted():  # a step left half-way: the server discards it when this worker leaves
+            log.warning("closing with gradients of a step that was never committed: the server discards that step")
+            pusher.forget_outstanding()
+        else:
+            try:
+                pusher.drain()  # a delayed-update job's last gradients
+            except WstreamError as exc:
+                log.warning("the last gradients were not acknowledged: %s", exc)
         self._shut_down()
 
     def __enter__(self) -> Trainer:

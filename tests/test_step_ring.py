@@ -155,3 +155,25 @@ def test_the_trainer_stats_say_which_ring(client: object) -> None:
         with job.trainer(step_ring=step_ring) as trainer:
             st = trainer.stats()
             assert st.step_ring == (step_ring is None) and want in str(st)
+
+
+def test_a_trainer_closed_half_way_through_a_step_leaves_at_once_and_nothing_is_applied(client: object) -> None:
+    """A held push's reply comes only with its update, which a step never committed never runs:
+    ``close()`` does not wait for it; the server discards the step when the worker leaves."""
+    import threading
+
+    job = client.create_job("ring-half", models.mixed(), optimizer=ADAMW, token="t", unit_bytes=None)  # type: ignore[attr-defined]
+    start = job.state_dict()
+    trainer = job.trainer()
+    assert trainer.connection.step_ring
+    pusher = trainer.connection.pusher
+    pusher.push(4, 0, trainer.executor.runners[4].spec, [torch.ones(5, 48)])  # held: the last stage of step 0
+    assert pusher.uncommitted()
+    closer = threading.Thread(target=trainer.close, daemon=True)
+    closer.start()
+    closer.join(120)  # a hang guard, not a timing: close() waiting for the held push would never end
+    assert not closer.is_alive(), "close() waits for a push of a step that never commits"
+    assert all(torch.equal(t, start[k]) for k, t in job.state_dict().items())  # nothing of step 0 applied
+    with job.trainer() as again:  # the step is open again for the next worker
+        again.step(*models.batch("mixed", 0), models.loss_fn)
+        assert again.stats().steps == 1
