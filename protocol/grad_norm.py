@@ -70,9 +70,25 @@ def squared_norm_tensor(grad: torch.Tensor) -> torch.Tensor:
     return torch.square(torch.linalg.vector_norm(flat, dtype=torch.float64))
 
 
-def accumulate_with_norm(dst: torch.Tensor, sources: Sequence[torch.Tensor], *, first: bool, norm_numel: int) -> float:
+def accumulate(dst: torch.Tensor, sources: Sequence[torch.Tensor], *, first: bool) -> None:
     """``dst = sum(sources)`` (``first``: what ``dst`` held is dropped) or ``dst += sum(sources)``,
-    and ||dst[:norm_numel]||^2 of the result, chunk by chunk so that each dot reads a piece just
+    in one pass over memory where it can: two first sources are summed by ``torch.add(a, b,
+    out=dst)`` (read 8 bytes and write 4 per element, where a copy then an add moved 20)."""
+    if not sources:
+        raise ValueError("accumulate needs at least one source")
+    parts = list(sources)
+    if first and len(parts) >= 2:
+        torch.add(parts[0], parts[1], out=dst)
+        parts = parts[2:]
+    elif first:
+        dst.copy_(parts[0])
+        parts = parts[1:]
+    for p in parts:
+        dst.add_(p)
+
+
+def accumulate_with_norm(dst: torch.Tensor, sources: Sequence[torch.Tensor], *, first: bool, norm_numel: int) -> float:
+    """:func:`accumulate`, and ||dst[:norm_numel]||^2 of the result, chunk by chunk so that each dot reads a piece just
     written (NOTE [Gradient norms]); the same float as :func:`squared_norm` of the result. All
     tensors are flat float32 on the CPU, of ``dst``'s length."""
     if not sources:
@@ -84,15 +100,7 @@ def accumulate_with_norm(dst: torch.Tensor, sources: Sequence[torch.Tensor], *, 
         for start in range(0, numel, NORM_CHUNK):
             end = min(start + NORM_CHUNK, numel)
             d = dst[start:end]
-            parts = [s[start:end] for s in sources]
-            if first and len(parts) >= 2:
-                torch.add(parts[0], parts[1], out=d)
-                parts = parts[2:]
-            elif first:
-                d.copy_(parts[0])
-                parts = parts[1:]
-            for p in parts:
-                d.add_(p)
+            accumulate(d, [s[start:end] for s in sources], first=first)
             if start < norm_numel:
                 piece = d[: norm_numel - start] if end > norm_numel else d
                 pieces.append(piece)

@@ -14,7 +14,7 @@ from typing import Protocol, Union
 
 import torch
 
-from wstream.protocol.grad_norm import accumulate_with_norm, squared_norm
+from wstream.protocol.grad_norm import accumulate, accumulate_with_norm, squared_norm
 
 from .snapshot import Snapshot
 from .stage_state import StageState
@@ -72,15 +72,7 @@ class GatherTask:
                     norm = accumulate_with_norm(st.grad, self.sources, first=count == 0, norm_numel=st.grad_numel)
                 else:
                     norm = self.sumsq
-                    sources = self.sources
-                    if count == 0 and len(sources) >= 2:
-                        torch.add(sources[0], sources[1], out=st.grad)
-                        sources = sources[2:]
-                    elif count == 0:
-                        st.grad.copy_(sources[0])
-                        sources = sources[1:]
-                    for source in sources:
-                        st.grad.add_(source)
+                    accumulate(st.grad, self.sources, first=count == 0)
                 st.acc = (self.attempt, total)
                 if last:
                     assert norm is not None
