@@ -374,5 +374,5 @@ class PlanExecutor(StageBackward):
             device = next((g.device for g in grads if g is not None), self.device)
             mean = self._allreduce.mean(runner.spec, grads, device)
             if not self.reader:
-                pusher.push(stage, run.step, flat_spec(runner.spec), [mean])
+                pusher.push(stage, run.step, flat_spec(runner.spec), [mean], borrowed=True)  # the next stage's mean reuses it
         run.pushed = True

@@ -20,7 +20,7 @@ from wstream.protocol.layout import push_layout
 from wstream.protocol.wake import WakePipe
 
 from .channel import Channel, raise_or_narrow
-from .device import DONE, CopyTicket, GradientStager
+from .device import DONE, CopyTicket, DeferredWrite, GradientStager
 from .streaming import StreamContext, StreamStats
 from .waiting import POLL_SLICE_S, WaitWatch
 
@@ -90,19 +90,23 @@ class GradientPusher:
         return len(self._slots)
 
     # ---- the compute thread ----------------------------------------------------------------------
-    def push(self, stage: int, step: int, spec: StageSpec, grads: list[torch.Tensor | None]) -> None:
+    def push(
+        self, stage: int, step: int, spec: StageSpec, grads: list[torch.Tensor | None], *, borrowed: bool = False
+    ) -> None:
         """Write the stage's per-parameter gradients (and its buffers' values: ``push_layout``)
-        into a free slot and have ``push`` sent."""
+        into a free slot and have ``push`` sent. On a CPU worker the write itself runs on the
+        sender thread (``GradientStager``, deferred) unless ``borrowed``: the caller reuses the
+        gradients' memory once this returns."""
         slot = self._acquire(stage)
         t0 = time.monotonic_ns()
         numel = push_layout(spec).numel  # the stage's gradient (frozen parameters have none), then its buffers
-        ticket, sumsq = self._stager.write_measured(self._slots[slot], spec, grads)
+        ticket, sumsq = self._stager.write_measured(self._slots[slot], spec, grads, stage=stage, step=step, borrowed=borrowed)
         frames: list[object] = [] if self._shm else list(tensor_frames(self._slots[slot][:numel]))
         msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
         with self._cond:
             self._unsent.append(_Unsent(msg, frames, ticket, sumsq))
         self._wake.wake()
-        if self._sc.tracer is not None:
+        if self._sc.tracer is not None and not isinstance(ticket, DeferredWrite):  # a deferred one says when it ran
             self._sc.tracer.add(f"grad copy {stage}", "push", "compute", t0, stage=stage, step=step)
         self.stats.pushes += 1
         self.stats.bytes_pushed += numel * 4

@@ -17,6 +17,7 @@ import models
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import SGD, AdamW, Client
 from wstream.client import connection as connection_module
+from wstream.client import device as device_module
 from wstream.client.device import (
     DONE,
     CopyEngine,
@@ -128,7 +129,7 @@ def test_staged_gradients_equal_the_direct_scatter_bit_for_bit() -> None:
     grads = [torch.randn_like(p) for p in module.parameters()]
     grads[1] = None  # an unused parameter becomes zeros
     direct = torch.full((spec.numel + 5,), float("nan"))
-    GradientStager(torch.device("cpu"), spec.numel, CopyEngine(torch.device("cpu"))).write(direct, spec, grads)
+    GradientStager(torch.device("cpu"), spec.numel, CopyEngine(torch.device("cpu"))).write(direct, spec, grads).synchronize()
     stager = GradientStager(torch.device("cpu"), spec.numel + 5, CopyEngine(torch.device("cpu")), staged=True)
     assert stager.nbytes == 2 * (spec.numel + 5) * 4
     ptrs = [b.data_ptr() for b in stager.buffers]
@@ -191,11 +192,56 @@ def test_the_pushed_norm_is_the_gradient_parts_staged_or_not() -> None:
     want = torch.empty(spec.numel)
     scatter_grads(want, spec, grads)
     expected = squared_norm(want[: grad_layout(spec).numel])
-    for staged in (False, True):
-        stager = GradientStager(torch.device("cpu"), spec.numel, CopyEngine(torch.device("cpu")), staged=staged)
+    for staged, deferred in ((False, False), (False, True), (True, None)):
+        stager = GradientStager(torch.device("cpu"), spec.numel, CopyEngine(torch.device("cpu")), staged=staged, deferred=deferred)
         slot = torch.full((spec.numel,), float("nan"))
         ticket, sumsq = stager.write_measured(slot, spec, grads)
-        assert ticket.done() and sumsq() == expected
+        assert ticket.done() != bool(deferred)  # a deferred write waits for a thread to need it
+        assert sumsq() == expected and ticket.done()
+        assert torch.equal(slot, want)
+
+
+def test_a_cpu_workers_deferred_writes_are_bounded_and_run_once_by_whoever_needs_them() -> None:
+    """The default on a CPU: the write (scatter and norm) runs on the thread that first waits for
+    it (the pusher's sender, before it sends); the compute thread writes the oldest itself once
+    MAX_DEFERRED_WRITES are pending, so it never keeps more gradients alive than that."""
+    module = models.Residual(32, 64)
+    spec = spec_of(0, module)
+    stager = GradientStager(torch.device("cpu"), spec.numel, CopyEngine(torch.device("cpu")))
+    assert stager.deferred
+    pushes = [[torch.randn_like(p) for p in module.parameters()] for _ in range(device_module.MAX_DEFERRED_WRITES + 2)]
+    slots = [torch.full((spec.numel,), float("nan")) for _ in pushes]
+    tickets = []
+    for k, (slot, grads) in enumerate(zip(slots, pushes)):
+        tickets.append(stager.write_measured(slot, spec, grads)[0])
+        pending = [t for t in tickets if not t.done()]
+        assert len(pending) == min(k + 1, device_module.MAX_DEFERRED_WRITES), k
+    assert tickets[0].done() and tickets[1].done() and not tickets[-1].done()
+    written_by: list[str] = []
+    last = tickets[-1]
+    thread = threading.Thread(target=lambda: (last.synchronize(), written_by.append(threading.current_thread().name)), name="sender")
+    thread.start()
+    thread.join(60)
+    assert written_by == ["sender"] and last.done()
+    for slot, grads in zip(slots, pushes):
+        want = torch.empty(spec.numel)
+        scatter_grads(want, spec, grads)
+        for t in tickets:
+            t.synchronize()  # once written, a no-op
+        assert torch.equal(slot, want)
+
+
+def test_a_deferred_write_that_fails_raises_in_every_thread_that_waits_for_it() -> None:
+    module = models.Residual(32, 64)
+    spec = spec_of(0, module)
+    stager = GradientStager(torch.device("cpu"), spec.numel, CopyEngine(torch.device("cpu")))
+    grads = [torch.randn(3) for _ in module.parameters()]  # the wrong shapes
+    ticket, sumsq = stager.write_measured(torch.zeros(spec.numel), spec, grads)
+    for _ in range(2):
+        with pytest.raises(RuntimeError):
+            ticket.synchronize()
+    with pytest.raises(RuntimeError):
+        sumsq()
 
 
 class _HeldStager:
@@ -204,8 +250,8 @@ class _HeldStager:
         self.ticket = _HeldTicket()
         self.nbytes = 0
 
-    def write_measured(self, slot: torch.Tensor, spec: object, grads: list[torch.Tensor | None]) -> tuple[_HeldTicket, object]:
-        _, sumsq = self.inner.write_measured(slot, spec, grads)  # type: ignore[arg-type]
+    def write_measured(self, slot: torch.Tensor, spec: object, grads: list[torch.Tensor | None], **kw: object) -> tuple[_HeldTicket, object]:
+        _, sumsq = self.inner.write_measured(slot, spec, grads, **kw)  # type: ignore[arg-type]
         return self.ticket, sumsq
 
 
