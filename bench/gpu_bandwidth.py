@@ -29,7 +29,8 @@ import torch
 from common import FlatStage, parse_args, server
 from gpu_common import gb_per_s, gpu_seconds, header, require_cuda
 from wstream.client import SGD, Client
-from wstream.client.device import GradientStager, HostRegistration, copy_engine
+from wstream.client.device import HostRegistration, copy_engine
+from wstream.client.gradient_write import GradientStager
 from wstream.client.stages import spec_of
 from wstream.protocol import shm
 

@@ -23,7 +23,6 @@ from wstream.protocol.shm import map_segment
 
 from .channel import attach_session
 from .device import (
-    GradientStager,
     HostRegistration,
     ReceiveRing,
     copy_engine,
@@ -32,6 +31,7 @@ from .device import (
     synchronize,
 )
 from .endpoint import WorkerEndpoint
+from .gradient_write import GradientStager
 from .options import Transport
 from .prefetch import Prefetcher, WeightRing
 from .push import GradientPusher

@@ -20,7 +20,8 @@ from wstream.protocol.layout import push_layout
 from wstream.protocol.wake import WakePipe
 
 from .channel import Channel, raise_or_narrow
-from .device import DONE, CopyTicket, DeferredWrite, GradientStager
+from .device import DONE, CopyTicket
+from .gradient_write import DeferredWrite, GradientStager
 from .streaming import StreamContext, StreamStats
 from .waiting import POLL_SLICE_S, WaitWatch
 

@@ -15,7 +15,8 @@ from torch import nn
 import models
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import AdamW, Client, LossScale
-from wstream.client.device import CudaCopyEngine, GradientStager, HostRegistration, tensor_nbytes
+from wstream.client.device import CudaCopyEngine, HostRegistration, tensor_nbytes
+from wstream.client.gradient_write import GradientStager
 from wstream.client.scatter import scatter_grads
 from wstream.client.stages import spec_of
 from wstream.protocol.shm import create_segment, map_segment, unlink_segment

@@ -17,15 +17,15 @@ import models
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import SGD, AdamW, Client
 from wstream.client import connection as connection_module
-from wstream.client import device as device_module
+from wstream.client import gradient_write
 from wstream.client.device import (
     DONE,
     CopyEngine,
-    GradientStager,
     HostRegistration,
     ReceiveRing,
     ring_capacity,
 )
+from wstream.client.gradient_write import GradientStager
 from wstream.client.scatter import scatter_grads
 from wstream.client.stages import spec_of
 from wstream.protocol import StaleStepError
@@ -209,13 +209,13 @@ def test_a_cpu_workers_deferred_writes_are_bounded_and_run_once_by_whoever_needs
     spec = spec_of(0, module)
     stager = GradientStager(torch.device("cpu"), spec.numel, CopyEngine(torch.device("cpu")))
     assert stager.deferred
-    pushes = [[torch.randn_like(p) for p in module.parameters()] for _ in range(device_module.MAX_DEFERRED_WRITES + 2)]
+    pushes = [[torch.randn_like(p) for p in module.parameters()] for _ in range(gradient_write.MAX_DEFERRED_WRITES + 2)]
     slots = [torch.full((spec.numel,), float("nan")) for _ in pushes]
     tickets = []
     for k, (slot, grads) in enumerate(zip(slots, pushes)):
         tickets.append(stager.write_measured(slot, spec, grads)[0])
         pending = [t for t in tickets if not t.done()]
-        assert len(pending) == min(k + 1, device_module.MAX_DEFERRED_WRITES), k
+        assert len(pending) == min(k + 1, gradient_write.MAX_DEFERRED_WRITES), k
     assert tickets[0].done() and tickets[1].done() and not tickets[-1].done()
     written_by: list[str] = []
     last = tickets[-1]
