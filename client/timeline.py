@@ -154,7 +154,10 @@ def write_worker_trace(
     reply = request()
     received = time.monotonic_ns()
     offset = reply.now_ns - (sent + received) // 2
-    server = server_spans(reply.events, offset, tracer.started_ns)
+    uncertainty = (received - sent) // 2  # the offset is right to within this
+    # kept: what may have ended after the trace began, given that uncertainty (a loaded machine's
+    # round trip can be tens of ms, one-sided: the first pushes' events must not fall out)
+    server = server_spans(reply.events, offset, tracer.started_ns - uncertainty)
     if reply.dropped:
         log.warning("the server's timeline of job %r lost %d older events", job, reply.dropped)
     processes = [
@@ -167,7 +170,7 @@ def write_worker_trace(
         "job": job,
         "worker": worker,
         "clock_offset_ns": offset,  # server clock - worker clock
-        "clock_uncertainty_ns": (received - sent) // 2,  # the offset is right to within this
+        "clock_uncertainty_ns": uncertainty,
         "server_events_dropped": reply.dropped,
     }
     write_trace(path, trace)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -10,7 +11,8 @@ import pytest
 
 import models
 from wstream.client import AdamW, Client
-from wstream.client.timeline import Span, _assign_sublanes
+from wstream.client.timeline import Span, Tracer, _assign_sublanes, write_worker_trace
+from wstream.protocol import messages as m
 
 STEPS = 2
 
@@ -91,3 +93,22 @@ def test_tracing_twice_at_once_is_refused(client: Client, tmp_path: Path) -> Non
         with pytest.raises(Exception, match="already tracing"):
             with trainer.trace(tmp_path / "b.json"):
                 pass
+
+
+def test_server_events_near_the_trace_start_survive_a_one_sided_round_trip(tmp_path: Path) -> None:
+    """The server's clock is mapped onto the worker's by the timeline request's round trip, right
+    to within half of it. A reply that was slow on the way *to* the server (a loaded machine) maps
+    its events too early: one 2 ms after the trace began must still be in the trace."""
+    tracer = Tracer()
+    event = m.TraceEvent(
+        name="held 4 (4)", cat="gather", lane="held gradients", start_ns=tracer.started_ns + 2_000_000, dur_ns=0, stage=4, step=1
+    )
+
+    def request() -> m.TimelineReply:
+        time.sleep(0.05)  # the request waited 50 ms; the server answered, and the reply came back, at once
+        return m.TimelineReply(id=1, now_ns=time.monotonic_ns(), events=[event], dropped=0)
+
+    write_worker_trace(tmp_path / "t.json", tracer, request, job="j", worker=0)
+    spans, _, meta = load(tmp_path / "t.json")
+    assert meta["clock_uncertainty_ns"] >= 25_000_000
+    assert [e["name"] for e in spans if e["cat"] == "gather"] == ["held 4 (4)"]
