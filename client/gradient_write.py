@@ -111,8 +111,9 @@ class GradientStager:
     ) -> tuple[CopyTicket, Callable[[], float]]:
         """:meth:`write`, and the squared norm of the gradient part, the float a push carries
         (``Push.sumsq``): ``squared_norm`` of the fp32 gradient written (buffers left out; NOTE
-        [Gradient norms] in wstream/protocol/grad_norm.py). On a CPU worker it is measured on the slot at once; staged,
-        on the device buffer on the compute stream, its one float copied with the gradient. Call
+        [Gradient norms] in wstream/protocol/grad_norm.py). On a CPU worker it is measured on the slot
+        right after the write (deferred with it); staged, on the device buffer on the compute
+        stream, its one float copied with the gradient. Call
         the function once the ticket is done. ``borrowed``: the caller reuses ``grads``' memory
         once this returns (a CPU worker then writes them at once, not deferred); ``stage`` and
         ``step`` name the write in a timeline."""
@@ -120,8 +121,7 @@ class GradientStager:
         grad_numel = grad_layout(spec).numel
         if not self.buffers:
             if borrowed or not self.deferred:
-                scatter_grads(slot[:numel], spec, grads)
-                sumsq = squared_norm(slot[:grad_numel])
+                sumsq = _write_and_measure(slot[:numel], spec, grads, grad_numel)
                 return DONE, lambda: sumsq
             return self._defer(slot[:numel], spec, grads, grad_numel, stage, step)
         k = self._next
@@ -150,8 +150,7 @@ class GradientStager:
 
         def write() -> float:
             t0 = time.monotonic_ns()
-            scatter_grads(dst, spec, grads)
-            sumsq = squared_norm(dst[:grad_numel])
+            sumsq = _write_and_measure(dst, spec, grads, grad_numel)
             if tracer is not None:
                 lane = "compute" if threading.current_thread() is compute else "gradient pushes"
                 tracer.add(f"grad copy {stage}", "push", lane, t0, stage=stage, step=step)
@@ -160,3 +159,9 @@ class GradientStager:
         ticket = DeferredWrite(write)
         pending.append(ticket)
         return ticket, ticket.sumsq
+
+
+def _write_and_measure(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor | None], grad_numel: int) -> float:
+    """A CPU worker's write of a push into ``dst`` and the squared norm of its gradient part."""
+    scatter_grads(dst, spec, grads)
+    return squared_norm(dst[:grad_numel])
