@@ -42,7 +42,7 @@ from .channel import (
     curve_keys,
 )
 from .chain import layout_on, progress_bar, walk_chain
-from .endpoint import Closeable
+from .endpoint import Closeable, WorkerEndpoint
 from .env import job_token, server_address
 from .groups import GroupAssigner, ParamGroup, export_metadata
 from .job_options import job_options, options_difference
@@ -421,6 +421,19 @@ class Client:
         """Stop the server cleanly (as SIGTERM does: jobs are snapshotted where it has a store).
         Needs the admin secret."""
         self._admin_request(lambda sid: m.Shutdown(session=sid), m.Ok)
+
+    def worker_endpoint(
+        self, *, job: str, token: str, stages: tuple[StageSpec, ...], units: tuple[int, ...] | None,
+        base_stages: tuple[StageSpec, ...],
+    ) -> WorkerEndpoint:
+        """How a trainer of ``job`` reaches it: this client's context, address, keys and bounds;
+        the trainer registers with this client, which closes it when it closes."""
+        return WorkerEndpoint(
+            ctx=self.ctx, address=self.address, curve=self.curve, timeout_s=self.timeout_s,
+            wait_timeout_s=self.wait_timeout_s, wait_report_s=self.wait_report_s, job=job, token=token,
+            stages=stages, units=units, base_stages=base_stages,
+            register=self._trainers.add, unregister=self._trainers.discard,
+        )
 
     def close(self) -> None:
         if self._closed:

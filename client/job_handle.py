@@ -6,25 +6,22 @@ creates jobs."""
 from __future__ import annotations
 
 import os
-import weakref
 from typing import Any, Protocol
 
 import msgspec
 import torch
-import zmq
 from torch import nn
 
 from wstream.protocol import LayoutError, StageSpec, StateError
 from wstream.protocol import messages as m
 from wstream.protocol.auth import SessionSigner
-from wstream.protocol.curve import ClientKeys
 from wstream.protocol.frames import copy_frames_into
 from wstream.protocol.layout import numel_of
 from wstream.protocol.lr_schedules import Schedule
 
 from .chain import Chain, progress_bar
 from .channel import Channel
-from .endpoint import Closeable, WorkerEndpoint
+from .endpoint import WorkerEndpoint
 from .groups import export_metadata
 from .options import Checkpointing, Parallelism, Precision, Transport, trainer_options
 from .stages import DTYPE_OF_BUFFER, StageRunner, frozen_params
@@ -35,17 +32,16 @@ from .units import Units
 
 class JobClient(Protocol):
     """What a :class:`Job` needs of the ``Client`` that made it (``wstream.client.client``, which
-    imports this module: a Protocol keeps the import one-way): its channel and the settings its
-    trainers' sockets take."""
+    imports this module: a Protocol keeps the import one-way): its channel, its wait bound, and
+    the endpoint its trainers connect by."""
 
-    ctx: zmq.Context[Any]
-    address: str
-    curve: ClientKeys | None
-    timeout_s: float
     wait_timeout_s: float
-    wait_report_s: float
     _chan: Channel
-    _trainers: weakref.WeakSet[Closeable]
+
+    def worker_endpoint(
+        self, *, job: str, token: str, stages: tuple[StageSpec, ...], units: tuple[int, ...] | None,
+        base_stages: tuple[StageSpec, ...],
+    ) -> WorkerEndpoint: ...
 
 
 class Job:
@@ -139,21 +135,9 @@ class Job:
                 f"job {self.name!r}: no chain position trains a parameter (every stage is frozen whole): "
                 "there is nothing to train (give some parameter requires_grad)"
             )
-        client = self.client
-        endpoint = WorkerEndpoint(
-            ctx=client.ctx,
-            address=client.address,
-            curve=client.curve,
-            timeout_s=client.timeout_s,
-            wait_timeout_s=client.wait_timeout_s,
-            wait_report_s=client.wait_report_s,
-            job=self.name,
-            token=self._token,
-            stages=tuple(self.unit_specs),
-            units=None if self.units is None else self.units.counts,
-            base_stages=tuple(self.base_stages),
-            register=client._trainers.add,
-            unregister=client._trainers.discard,
+        endpoint = self.client.worker_endpoint(
+            job=self.name, token=self._token, stages=tuple(self.unit_specs),
+            units=None if self.units is None else self.units.counts, base_stages=tuple(self.base_stages),
         )
         return Trainer(endpoint, runners, device=torch.device(device), options=chosen)
 
