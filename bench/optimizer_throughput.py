@@ -16,6 +16,10 @@ Runs the server's own per-stage work of one step on a real `Job`, as the job han
   accumulator (``torch.add(a, b, out=grad)``) and takes the norm of the sum, then the update on
   the mean (before session 12: each gradient copied or added into the accumulator as it came).
 
+Each case runs twice where the server's native kernels are built (NOTE [Native kernels] in
+server/native.py): with them (the default) and with torch's paths (``native.turned_off()``, as on a
+host without a C compiler).
+
 As the baseline, a bare `torch.optim.AdamW([p], fused=True).step()` on a flat tensor of the same
 size, alternately in this process. Ratio = baseline time / wstream time (1.0 = as fast as bare fused AdamW).
 
@@ -31,6 +35,7 @@ fraction of DeepSpeed's (issue 17 asks >= 0.9).
 from __future__ import annotations
 
 import argparse
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -42,15 +47,18 @@ from wstream.protocol import messages as m
 from wstream.protocol.grad_norm import squared_norm
 from wstream.protocol.layout import build_stage_spec
 from wstream.protocol.shm import create_segment, map_segment, unlink_segment
+from wstream.server import native
 from wstream.server.job import Job
 from wstream.server.pool_tasks import GatherTask, UpdateTask
 from wstream.server.memory import MemoryAccount
 
 
-def make_job(numel: int, *, double_buffer: bool, workers: int, path: str = "held") -> tuple[Job, Callable[[], None]]:
+def make_job(
+    numel: int, *, double_buffer: bool, workers: int, path: str = "held", dtype: str = "float32"
+) -> tuple[Job, Callable[[], None]]:
     """``path``: "held", "gathered" (the worker's norm) or "measured" (the server's norm); W > 1
-    workers are always gathered."""
-    options = m.JobOptions(optimizer=AdamW(lr=1e-4), double_buffer=double_buffer)
+    workers are always gathered. ``dtype``: the published weights'."""
+    options = m.JobOptions(optimizer=AdamW(lr=1e-4), double_buffer=double_buffer, dtype=dtype)  # type: ignore[arg-type]
     created = m.CreateJob(name="b", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=options)
     job = Job.create(created, MemoryAccount(2**40))
     spec = build_stage_spec("0", [("w", (numel,))])
@@ -106,21 +114,25 @@ def main() -> None:
         t_ds = median_time(ds_step, repeat=args.repeat)
         print(f"DeepSpeedCPUAdam (adamw_mode), flat tensor: {numel / t_ds / 1e9:5.2f} G params/s")
 
+    print(f"native kernels (NOTE [Native kernels] in server/native.py): {'built' if native.available() else 'off'}")
     cases = [
-        ("1 worker, held (read in place), fp32 in place", False, 1, "held"),
-        ("1 worker, gathered, worker's norm", False, 1, "gathered"),
-        ("1 worker, gathered, server's norm (protocol 6)", False, 1, "measured"),
-        ("1 worker, held, double-buffered publish", True, 1, "held"),
-        ("2 workers (mean of gradients)", False, 2, "gathered"),
+        ("1 worker, held (read in place), fp32 in place", False, 1, "held", "float32"),
+        ("1 worker, gathered, worker's norm", False, 1, "gathered", "float32"),
+        ("1 worker, gathered, server's norm (protocol 6)", False, 1, "measured", "float32"),
+        ("1 worker, held, double-buffered publish", True, 1, "held", "float32"),
+        ("1 worker, held, bf16 published", False, 1, "held", "bfloat16"),
+        ("2 workers (mean of gradients)", False, 2, "gathered", "float32"),
     ]
-    for label, double, workers, path in cases:
-        job, one_stage_step = make_job(numel, double_buffer=double, workers=workers, path=path)
-        t = median_time(one_stage_step, repeat=args.repeat)
-        t_base = median_time(opt.step, repeat=args.repeat)  # re-measured next to each case
-        line = f"wstream update, {label:48}: {numel / t / 1e9:5.2f} G params/s   ratio {t_base / t:.2f}"
-        if ds_step is not None:
-            line += f"   vs DeepSpeed {median_time(ds_step, repeat=args.repeat) / t:.2f}"
-        print(line)
+    for label, double, workers, path, dtype in cases:
+        job, one_stage_step = make_job(numel, double_buffer=double, workers=workers, path=path, dtype=dtype)
+        for kernels in ("native", "torch") if native.available() else ("torch",):
+            with contextlib.nullcontext() if kernels == "native" else native.turned_off():
+                t = median_time(one_stage_step, repeat=args.repeat)
+            t_base = median_time(opt.step, repeat=args.repeat)  # re-measured next to each case
+            line = f"wstream update, {label:48} {kernels:6}: {numel / t / 1e9:5.2f} G params/s   ratio {t_base / t:.2f}"
+            if ds_step is not None:
+                line += f"   vs DeepSpeed {median_time(ds_step, repeat=args.repeat) / t:.2f}"
+            print(line)
         job.close()
     norm_accuracy(numel, args.repeat)
 

@@ -36,6 +36,8 @@ from wstream.protocol import SGD, AdamW, LayoutError, OptimizerSpec
 from wstream.protocol import messages as m
 from wstream.protocol.layout import GradLayout, grad_layout, numel_of, validate_groups
 
+from . import native
+
 
 def state_bytes_per_element(spec: OptimizerSpec) -> int:
     """Optimizer state in bytes per trained element (fp32 moments)."""
@@ -58,6 +60,8 @@ class _Trained:
     param: torch.Tensor
     offset: int
     numel: int
+    at: int
+    """Its offset in the master."""
 
 
 class StageOptimizer:
@@ -76,6 +80,10 @@ class StageOptimizer:
         self._state: dict[str, torch.Tensor] = {}  # flat state of the grouped path, once created
         self.flat = not any(p.frozen or p.group for p in stage.params)
         """Rule 1 of the NOTE: the whole master is one parameter."""
+        self.untrained: tuple[tuple[int, int], ...] = ()
+        """The master's ranges no optimizer step changes (frozen parameters and buffers, gaps):
+        what a published copy needs besides what :meth:`step` wrote into it."""
+        self._groups: dict[int, dict[str, Any]] = {}
         if self.flat:
             self._opt: torch.optim.Optimizer | None = _make(spec, [{"params": [master]}])
             return
@@ -85,7 +93,7 @@ class StageOptimizer:
                 continue
             n = numel_of(p.shape)
             view = master[p.offset : p.offset + n]
-            self._trained.append(_Trained(view, offset, n))
+            self._trained.append(_Trained(view, offset, n, p.offset))
             by_group.setdefault(p.group, []).append(view)
         param_groups = []
         for k, params in sorted(by_group.items()):
@@ -93,6 +101,9 @@ class StageOptimizer:
             decay = spec.weight_decay if group.weight_decay is None else group.weight_decay
             param_groups.append({"params": params, "weight_decay": decay, "lr_scale": group.lr_scale})
         self._opt = _make(spec, param_groups) if param_groups else None  # None: every parameter is frozen
+        if self._opt is not None:
+            self._groups = {id(p): group for group in self._opt.param_groups for p in group["params"]}
+        self.untrained = _complement(master.numel(), [(t.at, t.at + t.numel) for t in self._trained])
 
     # ---- state (snapshots) -----------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
@@ -162,12 +173,17 @@ class StageOptimizer:
         self._install({"momentum_buffer": buf}, None)
 
     # ---- the update ------------------------------------------------------------------------------
-    def step(self, grad: torch.Tensor, *, grad_scale: float | None = None, lr: float | None = None) -> None:
+    def step(
+        self, grad: torch.Tensor, *, grad_scale: float | None = None, lr: float | None = None, publish: torch.Tensor | None = None
+    ) -> bool:
         """Apply one update with ``grad``, the stage's flat fp32 gradient in its gradient layout
         (``grad_layout(stage).numel`` elements). The fused kernel divides it by ``grad_scale``
         (its ``grad_scale`` input, which AMP uses to unscale: a mean of summed gradients costs no
         extra pass over memory). ``lr``: this step's learning rate in place of the optimizer's;
-        each group's is it times the group's ``lr_scale``."""
+        each group's is it times the group's ``lr_scale``. ``publish``: the stage's published copy
+        (the master's length, another tensor); True when the update wrote its trained
+        parameters there too (AdamW by the native kernel, NOTE [Native kernels] rule 2), and only
+        :attr:`untrained` is left to copy; False: nothing was written there."""
         if grad.numel() != self.layout.numel:
             raise ValueError(
                 f"a gradient of {grad.numel()} elements for a stage whose gradient has {self.layout.numel}: "
@@ -175,7 +191,7 @@ class StageOptimizer:
             )
         opt = self._opt
         if opt is None:  # every parameter is frozen: nothing to update
-            return
+            return False
         if grad_scale is None:
             opt.grad_scale = None  # type: ignore[attr-defined]
         else:
@@ -185,13 +201,15 @@ class StageOptimizer:
         base = self.spec.lr if lr is None else lr
         for group in opt.param_groups:
             group["lr"] = base * group.get("lr_scale", 1.0)
+        if publish is not None and self._native_step(opt, grad, 1.0 if grad_scale is None else grad_scale, publish):
+            return True
         if self.flat:
             self.master.grad = grad
             try:
                 opt.step()
             finally:
                 self.master.grad = None
-            return
+            return False
         first_sgd = False
         if not self._state:
             if isinstance(self.spec, AdamW):
@@ -207,6 +225,48 @@ class StageOptimizer:
                 t.param.grad = None
         if first_sgd:
             self._gather_momentum()
+        return False
+
+    def _native_step(self, opt: torch.optim.Optimizer, grad: torch.Tensor, grad_scale: float, publish: torch.Tensor) -> bool:
+        """AdamW and the published copy in one pass per trained parameter (NOTE [Native kernels]
+        rule 2), on torch's own state (created as torch creates it, its ``step`` counted as the
+        fused kernel counts it); False when the kernels are off or do not fit, having changed
+        nothing."""
+        if not isinstance(self.spec, AdamW) or not native.fits_output(publish, self.master.numel()):
+            return False
+        if self.flat:
+            targets = [(self.master, 0, 0, opt.param_groups[0])]
+        else:
+            if not self._state:
+                self._create_state()
+            targets = [(t.param, t.offset, t.at, self._groups[id(t.param)]) for t in self._trained]
+        for param, offset, at, group in targets:
+            state = opt.state[param]
+            if not state:  # the flat path's lazy state, as torch creates it (rule 5)
+                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
+            state["step"] += 1
+            done = native.adamw(
+                param, state["exp_avg"], state["exp_avg_sq"], grad[offset : offset + param.numel()],
+                lr=group["lr"], betas=self.spec.betas, eps=self.spec.eps, weight_decay=group["weight_decay"],
+                step=float(state["step"]), grad_scale=grad_scale, out=publish[at : at + param.numel()],
+            )
+            assert done, "the native kernel refused a stage it was checked to fit"  # noqa: S101
+        return True
+
+
+def _complement(numel: int, ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """``[0, numel)`` less ``ranges``, as sorted (start, end) pairs."""
+    out: list[tuple[int, int]] = []
+    at = 0
+    for start, end in sorted(ranges):
+        if start > at:
+            out.append((at, start))
+        at = max(at, end)
+    if at < numel:
+        out.append((at, numel))
+    return tuple(out)
 
 
 def _make(spec: OptimizerSpec, param_groups: list[dict[str, Any]]) -> torch.optim.Optimizer:

@@ -16,6 +16,7 @@ import torch
 
 from wstream.protocol.grad_norm import accumulate, accumulate_with_norm, squared_norm
 
+from . import native
 from .snapshot import Snapshot
 from .stage_state import StageState
 
@@ -67,12 +68,16 @@ class GatherTask:
                     count = 0
                 total = count + len(self.sources)
                 last = total == self.expected
+                several = total > 1  # a sum of several workers' gradients: the native kernel's (NOTE [Native kernels])
                 if last and not (total == 1 and self.sumsq is not None):
                     # the sum and its norm in one pass (NOTE [Gradient norms])
-                    norm = accumulate_with_norm(st.grad, self.sources, first=count == 0, norm_numel=st.grad_numel)
+                    norm = native.sum_with_norm(st.grad, self.sources, first=count == 0, norm_numel=st.grad_numel) if several else None
+                    if norm is None:
+                        norm = accumulate_with_norm(st.grad, self.sources, first=count == 0, norm_numel=st.grad_numel)
                 else:
                     norm = self.sumsq
-                    accumulate(st.grad, self.sources, first=count == 0)
+                    if not several or native.sum_with_norm(st.grad, self.sources, first=count == 0, norm_numel=0) is None:
+                        accumulate(st.grad, self.sources, first=count == 0)
                 st.acc = (self.attempt, total)
                 if last:
                     assert norm is not None
@@ -134,18 +139,25 @@ class UpdateTask:
         if snap is not None and snap.step == st.version:  # NOTE [Consistent snapshots], rule 2
             snap.capture_before_update(st.index, st.lock, st.capture, st.state_nbytes)
         with st.lock:
+            target = st.slots[st.slot_for(st.version + 1)]
+            publish = None if target is st.master else target
+            published = False  # whether the optimizer wrote the trained parameters into ``target``
             if self.apply and st.grad is not None:
                 grad = st.grad if self.source is None else self.source
-                st.optimizer.step(grad[: st.grad_numel], grad_scale=None if self.grad_scale == 1.0 else self.grad_scale, lr=self.lr)
+                published = st.optimizer.step(
+                    grad[: st.grad_numel], grad_scale=None if self.grad_scale == 1.0 else self.grad_scale, lr=self.lr, publish=publish
+                )
                 for master_at, at, n, counts in st.buffers:  # the workers' mean (the sum divided: exact for W = 1)
-                    target = st.master[master_at : master_at + n]
+                    buffer = st.master[master_at : master_at + n]
                     if counts:
-                        target.add_(grad[at : at + n] / self.workers)
+                        buffer.add_(grad[at : at + n] / self.workers)
                     else:
-                        torch.div(grad[at : at + n], self.workers, out=target)
-            target = st.slots[st.slot_for(st.version + 1)]
-            if target is not st.master:
-                target.copy_(st.master)
+                        torch.div(grad[at : at + n], self.workers, out=buffer)
+            if publish is not None and published:
+                for start, end in st.optimizer.untrained:  # frozen parameters, buffers, gaps
+                    publish[start:end].copy_(st.master[start:end])
+            elif publish is not None:
+                publish.copy_(st.master)
         self.seconds = time.perf_counter() - t0
         return self
 
