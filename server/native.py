@@ -14,7 +14,9 @@ use from ``native_update.c`` by the host's C compiler and called through ctypes.
 #    in float32, its two fused multiply-adds), so the master and the moments are torch's to the
 #    bit, but in a parameter's last ``numel % 16`` elements, which torch computes by another loop
 #    (there within a rounding). The bf16 copy is the master rounded to nearest even, as
-#    ``Tensor.to(torch.bfloat16)`` rounds it.
+#    ``Tensor.to(torch.bfloat16)`` rounds it. The same kernel runs an update with a ``grad_scale``
+#    (several workers' mean, clipping), which torch's fused kernel makes write the divided gradient
+#    back over the gradient it read: 32 bytes per parameter where 28 do (15.2 -> 12.8 ms on 32 M).
 # 3. The norm of a sum of several gradients is this kernel's float: the sum of ``NORM_CHUNK``-
 #    element pieces' squares, each piece summed in float64 lanes (squares of float32 are exact
 #    there, and cannot overflow), the pieces added in order: within ~1e-15 of the exact sum, where

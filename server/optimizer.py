@@ -183,7 +183,9 @@ class StageOptimizer:
         each group's is it times the group's ``lr_scale``. ``publish``: the stage's published copy
         (the master's length, another tensor); True when the update wrote its trained
         parameters there too (AdamW by the native kernel, NOTE [Native kernels] rule 2), and only
-        :attr:`untrained` is left to copy; False: nothing was written there."""
+        :attr:`untrained` is left to copy; False: nothing was written there. AdamW with a
+        ``grad_scale`` runs the native kernel too where it is built: torch's fused kernel writes the
+        divided gradient back over ``grad`` (4 bytes per parameter more than the update needs)."""
         if grad.numel() != self.layout.numel:
             raise ValueError(
                 f"a gradient of {grad.numel()} elements for a stage whose gradient has {self.layout.numel}: "
@@ -201,8 +203,8 @@ class StageOptimizer:
         base = self.spec.lr if lr is None else lr
         for group in opt.param_groups:
             group["lr"] = base * group.get("lr_scale", 1.0)
-        if publish is not None and self._native_step(opt, grad, 1.0 if grad_scale is None else grad_scale, publish):
-            return True
+        if (publish is not None or grad_scale is not None) and self._native_step(opt, grad, grad_scale or 1.0, publish):
+            return publish is not None
         if self.flat:
             self.master.grad = grad
             try:
@@ -227,12 +229,16 @@ class StageOptimizer:
             self._gather_momentum()
         return False
 
-    def _native_step(self, opt: torch.optim.Optimizer, grad: torch.Tensor, grad_scale: float, publish: torch.Tensor) -> bool:
-        """AdamW and the published copy in one pass per trained parameter (NOTE [Native kernels]
-        rule 2), on torch's own state (created as torch creates it, its ``step`` counted as the
-        fused kernel counts it); False when the kernels are off or do not fit, having changed
-        nothing."""
-        if not isinstance(self.spec, AdamW) or not native.fits_output(publish, self.master.numel()):
+    def _native_step(
+        self, opt: torch.optim.Optimizer, grad: torch.Tensor, grad_scale: float, publish: torch.Tensor | None
+    ) -> bool:
+        """AdamW (and the published copy, when given) in one pass per trained parameter (NOTE
+        [Native kernels] rule 2), on torch's own state (created as torch creates it, its ``step``
+        counted as the fused kernel counts it); False when the kernels are off or do not fit,
+        having changed nothing."""
+        if not isinstance(self.spec, AdamW) or not native.available():
+            return False
+        if publish is not None and not native.fits_output(publish, self.master.numel()):
             return False
         if self.flat:
             targets = [(self.master, 0, 0, opt.param_groups[0])]
@@ -250,7 +256,7 @@ class StageOptimizer:
             done = native.adamw(
                 param, state["exp_avg"], state["exp_avg_sq"], grad[offset : offset + param.numel()],
                 lr=group["lr"], betas=self.spec.betas, eps=self.spec.eps, weight_decay=group["weight_decay"],
-                step=float(state["step"]), grad_scale=grad_scale, out=publish[at : at + param.numel()],
+                step=float(state["step"]), grad_scale=grad_scale, out=None if publish is None else publish[at : at + param.numel()],
             )
             assert done, "the native kernel refused a stage it was checked to fit"  # noqa: S101
         return True

@@ -34,11 +34,14 @@ class UpdatedJob(Protocol):
 @dataclass(slots=True)
 class GatherTask:
     """Add workers' gradients (their slots) into the stage's accumulator, off the loop thread, in one
-    pass over memory: the first gradients of an attempt are summed into it (``torch.add(a, b,
-    out=grad)``: read 8 bytes and write 4 per parameter, where copying the first and adding the
-    second took 20), and the task that brings the ``expected``-th gradient of its attempt also
-    computes the squared norm of the sum, chunk by chunk as it writes it (NOTE [Gradient norms] in
-    wstream/protocol/grad_norm.py), unless it is a lone worker's, which came with its norm."""
+    pass over memory: the first gradients of an attempt are summed into it (read 8 bytes and
+    write 4 per parameter, where copying the first and adding the second took 20), and the task
+    that brings the ``expected``-th gradient of its attempt also computes the squared norm of the
+    sum as it writes it, unless it is a lone worker's, which came with its norm. The server's
+    native kernel does both where it is built (streamed stores, the norm in float64: NOTE [Native
+    kernels] in wstream/server/native.py), except the norm of a lone worker's gradient, which is
+    ``squared_norm``'s as the worker's own would be (NOTE [Gradient norms] in
+    wstream/protocol/grad_norm.py)."""
 
     job: UpdatedJob
     stage: StageState
@@ -68,15 +71,15 @@ class GatherTask:
                     count = 0
                 total = count + len(self.sources)
                 last = total == self.expected
-                several = total > 1  # a sum of several workers' gradients: the native kernel's (NOTE [Native kernels])
+                several = total > 1  # the norm of a sum of several workers' gradients: the native kernel's (NOTE [Native kernels] rule 3)
                 if last and not (total == 1 and self.sumsq is not None):
                     # the sum and its norm in one pass (NOTE [Gradient norms])
                     norm = native.sum_with_norm(st.grad, self.sources, first=count == 0, norm_numel=st.grad_numel) if several else None
                     if norm is None:
                         norm = accumulate_with_norm(st.grad, self.sources, first=count == 0, norm_numel=st.grad_numel)
-                else:
+                else:  # no norm to take: a streamed copy or sum (NOTE [Native kernels] rule 1)
                     norm = self.sumsq
-                    if not several or native.sum_with_norm(st.grad, self.sources, first=count == 0, norm_numel=0) is None:
+                    if native.sum_with_norm(st.grad, self.sources, first=count == 0, norm_numel=0) is None:
                         accumulate(st.grad, self.sources, first=count == 0)
                 st.acc = (self.attempt, total)
                 if last:

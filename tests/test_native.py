@@ -161,12 +161,13 @@ class _Whole:
         self.numel = numel
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, None])
 @pytest.mark.parametrize("grouped", [False, True])
-def test_stage_update_with_its_published_copy_equals_torchs_then_a_copy(dtype: torch.dtype, grouped: bool) -> None:
+def test_stage_update_with_its_published_copy_equals_torchs_then_a_copy(dtype: torch.dtype | None, grouped: bool) -> None:
     """StageOptimizer.step(publish=) against the torch path (native turned off) on the same stage:
-    the same master and state to the bit, and the copy is the master's once the untrained ranges
-    (frozen parameter, buffer, gaps) are copied as UpdateTask copies them."""
+    the same master and state to the bit (but tails), and the copy is the master's once the
+    untrained ranges (frozen parameter, buffer, gaps) are copied as UpdateTask copies them. dtype
+    None: no published copy, only the grad_scale, which the native kernel runs too."""
     spec, groups = grouped_stage() if grouped else (build_stage_spec("0", [("w", (1000, 3)), ("b", (17,))]), [])
     gen = torch.Generator().manual_seed(1)
     start = torch.randn(spec.numel, generator=gen)
@@ -174,14 +175,17 @@ def test_stage_update_with_its_published_copy_equals_torchs_then_a_copy(dtype: t
     fast = StageOptimizer(opt_spec, start.clone(), spec, groups)
     slow = StageOptimizer(opt_spec, start.clone(), spec, groups)
     assert fast.flat is not grouped and bool(fast.untrained) is grouped
-    published = torch.zeros(spec.numel, dtype=dtype)
+    published = torch.zeros(spec.numel, dtype=dtype) if dtype is not None else None
     for step in range(3):
         grad = torch.randn(fast.layout.numel, generator=gen)
-        assert fast.step(grad.clone(), grad_scale=2.0, lr=1e-2 * (step + 1), publish=published)
-        for s, e in fast.untrained:
-            published[s:e].copy_(fast.master[s:e])
+        fast_grad = grad.clone()
+        assert fast.step(fast_grad, grad_scale=2.0, lr=1e-2 * (step + 1), publish=published) is (published is not None)
+        assert torch.equal(fast_grad, grad)  # the native kernel leaves the gradient as it was
+        if published is not None:
+            for s, e in fast.untrained:
+                published[s:e].copy_(fast.master[s:e])
         with native.turned_off():
-            assert not slow.step(grad.clone(), grad_scale=2.0, lr=1e-2 * (step + 1), publish=published.clone())
+            assert not slow.step(grad.clone(), grad_scale=2.0, lr=1e-2 * (step + 1), publish=None)
     trained = fast._trained or [_Whole(spec.numel)]  # noqa: SLF001  (each parameter's place)
     assert_same_but_tails(fast.master, slow.master, [(t.at, t.numel) for t in trained])
     fs, ss = fast.state_tensors(), slow.state_tensors()
@@ -189,7 +193,8 @@ def test_stage_update_with_its_published_copy_equals_torchs_then_a_copy(dtype: t
     assert torch.equal(fs["step"], ss["step"])
     for k in ("exp_avg", "exp_avg_sq"):
         assert_same_but_tails(fs[k], ss[k], [(t.offset, t.numel) for t in trained])
-    assert torch.equal(published, fast.master.to(dtype))
+    if published is not None:
+        assert torch.equal(published, fast.master.to(dtype))
 
 
 def test_the_library_is_built_once_and_kept(tmp_path: Path) -> None:
