@@ -36,7 +36,9 @@ from wstream.protocol import SGD, AdamW, LayoutError, OptimizerSpec
 from wstream.protocol import messages as m
 from wstream.protocol.layout import GradLayout, grad_layout, numel_of, validate_groups
 
-from . import native
+from .native import adamw as native_adamw
+from .native import available as native_available
+from .native import fits_output
 
 
 def state_bytes_per_element(spec: OptimizerSpec) -> int:
@@ -236,9 +238,9 @@ class StageOptimizer:
         [Native kernels] rule 2), on torch's own state (created as torch creates it, its ``step``
         counted as the fused kernel counts it); False when the kernels are off or do not fit,
         having changed nothing."""
-        if not isinstance(self.spec, AdamW) or not native.available():
+        if not isinstance(self.spec, AdamW) or not native_available():
             return False
-        if publish is not None and not native.fits_output(publish, self.master.numel()):
+        if publish is not None and not fits_output(publish, self.master.numel()):
             return False
         if self.flat:
             targets = [(self.master, 0, 0, opt.param_groups[0])]
@@ -253,7 +255,7 @@ class StageOptimizer:
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
             state["step"] += 1
-            done = native.adamw(
+            done = native_adamw(
                 param, state["exp_avg"], state["exp_avg_sq"], grad[offset : offset + param.numel()],
                 lr=group["lr"], betas=self.spec.betas, eps=self.spec.eps, weight_decay=group["weight_decay"],
                 step=float(state["step"]), grad_scale=grad_scale, out=None if publish is None else publish[at : at + param.numel()],

@@ -16,7 +16,7 @@ import torch
 
 from wstream.protocol.grad_norm import accumulate, accumulate_with_norm, squared_norm
 
-from . import native
+from .native import sum_with_norm as native_sum_with_norm
 from .snapshot import Snapshot
 from .stage_state import StageState
 
@@ -74,12 +74,12 @@ class GatherTask:
                 several = total > 1  # the norm of a sum of several workers' gradients: the native kernel's (NOTE [Native kernels] rule 3)
                 if last and not (total == 1 and self.sumsq is not None):
                     # the sum and its norm in one pass (NOTE [Gradient norms])
-                    norm = native.sum_with_norm(st.grad, self.sources, first=count == 0, norm_numel=st.grad_numel) if several else None
+                    norm = native_sum_with_norm(st.grad, self.sources, first=count == 0, norm_numel=st.grad_numel) if several else None
                     if norm is None:
                         norm = accumulate_with_norm(st.grad, self.sources, first=count == 0, norm_numel=st.grad_numel)
                 else:  # no norm to take: a streamed copy or sum (NOTE [Native kernels] rule 1)
                     norm = self.sumsq
-                    if native.sum_with_norm(st.grad, self.sources, first=count == 0, norm_numel=0) is None:
+                    if native_sum_with_norm(st.grad, self.sources, first=count == 0, norm_numel=0) is None:
                         accumulate(st.grad, self.sources, first=count == 0)
                 st.acc = (self.attempt, total)
                 if last:

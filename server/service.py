@@ -23,7 +23,7 @@ from wstream.protocol.host import host_cores
 from wstream.protocol import PROTOCOL_VERSION
 from wstream.protocol.shm import configure_huge_pages, reap_stale_segments
 
-from . import native
+from .native import library as native_kernels
 from .config import ServerConfig
 from .counters import ServerCounters
 from .handlers import Handlers
@@ -61,7 +61,7 @@ class Server:
         if config.torch_threads is not None:
             torch.set_num_threads(config.torch_threads)
         self._updates = UpdatePool(config.optimizer_workers)
-        native.library()  # built (or found in its cache) now, not by the first update (NOTE [Native kernels])
+        native_kernels()  # built (or found in its cache) now, not by the first update (NOTE [Native kernels])
         store = SnapshotStore(config.store, config.keep_snapshots) if config.store is not None else None
         try:
             self.transport = Transport(config)
