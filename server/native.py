@@ -177,6 +177,8 @@ def turned_off() -> Iterator[None]:
 
 def _ranges(n: int, align: int) -> list[tuple[int, int]]:
     """``[0, n)`` split into up to ``torch.get_num_threads()`` ranges that start on ``align``."""
+    if n <= 0:
+        return []
     parts = max(1, min(torch.get_num_threads(), n // SPLIT_MIN))
     size = -(-n // parts)
     size = -(-size // align) * align
@@ -186,6 +188,8 @@ def _ranges(n: int, align: int) -> list[tuple[int, int]]:
 def _run(calls: list[Callable[[], None]]) -> None:
     """Run the calls, on the pool's threads when there are several."""
     global _pool
+    if not calls:
+        return
     if len(calls) == 1:
         calls[0]()
         return

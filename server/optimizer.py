@@ -254,13 +254,14 @@ class StageOptimizer:
                 state["step"] = torch.tensor(0.0, dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(param, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(param, memory_format=torch.preserve_format)
-            state["step"] += 1
             done = native_adamw(
                 param, state["exp_avg"], state["exp_avg_sq"], grad[offset : offset + param.numel()],
                 lr=group["lr"], betas=self.spec.betas, eps=self.spec.eps, weight_decay=group["weight_decay"],
-                step=float(state["step"]), grad_scale=grad_scale, out=None if publish is None else publish[at : at + param.numel()],
+                step=float(state["step"]) + 1, grad_scale=grad_scale, out=None if publish is None else publish[at : at + param.numel()],
             )
-            assert done, "the native kernel refused a stage it was checked to fit"  # noqa: S101
+            if not done:  # flat contiguous fp32 views always fit: a bug
+                raise RuntimeError(f"the native AdamW refused a parameter of {param.numel()} elements at {at}")
+            state["step"] += 1
         return True
 
 

@@ -116,8 +116,10 @@ class UpdateTask:
     """One stage's update of a committed step, run off the loop thread: the optimizer on the
     accumulated gradient (divided by ``grad_scale``: the number of workers over the clipping
     factor) at learning rate ``lr``, the buffers set to the ``workers``' mean, then publication of
-    the new weights. ``apply`` False (a skipped step, or a stage with nothing to train) only
-    publishes, so the version can move on."""
+    the new weights into the next version's slot when it is not the master (the native AdamW
+    writes the trained parameters there as it updates them; the rest is copied). ``apply`` False
+    (a skipped step, or a stage with nothing to train) only publishes, so the version can move
+    on."""
 
     job: UpdatedJob
     stage: StageState
