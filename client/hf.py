@@ -13,7 +13,7 @@ export_pretrained(job, "path/to/out", "path/to/model")
 ```
 
 Families: GPT-2, Llama, Mistral, Qwen2, Phi-3, Gemma, Gemma2, GPT-NeoX (Pythia) and OPT
-(``FAMILIES`` in ``hf_stages.py``), split by one structural rule (NOTE [The structural rule]
+(``FAMILIES`` in ``hf_layout.py``), split by one structural rule (NOTE [The structural rule]
 there). The chain is [embedding, decoder blocks (one per stage, or ``blocks_per_stage``), the
 final norm folded into the last block stage, head]. The blocks are the real ``transformers``
 modules (``GPT2Block``, ``LlamaDecoderLayer``, ...), run with an explicit attention implementation
@@ -33,7 +33,7 @@ mask, position ids and 4D masks of packed documents (NOTE [Packed sequences] the
 # (as ``save_pretrained`` writes tied weights).
 #
 # NOTE [The structural rule], [What flows between stages] and [Packed sequences] are in
-# ``hf_stages.py``, with the stage modules.
+# ``hf_layout.py``, with the structural rule.
 """
 
 from __future__ import annotations
@@ -67,8 +67,10 @@ from wstream.protocol.layout import numel_of
 from .chain import progress_bar
 from .client import Client
 from .job_handle import Job
-from .hf_stages import FAMILIES, Blocks, Embedding, Head, Layout, TiedHead, default_attn_implementation, layout_of
-from .hf_stages import UnsupportedModel, block_causal_mask  # noqa: F401 - re-exported for users
+from .hf_layout import FAMILIES, Layout, default_attn_implementation, layout_of
+from .hf_layout import UnsupportedModel  # noqa: F401 - re-exported for users
+from .hf_masks import block_causal_mask  # noqa: F401 - re-exported for users
+from .hf_stages import Blocks, Embedding, Head, TiedHead
 from .stages import DTYPE_OF_BUFFER, Tied
 
 log = logging.getLogger(__name__)
@@ -78,7 +80,7 @@ Source = Union[str, "os.PathLike[str]", PretrainedConfig]
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
 """The attention implementations a job may run with; None picks per model
-(:func:`~wstream.client.hf_stages.default_attn_implementation`)."""
+(:func:`~wstream.client.hf_layout.default_attn_implementation`)."""
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 IGNORE_INDEX = -100
@@ -190,7 +192,7 @@ def _block_ranges(config: PretrainedConfig, blocks_per_stage: int) -> list[range
 
 
 def _skeletons(layout: Layout, blocks_per_stage: int) -> Iterator[nn.Module | Tied]:
-    """The chain on the meta device (NOTE [The structural rule] in ``hf_stages.py``): embedding,
+    """The chain on the meta device (NOTE [The structural rule] in ``hf_layout.py``): embedding,
     block stages, then the head (or a position tied to stage 0). Generated one at a time."""
     ranges = _block_ranges(layout.config, blocks_per_stage)
     yield _on_meta(lambda: Embedding(layout))

@@ -17,7 +17,8 @@ from safetensors import safe_open  # noqa: E402
 
 from wstream.client import AdamW, Client  # noqa: E402
 from wstream.client.hf import causal_lm_loss, create_job_from_pretrained, export_pretrained  # noqa: E402
-from wstream.client.hf_stages import FAMILIES, UnsupportedModel, block_causal_mask  # noqa: E402
+from wstream.client.hf_layout import FAMILIES, UnsupportedModel  # noqa: E402
+from wstream.client.hf_masks import block_causal_mask  # noqa: E402
 
 VOCAB, SEQ = 96, 12
 SMALL = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "max_position_embeddings": 32}
