@@ -218,20 +218,34 @@ class Trainer:
         """Train until the job reaches step ``steps``; ``batch_of(t)`` gives the inputs and targets
         of step t. Steps interrupted by a server restart or a detach are trained again from the
         job's step (so with deterministic data a recovered run ends with the weights of an
-        uninterrupted one). Returns the loss of every step this worker completed."""
+        uninterrupted one), also when it comes while the last step's gradients are flushed.
+        Returns the loss of every step this worker completed."""
         losses: dict[int, float] = {}
-        while self._step < steps:
-            t = self._step
-            inputs, targets = batch_of(t)
+        while True:
+            while self._step < steps:
+                t = self._step
+                inputs, targets = batch_of(t)
+                try:
+                    losses[t] = self.step(inputs, targets, loss_fn, micro_batches=micro_batches)
+                except Resynced as r:
+                    log.warning("%s; going on from there", r)
+                    continue
+                if on_step is not None:
+                    on_step(t, losses[t])
             try:
-                losses[t] = self.step(inputs, targets, loss_fn, micro_batches=micro_batches)
-            except Resynced as r:
+                self._recovering(self._flush_once)
+                return losses
+            except Resynced as r:  # the job lost steps in the restart: train them again
                 log.warning("%s; going on from there", r)
-                continue
-            if on_step is not None:
-                on_step(t, losses[t])
-        self.flush()
-        return losses
+
+    def _flush_once(self) -> float:
+        """:meth:`flush`, made ready for a reconnect when the connection is lost in it."""
+        try:
+            self.flush()
+        except (ServerUnavailable, SessionExpiredError):
+            self._abort_step(False, recoverable=self.options.transport.reconnect_s > 0)
+            raise
+        return 0.0
 
     def step_loop(
         self,
