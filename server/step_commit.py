@@ -79,7 +79,9 @@ their completion, and the open step discarded when a worker leaves in the middle
 # Otherwise the push is gathered as before; a lone worker's norm still spares the gather's norm
 # pass. The norm each stage adds to the global one is the same float either way: ``squared_norm``
 # of that stage's gradient sum (NOTE [Gradient norms] in wstream/protocol/grad_norm.py; a CPU
-# worker computes it on its slot, which with one worker is that sum).
+# worker computes it on its slot, which with one worker is that sum). The sum of several workers'
+# gradients has the server's native kernel's float where it is built (NOTE [Native kernels] in
+# native.py, rule 3).
 """
 
 from __future__ import annotations
