@@ -144,16 +144,11 @@ def test_a_non_finite_gradient_has_a_non_finite_norm() -> None:
 
 def grouped_stage() -> tuple[m.StageSpec, list[m.GroupSpec]]:
     """A frozen parameter, a no-decay group with its own lr scale, a buffer, and default ones."""
-    spec = build_stage_spec("0", [("w", (300, 7)), ("frozen", (50,)), ("bias", (33,)), ("ln", (41,)), ("count", (1,))])
-    params = list(spec.params)
-    params[1] = m.ParamSpec(**{**_fields(params[1]), "frozen": True})
-    params[2] = m.ParamSpec(**{**_fields(params[2]), "group": 1})
-    params[4] = m.ParamSpec(**{**_fields(params[4]), "frozen": True, "buffer": True})
-    return m.StageSpec(**{**_fields(spec), "params": params}), [m.GroupSpec(name="no_decay", weight_decay=0.0, lr_scale=0.5)]
-
-
-def _fields(struct: object) -> dict[str, object]:
-    return {f: getattr(struct, f) for f in struct.__struct_fields__}  # type: ignore[attr-defined]
+    spec = build_stage_spec(
+        "0",
+        [("w", (300, 7)), ("frozen", (50,), 0, True), ("bias", (33,), 1), ("ln", (41,)), ("count", (1,), 0, True, "float32")],
+    )
+    return spec, [m.GroupSpec(name="no_decay", weight_decay=0.0, lr_scale=0.5)]
 
 
 class _Whole:
