@@ -21,7 +21,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,6 +45,8 @@ from .throughput import Throughput, work_of
 from .timeline import Tracer, write_worker_trace
 
 log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
 
 __all__ = ["LossFn", "Resynced", "Trainer", "TrainerStats"]
 
@@ -238,14 +240,13 @@ class Trainer:
             except Resynced as r:  # the job lost steps in the restart: train them again
                 log.warning("%s; going on from there", r)
 
-    def _flush_once(self) -> float:
+    def _flush_once(self) -> None:
         """:meth:`flush`, made ready for a reconnect when the connection is lost in it."""
         try:
             self.flush()
         except (ServerUnavailable, SessionExpiredError):
             self._abort_step(False, recoverable=self.options.transport.reconnect_s > 0)
             raise
-        return 0.0
 
     def step_loop(
         self,
@@ -361,8 +362,8 @@ class Trainer:
         if self.connection.closed:
             raise StateError("this trainer is closed")
 
-    def _recovering(self, run: Callable[[], float]) -> float:
-        """``run()`` a step; when the connection is lost reconnect, and retry the step if the job
+    def _recovering(self, run: Callable[[], _T]) -> _T:
+        """``run()`` a step (or the last flush); when the connection is lost reconnect, and retry the step if the job
         is still at it, or raise :class:`Resynced` when it is at another step now."""
         step = self._step
         while True:
