@@ -87,8 +87,7 @@ def alternate(
         t0 = time.perf_counter()
         for x, y in batches:
             trainer.step(x, y, loss_fn)
-        trainer.flush()
-        job.pull_stage(job.num_stages - 1)  # its (unit's) update is the last to run: the block's work is done
+        trainer.wait_updates()  # every update of the block applied (await_step: no weights move)
         streamed.append((time.perf_counter() - t0) / len(batches))
     return plain, streamed
 

@@ -46,7 +46,7 @@ from .endpoint import Closeable, WorkerEndpoint
 from .env import job_token, server_address
 from .groups import GroupAssigner, ParamGroup, export_metadata
 from .job_options import job_options, options_difference
-from .job_handle import Job, stage_tensors
+from .job_handle import Job, stage_tensors, wait_for_step
 from .stages import Tied, flatten
 from .units import AUTO_UNIT_BYTES, UnitCutter, chain_layout
 
@@ -382,6 +382,17 @@ class Client:
             lambda sid: m.Save(session=sid, job=name), m.Saved, timeout_s=timeout or self.wait_timeout_s
         )
         return reply.step, reply.path
+
+    def wait_step(self, name: str, step: int, *, token: str | None = None, timeout: float | None = None) -> int:
+        """Wait until job ``name`` holds the weights after ``step`` steps (as :meth:`Job.wait_step`):
+        with the admin secret, else with the job's ``token`` (default ``$WSTREAM_TOKEN``)."""
+        if self._admin_secret() is None:
+            return self.attach_job(name, token=self._job_token(token)).wait_step(step, timeout=timeout)
+
+        def reached(t: int, left: float) -> int:
+            return self._admin_request(lambda sid: m.AwaitStep(session=sid, job=name, step=t), m.StepReached, timeout_s=left).step
+
+        return wait_for_step(reached, step, timeout or self.wait_timeout_s)
 
     def set_schedule(
         self, name: str, schedule: Schedule | None = None, *, lr: float | None = None, token: str | None = None

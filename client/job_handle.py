@@ -6,6 +6,8 @@ creates jobs."""
 from __future__ import annotations
 
 import os
+import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import msgspec
@@ -169,6 +171,17 @@ class Job:
         _, data = self.client._chan.request(m.Pull(session=self.session, stage=server_stage), m.Master)
         return stage_tensors(spec, data)
 
+    def wait_step(self, step: int, timeout: float | None = None) -> int:
+        """Wait until every stage holds the weights after ``step`` steps (the updates of the steps
+        before it applied; ``await_step``, which moves no weights); returns the job's step then.
+        ``timeout``: seconds for the whole wait (default: the client's ``wait_timeout``)."""
+
+        def reached(t: int, left: float) -> int:
+            reply, _ = self.client._chan.request(m.AwaitStep(session=self.session, step=t), m.StepReached, timeout_s=left)
+            return reply.step
+
+        return wait_for_step(reached, step, timeout or self.client.wait_timeout_s)
+
     def save(self, timeout: float | None = None) -> tuple[int, str]:
         """Snapshot the job on the server's store; returns (step, directory) once it is durable.
 
@@ -217,3 +230,15 @@ def stage_tensors(spec: StageSpec, data: list[Any]) -> dict[str, torch.Tensor]:
         dtype = DTYPE_OF_BUFFER[p.buffer] if p.buffer else torch.float32
         out[p.name] = t if dtype.is_floating_point else t.to(dtype)
     return out
+
+
+def wait_for_step(reached: Callable[[int, float], int], step: int, timeout: float) -> int:
+    """Wait for a job's step ``step`` with ``reached(t, seconds)`` (one ``await_step``: the job's
+    step once it is at ``t`` or beyond), a step at a time: the server lets a request wait for at
+    most the step after the one its job gathers. Returns the job's step; ``timeout``: seconds
+    for the whole wait."""
+    deadline = time.monotonic() + timeout
+    now = reached(0, timeout)  # the job's step now
+    while now < step:
+        now = reached(min(step, now + 1), max(deadline - time.monotonic(), 1e-3))
+    return now

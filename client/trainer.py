@@ -203,10 +203,24 @@ class Trainer:
         self._tracer = self.executor.tracer = self.connection.sc.tracer = tracer
 
     def flush(self) -> None:
-        """Wait until the server has applied every gradient this worker sent. Only a job with
-        ``delayed_update`` has any outstanding between steps; ``close()`` flushes too."""
+        """Wait until the server has taken every gradient this worker sent and its steps
+        committed. Only a job with ``delayed_update`` has any outstanding between steps;
+        ``close()`` flushes too. The updates may still run: :meth:`wait_updates` waits for them."""
         if not self.connection.closed:
             self.connection.pusher.drain()
+
+    def wait_updates(self, timeout: float | None = None) -> int:
+        """Wait until the server has applied the updates of every step this worker trained (the
+        job's weights are those after :attr:`step_index` steps: ``await_step``, which moves no
+        weights); returns the job's step. ``timeout``: seconds (default: the client's
+        ``wait_timeout``); with several workers it waits for theirs too."""
+        self.flush()
+        conn = self.connection
+        reply, _ = conn.chan.request(
+            m.AwaitStep(session=conn.session, step=self._step), m.StepReached,
+            timeout_s=conn.endpoint.wait_timeout_s if timeout is None else timeout,
+        )
+        return reply.step
 
     def fit(
         self,

@@ -367,6 +367,19 @@ class Pull(SessionMessage, tag="pull"):
     job: JobName | None = None
 
 
+class AwaitStep(SessionMessage, tag="await_step"):
+    """Answer with ``step_reached`` once every stage of the job (the session's own, or with an
+    admin session ``job``) holds the weights after ``step`` steps: each is at version ``step`` or
+    beyond, so the updates of every step before it are applied (NOTE [Versions and who may read
+    what] in server/versions.py). At once when the job is there already; ``stale_step`` for a step
+    more than one past the step the job gathers (so a wait ends within two steps); an error when
+    a stage's update fails or the job is dropped. Moves no weights: how a caller knows the updates of the
+    steps it trained are done (before an export, an evaluation, the end of a timed block)."""
+
+    step: Step
+    job: JobName | None = None
+
+
 class Describe(SessionMessage, tag="describe"):
     """The stage layouts of a job (``job`` with an admin session; else the session's own), to name
     the tensors ``pull`` returns. Answered with ``layout``."""
@@ -429,7 +442,7 @@ class Timeline(SessionMessage, tag="timeline"):
 
 Request = Union[
     Hello, CreateJob, AddStage, Seal, Attach, AdminAttach, Join, Fetch, Push, Commit, Pull, Heartbeat, Leave, DropJob,
-    Status, Save, SetSchedule, Shutdown, Timeline, Describe,
+    Status, Save, SetSchedule, Shutdown, Timeline, Describe, AwaitStep,
 ]
 _REQUESTS: tuple[type[Message], ...] = Request.__args__  # type: ignore[attr-defined]
 
@@ -629,6 +642,13 @@ class StatusReply(Message, tag="status_reply"):
     jobs: list[JobInfo]
 
 
+class StepReached(Message, tag="step_reached"):
+    """Every stage of the job holds the weights after ``step`` steps (the job's step when
+    answered: the one ``await_step`` asked for, or later)."""
+
+    step: Step
+
+
 class Error(Message, tag="error"):
     code: str
     message: str
@@ -636,7 +656,7 @@ class Error(Message, tag="error"):
 
 Reply = Union[
     Challenge, Attached, AdminAttached, Joined, Weights, Pushed, Committed, Master, Ok, Saved, StatusReply, TimelineReply, Layout,
-    Error,
+    StepReached, Error,
 ]
 _REPLIES: tuple[type[Message], ...] = Reply.__args__  # type: ignore[attr-defined]
 

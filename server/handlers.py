@@ -83,6 +83,7 @@ class Handlers:
             m.Push: self._on_push,
             m.Commit: self._on_commit,
             m.Pull: self._on_pull,
+            m.AwaitStep: self._on_await_step,
             m.Heartbeat: self._on_heartbeat,
             m.Leave: self._on_leave,
             m.DropJob: self._on_drop_job,
@@ -360,6 +361,10 @@ class Handlers:
     def _on_pull(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing | None:
         assert isinstance(msg, m.Pull)
         return self._readable_job(msg.session, msg.job).pull(msg, identity)
+
+    def _on_await_step(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing | None:
+        assert isinstance(msg, m.AwaitStep)
+        return self._readable_job(msg.session, msg.job).await_step(msg, identity)
 
     def _on_describe(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
         assert isinstance(msg, m.Describe)

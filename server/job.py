@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 import torch
 
-from wstream.protocol import LayoutError, NotReadyError, StateError
+from wstream.protocol import LayoutError, NotReadyError, StaleStepError, StateError
 from wstream.protocol import messages as m
 
 from .counters import JobCounters, Timeline
@@ -152,7 +152,7 @@ class Job:
 
     def refuse_waiters(self, error: Callable[[bytes, int], None]) -> None:
         """Answer every request still waiting on this job with ``error`` (the job is going away):
-        deferred fetches, pulls and pushes, pushes being gathered, and held commits."""
+        deferred fetches, pulls and pushes, pushes being gathered, held commits and ``await_step``."""
         for st in self.stages:
             for d in [*st.waiting_fetch, *st.waiting_pull]:
                 error(d.identity, d.request_id)
@@ -171,6 +171,9 @@ class Job:
         for d, _ in self.step_commit.waiting_commit:
             error(d.identity, d.request_id)
         self.step_commit.waiting_commit.clear()
+        for d in self.versions.waiting_step:
+            error(d.identity, d.request_id)
+        self.versions.waiting_step.clear()
 
     # ---- queries -----------------------------------------------------------------------------------
     @property
@@ -304,6 +307,18 @@ class Job:
     def pull(self, msg: m.Pull, identity: bytes) -> Outgoing | None:
         """The stage's master, now or once its update is done."""
         return self.versions.pull(msg, identity)
+
+    def await_step(self, msg: m.AwaitStep, identity: bytes) -> Outgoing | None:
+        """``step_reached`` once every stage holds the weights after ``msg.step`` steps, a step
+        no further than the one after the step the job gathers (NOTE [Versions and who may read
+        what] rule 6)."""
+        gathering = self.step_commit.open_step
+        if msg.step > gathering + 1:
+            raise StaleStepError(
+                f"job {self.name!r} gathers step {gathering}: step {msg.step} is more than one step past it "
+                f"(wait for step {gathering + 1} first)"
+            )
+        return self.versions.await_step(msg, identity)
 
     def set_schedule(self, lr: float | None, schedule: Any) -> None:
         """A new base lr and/or schedule, used from the next commit on (``set_schedule``)."""

@@ -358,6 +358,7 @@ class StepCommit:
                 if waiter.worker is not None:
                     waiter.worker.waiting -= 1
             answers = [Outgoing.error(w.identity, w.request_id, failed) for w in waiting]
+            answers += self.versions.refuse_steps(st.version, failed)
             answers += [Outgoing.error(o.identity, o.message.id, failed) for o in self._release_held(st)]
             # a delayed job's pushes held back until this update (rule 6) will not be taken either
             answers += [Outgoing.error(p.identity, p.msg.id, failed) for p in st.waiting_push]

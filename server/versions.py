@@ -24,6 +24,17 @@ here when they are done).
 #    of (i, t - 1) may be running. Such a job always has two slots: version v is in slot v % 2, and
 #    the update (i, t) -> t + 1 writes slot (t + 1) % 2 = (t - 1) % 2 only after step t committed,
 #    i.e. after every expected worker's last read of w_i(t - 1) (rule 2).
+# 6. ``await_step(t)`` is answered once every stage is at version t or beyond (the job's step,
+#    the least version, reached t), so no update of a step before t is left to run. t may be at
+#    most the step after the open one (job.py), as for ``commit``, so every wait ends within two
+#    steps. It waits in the job's list (at most MAX_WAITING_STEPS requests), which is looked at
+#    whenever an update ends. A stage whose update failed stays at its version for good: who waits for a step past
+#    it is told (step_commit.py), and so is who waits when the job is dropped (job.py).
+# 7. Rule 2 does not hold for a stage with nothing trained (every parameter frozen, or frozen
+#    whole on a base): it pushes nothing, so the step commits, and its update runs, while a worker
+#    may still read it in that step's backward. Its update only publishes the master, which never
+#    changes, so every slot it ever published holds the same bytes (an update that rewrites one
+#    rewrites the same bytes): a fetch of any step up to its version is served at once.
 """
 
 from __future__ import annotations
@@ -61,6 +72,10 @@ class ReadJob(Protocol):
     def stage(self, index: int) -> StageState: ...
 
 
+MAX_WAITING_STEPS = 256
+"""``await_step`` requests one job keeps waiting at once (NOTE rule 6); one more is refused."""
+
+
 class StageVersions:
     """The version each stage of one job is at, and the fetches and pulls that read the stages
     (NOTE [Versions and who may read what])."""
@@ -69,6 +84,7 @@ class StageVersions:
         self.job = job
         self.counts: Counter[int] = Counter()  # stage version -> how many stages are at it
         self.base_step = 0  # delayed updates read max(t - 1, base_step): see NOTE rule 5
+        self.waiting_step: list[Deferred] = []  # await_step requests (NOTE rule 6)
 
     @property
     def step(self) -> int:
@@ -83,6 +99,8 @@ class StageVersions:
         if st.failed is not None and t > st.version:  # a version it will never reach
             raise InternalError(st.failed)
         if t == st.version and (not st.updating or not st.single_slot):  # an update writes the other slot
+            return self.weights_reply(st, t, identity, msg.id, worker.shm)
+        if t <= st.version and not st.trained:  # NOTE rule 7: its weights never change
             return self.weights_reply(st, t, identity, msg.id, worker.shm)
         if self.job.options.delayed_update and t == st.version - 1 and not st.updating:  # NOTE rule 5
             return self.weights_reply(st, t, identity, msg.id, worker.shm)
@@ -140,7 +158,41 @@ class StageVersions:
         pulls = st.waiting_pull
         st.waiting_pull = []
         out.extend(self.pull_reply(st, d.identity, d.request_id) for d in pulls)
+        if self.waiting_step:
+            out += self._steps_reached()
         return out
+
+    def await_step(self, msg: m.AwaitStep, identity: bytes) -> Outgoing | None:
+        """``step_reached`` now if every stage is at ``msg.step`` or beyond, else once they are
+        (NOTE rule 6)."""
+        if not self.job.ready:
+            raise NotReadyError(f"job {self.job.name!r} is still uploading its weights")
+        failed = next((st for st in self.job.stages if st.failed is not None and st.version < msg.step), None)
+        if failed is not None:  # a version it will never reach
+            raise InternalError(failed.failed or "")
+        if self.step >= msg.step:
+            return Outgoing(identity, m.StepReached(id=msg.id, step=self.step))
+        if len(self.waiting_step) >= MAX_WAITING_STEPS:
+            raise StateError(
+                f"job {self.job.name!r}: {MAX_WAITING_STEPS} requests already wait for a step (the limit): "
+                "wait for their answers"
+            )
+        self.waiting_step.append(Deferred(identity, msg.id, msg.step))
+        return None
+
+    def _steps_reached(self) -> list[Outgoing]:
+        step = self.step
+        out = [Outgoing(d.identity, m.StepReached(id=d.request_id, step=step)) for d in self.waiting_step if d.step <= step]
+        if out:
+            self.waiting_step = [d for d in self.waiting_step if d.step > step]
+        return out
+
+    def refuse_steps(self, beyond: int, error: Exception) -> list[Outgoing]:
+        """Answer with ``error`` every ``await_step`` of a step past ``beyond`` (a stage stays at
+        ``beyond`` for good: its update failed)."""
+        refused = [d for d in self.waiting_step if d.step > beyond]
+        self.waiting_step = [d for d in self.waiting_step if d.step <= beyond]
+        return [Outgoing.error(d.identity, d.request_id, error) for d in refused]
 
     def pull(self, msg: m.Pull, identity: bytes) -> Outgoing | None:
         if not self.job.ready:

@@ -322,8 +322,9 @@ def test_drop_mid_step_answers_pushes_fetches_and_commits(scene: Scene) -> None:
     scene.after()
 
 
-def test_drop_while_updates_run_answers_fetches_pulls_and_saves(scene: Scene) -> None:
-    """A step committed, its updates running: fetches of the next step, a pull and a save wait."""
+def test_drop_while_updates_run_answers_fetches_pulls_saves_and_step_waits(scene: Scene) -> None:
+    """A step committed, its updates running: fetches of the next step, a pull, a save and an
+    ``await_step`` of the step wait."""
     job = scene.victim()
     a, sign_a = scene.worker(job)
     push_all(scene, a, sign_a, job, 0, hold_updates=True)
@@ -333,7 +334,8 @@ def test_drop_while_updates_run_answers_fetches_pulls_and_saves(scene: Scene) ->
     fetch = scene.wire.send(m.Fetch(session=a.session, stage=0, step=1), signer=sign_a)
     pull = scene.wire.send(m.Pull(session=job.session, stage=0), signer=job._signer)
     save = scene.wire.send(m.Save(session=job.session), signer=job._signer)
-    scene.drop(job.session, job._signer, [fetch, pull, save])
+    reached = scene.wire.send(m.AwaitStep(session=job.session, step=1), signer=job._signer)
+    scene.drop(job.session, job._signer, [fetch, pull, save, reached])
     scene.after()
 
 

@@ -52,8 +52,10 @@ The oracle, for every case:
   ``committed`` of that step, or with ``session_expired`` when the worker's session ends first (it
   leaves: the server must answer it then). The run ends by committing steps of the targets until
   nothing waits. Either is answered ``unknown_job`` when its job is dropped meanwhile (before the
-  drop's ``ok``). A worker that already has ``MAX_WAITING_FETCHES`` fetches waiting gets
-  ``bad_state`` at once instead;
+  drop's ``ok``). An ``await_step`` (any session of the job) of the step after the one its job is
+  at waits too, answered with ``step_reached`` of that step once every stage is there. A worker that
+  already has ``MAX_WAITING_FETCHES`` fetches waiting, or a job with ``MAX_WAITING_STEPS`` waiting
+  ``await_step`` requests, gets ``bad_state`` at once instead;
 * a header that the protocol's own decoder refuses, or data frames of a count the op does not take
   (or other than its ``nframes``), get the decoder's error code (``bad_message``, ``unknown_op``,
   ``version_mismatch``), and a header it accepts never gets one of those;
@@ -127,6 +129,7 @@ from wstream.protocol.lr_schedules import Constant, InverseSqrt, MultiStep, Piec
 from wstream.protocol.messages import CHUNK_BYTES, MAX_HEADER_BYTES
 from wstream.protocol.shm import segment_paths
 from wstream.server import job as server_job
+from wstream.server import versions as server_versions
 from wstream.server.config import ServerConfig
 
 CASES = int(os.environ.get("WSTREAM_FUZZ_CASES", "1000"))
@@ -137,6 +140,8 @@ RSS_BOUND = 64 * 2**20
 TRAIN_STEPS = 12
 MAX_WAITING_FETCHES: int | None = getattr(server_job, "MAX_WAITING_FETCHES", None)
 """Deferred fetches a worker may have at once (the server's; None where it has no such cap)."""
+MAX_WAITING_STEPS: int | None = getattr(server_versions, "MAX_WAITING_STEPS", None)
+"""``await_step`` requests a job keeps waiting at once (the server's; None where it has no cap)."""
 _config_defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
 CREATION_TIMEOUT_S: float | None = _config_defaults.get("creation_timeout_s")  # type: ignore[assignment]
 """An unsealed job that gets no stage for this long is dropped (the fixture server's default)."""
@@ -545,7 +550,8 @@ class Waiting:
     """A request the specification lets wait, and the answer it must get: a ``fetch`` of
     (``stage``, ``step``) gets ``weights`` of exactly that stage and step once the stage's update
     to ``step`` ends; a ``commit`` of ``step`` (``stage`` -1) gets ``committed`` of that step when
-    the step commits, or ``session_expired`` when its worker's session ends first. Either gets
+    the step commits, or ``session_expired`` when its worker's session ends first; an ``await_step``
+    of ``step`` (``stage`` -1) gets ``step_reached`` of it once every stage is there. Each gets
     ``unknown_job`` when its job is dropped meanwhile."""
 
     target: str
@@ -555,12 +561,22 @@ class Waiting:
     case: str
     session: bytes = b""  # the worker's
     before: int = 0  # fetches of that worker already waiting when it was sent
-    kind: str = "fetch"  # or "commit"
+    kind: str = "fetch"  # or "commit", "await"
 
     @property
     def expects(self) -> str:
         """The reply op that answers it when nothing ends it first."""
-        return "weights" if self.kind == "fetch" else "committed"
+        return {"fetch": "weights", "commit": "committed", "await": "step_reached"}[self.kind]
+
+    @property
+    def due_at(self) -> int:
+        """The step the job's stages must be at for the answer to be due."""
+        return self.step + 1 if self.kind == "commit" else self.step
+
+    def __str__(self) -> str:
+        if self.kind == "fetch":
+            return f"a waiting fetch of stage {self.stage} step {self.step}"
+        return f"a held commit of step {self.step}" if self.kind == "commit" else f"an await_step of step {self.step}"
 
 
 class Fuzzer:
@@ -595,6 +611,7 @@ class Fuzzer:
         self.auth: collections.Counter[str] = collections.Counter()
         self.deferred_answered = 0  # waiting fetches answered with their weights
         self.commits_answered = 0  # held commits answered with committed
+        self.steps_reached = 0  # waiting await_step answered with step_reached
         self.steps_committed = 0  # steps the fuzzer committed on its targets (advance)
         self.seconds: collections.Counter[str] = collections.Counter()
         self.slowest: list[tuple[float, str, str]] = []
@@ -786,6 +803,10 @@ class Fuzzer:
     def waiting_of(self, session: bytes) -> int:
         """The fetches of ``session`` waiting now (the server caps those; held commits are not counted)."""
         return sum(1 for w in self.waiting.values() if w.session == session and w.kind == "fetch")
+
+    def awaits_of(self, t: Target) -> int:
+        """The ``await_step`` requests of job ``t`` waiting now (the server caps those per job)."""
+        return sum(1 for w in self.waiting.values() if w.target == t.name and w.gen == t.gen and w.kind == "await")
     # ---- drawing a case -------------------------------------------------------------------------------
     KINDS = [
         "valid", "valid", "wrong_type", "missing_extra", "extreme", "big", "raw", "truncated",
@@ -1078,6 +1099,11 @@ class Fuzzer:
         """The deferrals the specification allows: a joined worker fetching the step after its
         stage's current one, or committing the job's open step or the next one (held until that
         step commits; NOTE [The step commit point] in server/step_commit.py)."""
+        if isinstance(msg, m.AwaitStep):  # any session of a target; the step after the job's one waits
+            owner, _ = self.owner(msg.session)
+            if not isinstance(owner, Target) or msg.job not in (None, owner.name) or msg.step != self.open_step(owner) + 1:
+                return None
+            return Waiting(owner.name, owner.gen, -1, msg.step, "", msg.session, self.awaits_of(owner), kind="await")
         if not isinstance(msg, (m.Fetch, m.Commit)):
             return None
         owner, role = self.owner(msg.session)
@@ -1124,7 +1150,7 @@ class Fuzzer:
                     waiting = self.may_wait(msg)
                 except WstreamError:
                     pass
-                limit = MAX_WAITING_FETCHES
+                limit = MAX_WAITING_STEPS if waiting is not None and waiting.kind == "await" else MAX_WAITING_FETCHES
                 if waiting is not None and limit is not None and waiting.before >= limit:
                     waiting, capped = None, True  # refused at once
                 elif waiting is not None:
@@ -1209,7 +1235,7 @@ class Fuzzer:
         large = len(wire) + sum(len(f) for f in case.frames) > 2**16
         self.sock.send_multipart([wire, *case.frames], copy=not large)
         if waiting is not None:
-            self.outcomes["deferred" if waiting.kind == "fetch" else "held commits"] += 1
+            self.outcomes[{"fetch": "deferred", "commit": "held commits", "await": "step waits"}[waiting.kind]] += 1
             return
         sent = time.perf_counter()
         got = self.receive(time.monotonic() + DEADLINE_S)
@@ -1305,7 +1331,7 @@ class Fuzzer:
     def settle(self, rid: int, reply: dict[str, Any], header: bytes) -> None:
         """Check the late answer of a waiting request (see :class:`Waiting`)."""
         w = self.waiting.pop(rid)
-        what = f"a waiting fetch of stage {w.stage} step {w.step}" if w.kind == "fetch" else f"a held commit of step {w.step}"
+        what = str(w)
         assert isinstance(reply, dict), f"{what} got {reply!r}: {w.case}"
         error = reply.get("code") if reply.get("op") == "error" else None
         if error == UNKNOWN_JOB:
@@ -1323,6 +1349,8 @@ class Fuzzer:
         if w.kind == "fetch":
             ok = ok and reply.get("stage") == w.stage
             self.deferred_answered += 1
+        elif w.kind == "await":
+            self.steps_reached += 1
         else:
             self.commits_answered += 1
         assert ok, f"{what} got {reply!r}: {w.case}"
@@ -1433,7 +1461,7 @@ class Fuzzer:
         def due() -> list[Waiting]:
             return [
                 x for x in self.waiting.values()
-                if x.target == t.name and (x.step <= step if x.kind == "fetch" else x.step < step)
+                if x.target == t.name and x.due_at <= step
             ]  # fmt: skip
 
         if due():  # answers that are due may still be on their way
@@ -1452,7 +1480,7 @@ class Fuzzer:
             w = next(iter(self.waiting.values()))
             t = self.targets[w.target]
             step = self.open_step(t)
-            if (w.step <= step) if w.kind == "fetch" else (w.step < step):
+            if w.due_at <= step:
                 self.answered(t, step)
             else:
                 self.advance(t)
@@ -1609,6 +1637,7 @@ def test_fuzz_every_op_while_a_job_trains(store_server: ServerProcess) -> None:
             f"({growth / 2**20:+.1f} MiB); {fz.outcomes['deferred']} deferred fetches: {fz.deferred_answered} answered, "
             f"{fz.outcomes['capped']} over the cap; {fz.outcomes['held commits']} held commits: {fz.commits_answered} "
             f"committed, {fz.outcomes['commits ended with their session']} ended with their worker's session; "
+            f"{fz.outcomes['step waits']} await_step waits: {fz.steps_reached} reached; "
             f"{fz.outcomes['dropped with their job']} waiting requests refused when their job was dropped"
             f"\n  steps committed by the fuzzer: {fz.steps_committed} ({fz.outcomes['pushed by a fuzzed push']} of their "
             f"stages gathered by a fuzzed push already); set_schedule accepted: {fz.outcomes['set_schedule:ok']}"
@@ -1639,7 +1668,8 @@ def test_fuzz_every_op_while_a_job_trains(store_server: ServerProcess) -> None:
 
 def landmarks(fz: Fuzzer) -> list[Case]:
     """Fixed cases too big to leave to chance, run first (part of the warm-up), and requests that
-    wait: every target's worker fetching the step after the current one, and committing the open
+    wait: every target's worker fetching the step after the current one (and waiting for it with
+    ``await_step``), and committing the open
     step (fz-shm: answered by the step that follows the flood) or the next one (fz-frames); answered
     at the end, or when a fuzzed ``leave`` of the worker ends its session (the commits). fz-frames's
     worker also pushes stage 0 of its open step: that step is then committed by the fuzzer with a
@@ -1656,6 +1686,9 @@ def landmarks(fz: Fuzzer) -> list[Case]:
             waits.append(Case("landmark", "fetch", {**fetch, "step": step + 1}))
         commit = {"v": PROTOCOL_VERSION, TAG_FIELD: "commit", "id": 5, "session": worker, "step": step + k}
         waits.append(Case("landmark", "commit", commit))
+        if "await_step" in REQUESTS:  # the step after the job's one: answered as the fuzzer commits it
+            reach = {"v": PROTOCOL_VERSION, TAG_FIELD: "await_step", "id": 7, "session": worker, "step": step + 1}
+            waits.append(Case("landmark", "await_step", reach))
         if not t.shm:
             push = {"v": PROTOCOL_VERSION, TAG_FIELD: "push", "id": 6, "session": worker, "stage": 0, "step": step,
                     "slot": 0, "numel": t.numels[0], "nframes": NFRAMES}  # fmt: skip

@@ -62,6 +62,8 @@ REQUESTS: list[m.Message] = [
     m.Timeline(session=SID, since_ns=12345),
     m.Describe(session=SID, job="j"),
     m.Pull(session=SID, stage=2, job="j"),
+    m.AwaitStep(session=SID, step=7),
+    m.AwaitStep(session=SID, step=0, job="j"),
     m.CreateJob(
         name="d", token="t", nonce=NONCE, client_nonce=CNONCE,
         options=m.JobOptions(delayed_update=True, delay_after=5),
@@ -94,6 +96,7 @@ def test_replies_round_trip() -> None:
         m.Challenge(id=2, nonce=NONCE),
         m.AdminAttached(id=2, session=SID),
         m.Layout(id=6, job="j", stages=[SPEC], step=3),
+        m.StepReached(id=7, step=4),
         m.TimelineReply(
             id=5,
             now_ns=10**12,
