@@ -174,3 +174,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """tests/test_drop.py's ``Scene``: the in-process server with its slow parts (gathers,
+    updates, snapshot writes) held at gates the test opens."""
+    from test_drop import Scene
+
+    s = Scene(tmp_path, monkeypatch)
+    try:
+        yield s
+    finally:
+        s.close()

@@ -14,7 +14,6 @@ The in-process server runs the very same handlers; the updates are held at a gat
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 import threading
 from pathlib import Path
 
@@ -28,16 +27,6 @@ from wstream.protocol import messages as m
 from wstream.server.inprocess import InProcessServer
 from wstream.server.pool_tasks import UpdateTask
 from wstream.server.versions import MAX_WAITING_STEPS
-
-
-@pytest.fixture
-def held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Scene]:
-    """tests/test_drop.py's scene: the in-process server with its slow parts held at gates."""
-    s = Scene(tmp_path, monkeypatch)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 def test_await_step_is_answered_once_every_update_of_the_step_is_applied(held: Scene) -> None:

@@ -10,8 +10,6 @@ the untrained stage is updating, or after its version moved on, every time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,15 +17,6 @@ from torch import nn
 
 from test_drop import OPTIMIZER, Scene
 from wstream.protocol import messages as m
-
-
-@pytest.fixture
-def held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Scene]:
-    s = Scene(tmp_path, monkeypatch)
-    try:
-        yield s
-    finally:
-        s.close()
 
 
 @pytest.mark.parametrize("double_buffer", [False, True])
