@@ -76,8 +76,9 @@ def test_await_step_is_bounded_to_the_step_after_the_open_one_and_wait_step_goes
         push_all(held, a, sign_a, job, t)
         committed = held.wire.call(m.Commit(session=a.session, step=t), signer=sign_a)
         assert isinstance(committed, m.Committed), committed
-        fetched = held.wire.call(m.Fetch(session=a.session, stage=0, step=t + 1), signer=sign_a)
-        assert isinstance(fetched, m.Weights), fetched
+        for stage in range(len(job.specs)):  # every update of step t ended
+            fetched = held.wire.call(m.Fetch(session=a.session, stage=stage, step=t + 1), signer=sign_a)
+            assert isinstance(fetched, m.Weights), fetched
     waiter.join(30)
     assert done == [2]
 
