@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from common import machine, parse_args, server, unit_bytes_arg
-from wstream.client import AdamW, Client, Job, Trainer
+from wstream.client import AdamW, Client, Trainer
 
 
 def chain(n: int, width: int) -> list[nn.Module]:
@@ -66,13 +66,13 @@ def measure(
     with job.trainer(schedule="store_all", cpu_threads=cpu_threads, grad_slots=grad_slots, step_ring=step_ring) as trainer:
         plain_step(*data[0])
         trainer.step(*data[0], loss_fn)
-        plain, streamed = alternate(plain_step, trainer, job, data[1:], block)
+        plain, streamed = alternate(plain_step, trainer, data[1:], block)
     job.drop()
     return statistics.median(plain), statistics.median(streamed)
 
 
 def alternate(
-    plain_step: Callable[[torch.Tensor, torch.Tensor], None], trainer: Trainer, job: Job,
+    plain_step: Callable[[torch.Tensor, torch.Tensor], None], trainer: Trainer,
     data: list[tuple[torch.Tensor, torch.Tensor]], block: int = 1,
 ) -> tuple[list[float], list[float]]:
     """Seconds per step of plain PyTorch and of wstream, alternating in blocks of ``block``

@@ -28,8 +28,9 @@ here when they are done).
 #    the least version, reached t), so no update of a step before t is left to run. t may be at
 #    most the step after the open one (job.py), as for ``commit``, so every wait ends within two
 #    steps. It waits in the job's list (at most MAX_WAITING_STEPS requests), which is looked at
-#    whenever an update ends. A stage whose update failed stays at its version for good: who waits for a step past
-#    it is told (step_commit.py), and so is who waits when the job is dropped (job.py).
+#    whenever an update ends. A stage whose update failed stays at its version for good: who
+#    waits for a step past it is told (step_commit.py), and so is who waits when the job is
+#    dropped (job.py).
 # 7. Rule 2 does not hold for a stage with nothing trained (every parameter frozen, or frozen
 #    whole on a base): it pushes nothing, so the step commits, and its update runs, while a worker
 #    may still read it in that step's backward. Its update only publishes the master, which never
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import Protocol
 
 from wstream.protocol import InternalError, NotReadyError, StaleStepError, StateError
@@ -182,17 +184,19 @@ class StageVersions:
 
     def _steps_reached(self) -> list[Outgoing]:
         step = self.step
-        out = [Outgoing(d.identity, m.StepReached(id=d.request_id, step=step)) for d in self.waiting_step if d.step <= step]
-        if out:
-            self.waiting_step = [d for d in self.waiting_step if d.step > step]
-        return out
+        return [Outgoing(d.identity, m.StepReached(id=d.request_id, step=step)) for d in self._take_steps(lambda t: t <= step)]
 
     def refuse_steps(self, beyond: int, error: Exception) -> list[Outgoing]:
         """Answer with ``error`` every ``await_step`` of a step past ``beyond`` (a stage stays at
         ``beyond`` for good: its update failed)."""
-        refused = [d for d in self.waiting_step if d.step > beyond]
-        self.waiting_step = [d for d in self.waiting_step if d.step <= beyond]
-        return [Outgoing.error(d.identity, d.request_id, error) for d in refused]
+        return [Outgoing.error(d.identity, d.request_id, error) for d in self._take_steps(lambda t: t > beyond)]
+
+    def _take_steps(self, chosen: Callable[[int], bool]) -> list[Deferred]:
+        """The waiting ``await_step`` requests whose step is ``chosen``, no longer waiting."""
+        taken = [d for d in self.waiting_step if chosen(d.step)]
+        if taken:
+            self.waiting_step = [d for d in self.waiting_step if not chosen(d.step)]
+        return taken
 
     def pull(self, msg: m.Pull, identity: bytes) -> Outgoing | None:
         if not self.job.ready:

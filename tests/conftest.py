@@ -187,3 +187,20 @@ def held(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         yield s
     finally:
         s.close()
+
+
+ADMIN_SECRET = "admin-s3cret"
+"""The admin secret of :func:`admin_server`."""
+
+
+@pytest.fixture
+def admin_server(tmp_path: Path) -> Iterator[InProcessServer]:
+    """An in-process server with an admin secret (``ADMIN_SECRET``, from a 0600 file)."""
+    secret = tmp_path / "admin-secret"
+    secret.write_text(ADMIN_SECRET + "\n")
+    secret.chmod(0o600)
+    srv = InProcessServer(bind=[f"ipc://{tmp_path / 'admin.sock'}"], admin_secret_file=str(secret))
+    try:
+        yield srv
+    finally:
+        srv.stop()

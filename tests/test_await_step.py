@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import copy
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from test_drop import OPTIMIZER, Scene, push_all, victim_model
+from conftest import ADMIN_SECRET
+from test_drop import OPTIMIZER, Scene, commit_with_updates_held, push_all, victim_model
 from wstream.client import AdamW, Client
 from wstream.protocol import messages as m
 from wstream.server.inprocess import InProcessServer
@@ -32,10 +32,7 @@ from wstream.server.versions import MAX_WAITING_STEPS
 def test_await_step_is_answered_once_every_update_of_the_step_is_applied(held: Scene) -> None:
     job = held.victim()
     a, sign_a = held.worker(job)
-    push_all(held, a, sign_a, job, 0, hold_updates=True)
-    committed = held.wire.call(m.Commit(session=a.session, step=0), signer=sign_a)
-    assert isinstance(committed, m.Committed), committed
-    held.update.wait_entered()
+    commit_with_updates_held(held, a, sign_a, job)
     waiting = held.wire.send(m.AwaitStep(session=job.session, step=1), signer=job._signer)
     # the server answers in order on one loop: a later request answered first shows it waits
     barrier = held.wire.send(m.Status())
@@ -94,20 +91,13 @@ def test_await_step_waiters_are_bounded_per_job(held: Scene) -> None:
     held.after()
 
 
-def test_await_step_from_an_admin_session_names_the_job(tmp_path: Path) -> None:
-    secret = tmp_path / "admin-secret"
-    secret.write_text("admin-s3cret\n")
-    secret.chmod(0o600)
-    srv = InProcessServer(bind=[f"ipc://{tmp_path / 'admin.sock'}"], admin_secret_file=str(secret))
-    try:
-        with Client(srv.address, admin_secret="admin-s3cret", timeout=30) as admin:
-            job = admin.create_job("j", victim_model(), token="t", optimizer=OPTIMIZER)
-            assert admin.wait_step("j", 0) == 0
-            with job.trainer() as trainer:
-                trainer.step(torch.randn(4, 6), torch.randn(4, 2), nn.functional.mse_loss)
-            assert admin.wait_step("j", 1) == 1
-    finally:
-        srv.stop()
+def test_await_step_from_an_admin_session_names_the_job(admin_server: InProcessServer) -> None:
+    with Client(admin_server.address, admin_secret=ADMIN_SECRET, timeout=30) as admin:
+        job = admin.create_job("j", victim_model(), token="t", optimizer=OPTIMIZER)
+        assert admin.wait_step("j", 0) == 0
+        with job.trainer() as trainer:
+            trainer.step(torch.randn(4, 6), torch.randn(4, 2), nn.functional.mse_loss)
+        assert admin.wait_step("j", 1) == 1
 
 
 def test_a_failed_update_answers_await_step_with_the_failure(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -150,4 +140,3 @@ def test_trainer_wait_updates_gives_plain_pytorch_weights_without_a_pull(client:
         got = job.pull_stage(i)
         for name, want in module.state_dict().items():
             torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-6)
-

@@ -257,6 +257,14 @@ def push_all(
         assert isinstance(scene.wire.replies[rid][0], m.Pushed), scene.wire.replies[rid]
 
 
+def commit_with_updates_held(scene: Scene, trainer: Trainer, signer: SessionSigner, job: ClientJob) -> None:
+    """Step 0 pushed and committed by hand, its updates held at the gate (one has entered it)."""
+    push_all(scene, trainer, signer, job, 0, hold_updates=True)
+    committed = scene.wire.call(m.Commit(session=trainer.session, step=0), signer=signer)
+    assert isinstance(committed, m.Committed), committed
+    scene.update.wait_entered()
+
+
 def train_one_step(scene: Scene, trainer: Trainer, signer: SessionSigner, job: ClientJob) -> None:
     """Step 0 pushed and committed by hand, and every stage's update to step 1 ended (its weights
     fetched)."""
@@ -327,10 +335,7 @@ def test_drop_while_updates_run_answers_fetches_pulls_saves_and_step_waits(scene
     ``await_step`` of the step wait."""
     job = scene.victim()
     a, sign_a = scene.worker(job)
-    push_all(scene, a, sign_a, job, 0, hold_updates=True)
-    committed = scene.wire.call(m.Commit(session=a.session, step=0), signer=sign_a)
-    assert isinstance(committed, m.Committed), committed
-    scene.update.wait_entered()
+    commit_with_updates_held(scene, a, sign_a, job)
     fetch = scene.wire.send(m.Fetch(session=a.session, stage=0, step=1), signer=sign_a)
     pull = scene.wire.send(m.Pull(session=job.session, stage=0), signer=job._signer)
     save = scene.wire.send(m.Save(session=job.session), signer=job._signer)
@@ -343,10 +348,7 @@ def test_drop_with_early_pushes_held_by_a_delayed_job_answers_them(scene: Scene)
     """A delayed-update job holds a push that comes for the step after the open one."""
     job = scene.victim(delayed_update=True)
     a, sign_a = scene.worker(job)
-    push_all(scene, a, sign_a, job, 0, hold_updates=True)
-    committed = scene.wire.call(m.Commit(session=a.session, step=0), signer=sign_a)
-    assert isinstance(committed, m.Committed), committed
-    scene.update.wait_entered()
+    commit_with_updates_held(scene, a, sign_a, job)
     early = push(scene, a, sign_a, job, 2, 1)
     commit = scene.wire.send(m.Commit(session=a.session, step=1), signer=sign_a)
     scene.drop(job.session, job._signer, [early, commit])

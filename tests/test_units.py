@@ -12,6 +12,7 @@ from safetensors import safe_open
 from torch import nn
 
 import models
+from conftest import ADMIN_SECRET
 from test_equivalence import assert_weights_equal, reference_train
 from test_ties import TiedHead, batch as tied_batch, chain as tied_chain, loss_fn as tied_loss, reference as tied_reference
 from wstream.client import AdamW, Client, LayoutError, MemoryLimitError, Tied
@@ -99,19 +100,12 @@ def test_a_job_of_units_trains_to_the_weights_of_plain_pytorch(client: Client, s
         torch.testing.assert_close(t, want[f"3.{name}"], rtol=0, atol=1e-6)
 
 
-def test_an_admin_export_of_a_job_of_units_names_its_chain_stages(tmp_path: Path) -> None:
-    secret = tmp_path / "admin-secret"
-    secret.write_text("admin-s3cret\n")
-    secret.chmod(0o600)
-    srv = InProcessServer(bind=[f"ipc://{tmp_path / 'admin.sock'}"], admin_secret_file=str(secret))
-    try:
-        with Client(srv.address, admin_secret="admin-s3cret", timeout=30) as admin:
-            job = admin.create_job("u", models.mixed(), optimizer=AdamW(), token="t", unit_bytes=32 * 1024)
-            assert job.units is not None and len(job.units.counts) < job.num_stages
-            job.export(tmp_path / "by-token.safetensors")
-            admin.export_job("u", tmp_path / "by-admin.safetensors")
-    finally:
-        srv.stop()
+def test_an_admin_export_of_a_job_of_units_names_its_chain_stages(tmp_path: Path, admin_server: InProcessServer) -> None:
+    with Client(admin_server.address, admin_secret=ADMIN_SECRET, timeout=30) as admin:
+        job = admin.create_job("u", models.mixed(), optimizer=AdamW(), token="t", unit_bytes=32 * 1024)
+        assert job.units is not None and len(job.units.counts) < job.num_stages
+        job.export(tmp_path / "by-token.safetensors")
+        admin.export_job("u", tmp_path / "by-admin.safetensors")
     want = nn.Sequential(*models.mixed()).state_dict()
     with safe_open(tmp_path / "by-admin.safetensors", "pt") as by_admin, safe_open(tmp_path / "by-token.safetensors", "pt") as by_token:
         assert by_admin.metadata() == by_token.metadata()

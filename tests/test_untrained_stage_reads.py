@@ -10,7 +10,6 @@ the untrained stage is updating, or after its version moved on, every time.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from torch import nn
