@@ -195,6 +195,16 @@ class Job:
         """Stage updates handed to the optimizer pool and not finished."""
         return self.step_commit.updating
 
+    @property
+    def waiting_steps(self) -> int:
+        """``await_step`` requests waiting for their step's updates."""
+        return len(self.versions.waiting_step)
+
+    @property
+    def held_commits(self) -> int:
+        """``commit`` requests held until their step commits."""
+        return len(self.step_commit.waiting_commit)
+
     def memory_by_kind(self, workers: list[Worker] | None = None) -> dict[str, int]:
         """The bytes this job holds in the server's memory account, by kind (their sum is what
         admission control counts for it). ``workers``: a copy of the workers (the metrics thread

@@ -88,6 +88,10 @@ class JobView(Protocol):
     def step(self) -> int: ...
     @property
     def updates_in_flight(self) -> int: ...
+    @property
+    def waiting_steps(self) -> int: ...
+    @property
+    def held_commits(self) -> int: ...
     def memory_by_kind(self, workers: list[object] | None = None) -> dict[str, int]: ...
 
 
@@ -145,6 +149,8 @@ HELP: dict[str, str] = {
     ),
     "wstream_job_deferred_fetches": "Fetches waiting for a stage update to finish.",
     "wstream_job_deferred_pulls": "Pulls waiting for a stage update to finish.",
+    "wstream_job_waiting_steps": "await_step requests waiting for every update of their step.",
+    "wstream_job_held_commits": "commit requests held until their step commits.",
     "wstream_job_pending_gradients": "Gradients received and not yet added into their stage's accumulator.",
     "wstream_job_grad_norm": "Global gradient norm of the newest committed step, before clipping.",
     "wstream_job_lr": "Base learning rate of the newest committed step's update (the schedule's).",
@@ -243,6 +249,8 @@ def _collect_job(out: _Families, job: JobView, now: float, stage_limit: int) -> 
         out.gauge("wstream_job_memory_bytes", nbytes, job=name, kind=kind)
     out.gauge("wstream_job_deferred_fetches", sum(len(st.waiting_fetch) for st in stages), job=name)
     out.gauge("wstream_job_deferred_pulls", sum(len(st.waiting_pull) for st in stages), job=name)
+    out.gauge("wstream_job_waiting_steps", job.waiting_steps, job=name)
+    out.gauge("wstream_job_held_commits", job.held_commits, job=name)
     out.gauge("wstream_job_pending_gradients", sum(len(st.pending) for st in stages), job=name)
     out.gauge("wstream_job_updates_in_flight", job.updates_in_flight, job=name)
     commit = job.last_commit

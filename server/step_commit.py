@@ -56,7 +56,8 @@ their completion, and the open step discarded when a worker leaves in the middle
 #    reads the gradient (and the buffers' values) from the slot and answers ``pushed`` when it is
 #    done, which frees the slot. A step discarded before its commit answers held pushes with the
 #    error as it does pending ones; a committed step's held slot stays mapped (the server holds
-#    its own mapping) until its update, even when its worker left meanwhile.
+#    its own mapping) until its update, even when its worker left meanwhile, and the push is
+#    answered then all the same (every request gets one answer).
 # 4. With several workers expected, a push is *parked*: left pending in its slot until the last
 #    expected worker's push of the stage comes, which gathers them all in one task (the sum
 #    written once: ``torch.add(a, b, out=grad)``, 12 bytes per parameter for two workers where a
@@ -391,10 +392,9 @@ class StepCommit:
             return []
         st.held = None
         w = self.job.workers.get(h.worker)
-        if w is None:  # it left after the commit: its session is gone, nobody waits for the reply
-            return []
-        w.held.discard(h.push.slot)
-        w.busy.discard(h.push.slot)
+        if w is not None:  # (a worker that left after the commit has no slots to free; it is answered all the same)
+            w.held.discard(h.push.slot)
+            w.busy.discard(h.push.slot)
         return [Outgoing(h.push.identity, m.Pushed(id=h.push.request_id, stage=st.index, step=st.version, slot=h.push.slot))]
 
     # ---- a worker leaves -------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from test_drop import OPTIMIZER, Scene, commit_with_updates_held, push_all, vict
 from wstream.client import AdamW, Client
 from wstream.protocol import messages as m
 from wstream.server.inprocess import InProcessServer
+from wstream.server.metrics import ServerCollector
 from wstream.server.pool_tasks import UpdateTask
 from wstream.server.versions import MAX_WAITING_STEPS
 
@@ -140,3 +141,26 @@ def test_trainer_wait_updates_gives_plain_pytorch_weights_without_a_pull(client:
         got = job.pull_stage(i)
         for name, want in module.state_dict().items():
             torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-6)
+
+
+def test_metrics_count_the_waiting_await_steps_and_held_commits(held: Scene) -> None:
+    def gauges() -> dict[str, float]:
+        families = ServerCollector(held.srv.server).collect()
+        return {
+            f.name: s.value for f in families for s in f.samples
+            if f.name in ("wstream_job_waiting_steps", "wstream_job_held_commits") and s.labels["job"] == "victim"
+        }  # fmt: skip
+
+    job = held.victim()
+    a, sign_a = held.worker(job)
+    assert gauges() == {"wstream_job_waiting_steps": 0, "wstream_job_held_commits": 0}
+    commit_with_updates_held(held, a, sign_a, job)
+    waiting = [held.wire.send(m.AwaitStep(session=job.session, step=1), signer=job._signer) for _ in range(2)]
+    commit_next = held.wire.send(m.Commit(session=a.session, step=1), signer=sign_a)  # held until step 1 commits
+    barrier = held.wire.send(m.Status())
+    held.wire.collect(lambda: barrier in held.wire.replies)
+    assert gauges() == {"wstream_job_waiting_steps": 2, "wstream_job_held_commits": 1}
+    held.update.release()
+    held.wire.collect(lambda: all(w in held.wire.replies for w in waiting))
+    assert gauges() == {"wstream_job_waiting_steps": 0, "wstream_job_held_commits": 1}
+    assert commit_next not in held.wire.replies

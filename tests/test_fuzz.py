@@ -55,7 +55,12 @@ The oracle, for every case:
   drop's ``ok``). An ``await_step`` (any session of the job) of the step after the one its job is
   at waits too, answered with ``step_reached`` of that step once every stage is there. A worker that
   already has ``MAX_WAITING_FETCHES`` fetches waiting, or a job with ``MAX_WAITING_STEPS`` waiting
-  ``await_step`` requests, gets ``bad_state`` at once instead;
+  ``await_step`` requests, gets ``bad_state`` at once instead. A ``push`` of the target's worker
+  that carries its norm (``sumsq``) and that the server must *hold* (NOTE [Held gradient slots] in
+  ``wstream.server.step_commit``, rules 1-2, computed from the fuzzer's own count of the step's
+  pushes) is answered ``pushed`` only once its step committed and the stage's update read it
+  (``session_expired`` when its worker leaves before the commit); whether it was refused at once
+  instead is told by a ``status`` sent right after it on the same socket, answered after it;
 * a header that the protocol's own decoder refuses, or data frames of a count the op does not take
   (or other than its ``nframes``), get the decoder's error code (``bad_message``, ``unknown_op``,
   ``version_mismatch``), and a header it accepts never gets one of those;
@@ -113,6 +118,7 @@ from conftest import ServerProcess, start_server
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import AdamW, Client, Trainer
 from wstream.client import Job as ClientJob
+from wstream.client.options import Transport
 from wstream.protocol import (
     PROTOCOL_VERSION,
     ErrorCode,
@@ -145,6 +151,8 @@ MAX_WAITING_STEPS: int | None = getattr(server_versions, "MAX_WAITING_STEPS", No
 _config_defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
 CREATION_TIMEOUT_S: float | None = _config_defaults.get("creation_timeout_s")  # type: ignore[assignment]
 """An unsealed job that gets no stage for this long is dropped (the fixture server's default)."""
+GRAD_SLOTS = Transport().grad_slots
+"""The gradient slots of a target's worker (a trainer's default ring; not a step ring)."""
 MAX_EXTRA_SESSIONS = 4
 """Sessions opened by fuzzed ``attach`` requests kept alive at once (the oldest leave)."""
 
@@ -561,22 +569,27 @@ class Waiting:
     case: str
     session: bytes = b""  # the worker's
     before: int = 0  # fetches of that worker already waiting when it was sent
-    kind: str = "fetch"  # or "commit", "await"
+    kind: str = "fetch"  # or "commit", "await", "push"
+    slot: int = -1  # a held push's
+    accepted: bool = False  # a push: not refused at once (so held: the marker after it said so)
 
     @property
     def expects(self) -> str:
         """The reply op that answers it when nothing ends it first."""
-        return {"fetch": "weights", "commit": "committed", "await": "step_reached"}[self.kind]
+        return {"fetch": "weights", "commit": "committed", "await": "step_reached", "push": "pushed"}[self.kind]
 
     @property
     def due_at(self) -> int:
         """The step the job's stages must be at for the answer to be due."""
-        return self.step + 1 if self.kind == "commit" else self.step
+        return self.step + 1 if self.kind in ("commit", "push") else self.step
 
     def __str__(self) -> str:
-        if self.kind == "fetch":
-            return f"a waiting fetch of stage {self.stage} step {self.step}"
-        return f"a held commit of step {self.step}" if self.kind == "commit" else f"an await_step of step {self.step}"
+        return {
+            "fetch": f"a waiting fetch of stage {self.stage} step {self.step}",
+            "commit": f"a held commit of step {self.step}",
+            "await": f"an await_step of step {self.step}",
+            "push": f"a held push of stage {self.stage} step {self.step}",
+        }[self.kind]
 
 
 class Fuzzer:
@@ -612,6 +625,7 @@ class Fuzzer:
         self.deferred_answered = 0  # waiting fetches answered with their weights
         self.commits_answered = 0  # held commits answered with committed
         self.steps_reached = 0  # waiting await_step answered with step_reached
+        self.held_answered = 0  # held pushes answered with pushed
         self.steps_committed = 0  # steps the fuzzer committed on its targets (advance)
         self.seconds: collections.Counter[str] = collections.Counter()
         self.slowest: list[tuple[float, str, str]] = []
@@ -1104,11 +1118,13 @@ class Fuzzer:
             if not isinstance(owner, Target) or msg.job not in (None, owner.name) or msg.step != self.open_step(owner) + 1:
                 return None
             return Waiting(owner.name, owner.gen, -1, msg.step, "", msg.session, self.awaits_of(owner), kind="await")
-        if not isinstance(msg, (m.Fetch, m.Commit)):
+        if not isinstance(msg, (m.Fetch, m.Commit, m.Push)):
             return None
         owner, role = self.owner(msg.session)
         if not isinstance(owner, Target) or role != "worker":
             return None
+        if isinstance(msg, m.Push):
+            return self.held_push(owner, msg)
         if isinstance(msg, m.Commit):
             open_step = self.open_step(owner)
             if not open_step <= msg.step <= open_step + 1:
@@ -1120,6 +1136,28 @@ class Fuzzer:
         if msg.step != version + 1:
             return None
         return Waiting(owner.name, owner.gen, msg.stage, msg.step, "", msg.session, self.waiting_of(msg.session))
+
+    def held_push(self, t: Target, msg: m.Push) -> Waiting | None:
+        """The wait of a push of ``t``'s worker that the server holds if it accepts it (NOTE [Held
+        gradient slots] rules 1-2: it carries its norm, its worker is the only one, and its slots
+        held, this one and one for each stage it still owes the step fit in its ring), else None.
+        Pushes held in the step before are answered first, so that the worker's held slots are
+        exactly the waiting held pushes of the open step."""
+        if msg.sumsq is None or msg.stage >= len(t.numels) or msg.stage in t.gathered:
+            return None
+        step = self.open_step(t)
+        if msg.step != step:
+            return None  # refused at once: stale_step
+        self.answered(t, step)  # the held pushes of the last step, answered as their updates ended
+        held = self.held_slots(t)
+        owed = len(t.numels) - (len(t.gathered) + 1)  # (every stage of a target trains)
+        if len(held) + 1 + owed > GRAD_SLOTS:
+            return None
+        return Waiting(t.name, t.gen, msg.stage, msg.step, "", msg.session, kind="push", slot=msg.slot)
+
+    def held_slots(self, t: Target) -> set[int]:
+        """The slots of ``t``'s worker that held pushes of its open step keep."""
+        return {w.slot for w in self.waiting.values() if w.kind == "push" and w.accepted and w.target == t.name and w.gen == t.gen}
 
     def build(self, case: Case) -> tuple[bytes, m.Message | None, Waiting | None, bool]:
         """The header frame with the state now: sessions, nonces, proofs, ``nframes``, ids clear of
@@ -1150,7 +1188,7 @@ class Fuzzer:
                     waiting = self.may_wait(msg)
                 except WstreamError:
                     pass
-                limit = MAX_WAITING_STEPS if waiting is not None and waiting.kind == "await" else MAX_WAITING_FETCHES
+                limit = {"await": MAX_WAITING_STEPS, "fetch": MAX_WAITING_FETCHES}.get(waiting.kind) if waiting else None
                 if waiting is not None and limit is not None and waiting.before >= limit:
                     waiting, capped = None, True  # refused at once
                 elif waiting is not None:
@@ -1210,7 +1248,7 @@ class Fuzzer:
         if isinstance(msg, m.SessionMessage):
             if msg.session not in self.live():
                 auth, expected_code = "expired", SESSION_EXPIRED
-            elif signed is not None and msg == signed:
+            elif signed is not None and same_message(msg, signed):
                 auth = "signed"
             else:
                 auth, expected_code = "refused", AUTH_FAILED
@@ -1234,6 +1272,8 @@ class Fuzzer:
         self.ops[case.op or "-"] += 1
         large = len(wire) + sum(len(f) for f in case.frames) > 2**16
         self.sock.send_multipart([wire, *case.frames], copy=not large)
+        if waiting is not None and waiting.kind == "push":
+            return self.sent_held_push(waiting, msg)
         if waiting is not None:
             self.outcomes[{"fetch": "deferred", "commit": "held commits", "await": "step waits"}[waiting.kind]] += 1
             return
@@ -1311,6 +1351,29 @@ class Fuzzer:
         self.expired_answers.clear()
         self.check_creation_timeout()
 
+    def sent_held_push(self, w: Waiting, msg: m.Message | None) -> None:
+        """A push the server must hold if it accepts it was sent: a ``status`` sent after it on the
+        same socket is answered after any refusal of it (one loop handles both in order). Not
+        refused: it is held, and counts as the worker's push of its stage."""
+        assert isinstance(msg, m.Push)
+        marker = self.next_reserved
+        self.next_reserved += 1
+        self.sock.send_multipart([encode(m.Status(id=marker))])
+        got = self.receive(time.monotonic() + DEADLINE_S)
+        assert got is not None and got[0].get("id") == marker, f"no answer to the status sent after {w.case}: {got!r}"
+        if msg.id in self.waiting and not w.accepted:
+            w.accepted = True
+            self.outcomes["held pushes"] += 1
+            self.fuzz_pushed(self.targets[w.target], w.stage)
+
+    def fuzz_pushed(self, t: Target, stage: int) -> None:
+        """A fuzzed push of ``t``'s worker was accepted for ``stage`` of the open step."""
+        assert stage not in t.gathered, f"a second push of stage {stage} was accepted"
+        t.gathered.add(stage)
+        if len(t.gathered) == len(t.numels):  # the step committed
+            t.gathered.clear()
+            self.outcomes["steps committed by fuzzed pushes"] += 1
+
     def receive(self, deadline: float, until: Any = None) -> tuple[Any, list[bytes]] | None:
         """The next reply that is not the late answer of a waiting request (those are checked);
         None at the deadline, or once ``until()`` holds after such an answer."""
@@ -1334,13 +1397,20 @@ class Fuzzer:
         what = str(w)
         assert isinstance(reply, dict), f"{what} got {reply!r}: {w.case}"
         error = reply.get("code") if reply.get("op") == "error" else None
+        if w.kind == "push" and not w.accepted:  # answered before the status sent after it
+            if error is not None:  # refused at once, as any push may be
+                assert error in WIRE_CODES - DECODE_CODES and reply.get("message"), f"{what} got {reply!r}: {w.case}"
+                self.outcomes[f"push:{error}"] += 1
+                return
+            w.accepted = True  # held, and its step committed and its update ran at once
+            self.fuzz_pushed(self.targets[w.target], w.stage)
         if error == UNKNOWN_JOB:
             self.dropped_answers.append(w)  # checked once the case that dropped the job is done
             self.outcomes["dropped with their job"] += 1
             return
-        if w.kind == "commit" and error == SESSION_EXPIRED:
+        if w.kind in ("commit", "push") and error == SESSION_EXPIRED:
             self.expired_answers.append(w)  # checked once the case that ended the session is done
-            self.outcomes["commits ended with their session"] += 1
+            self.outcomes[f"{w.kind}s ended with their session"] += 1
             return
         if w.kind == "fetch" and MAX_WAITING_FETCHES is None and error == BAD_STATE:
             self.outcomes["capped"] += 1  # (a server with a cap this file does not know of)
@@ -1351,6 +1421,12 @@ class Fuzzer:
             self.deferred_answered += 1
         elif w.kind == "await":
             self.steps_reached += 1
+        elif w.kind == "push":
+            ok = ok and reply.get("stage") == w.stage and reply.get("slot") == w.slot
+            t = self.targets[w.target]
+            if ok and t.gen == w.gen:  # answered only once its update read it: the stage is past its step
+                assert self.version(t, w.stage) > w.step, f"{what} got {reply!r} before its update: {w.case}"
+            self.held_answered += 1
         else:
             self.commits_answered += 1
         assert ok, f"{what} got {reply!r}: {w.case}"
@@ -1411,11 +1487,7 @@ class Fuzzer:
                     owner.plain = self._attach(owner.name, owner.token)
             elif isinstance(msg, m.Push):  # only a joined session pushes: the worker
                 assert role == "worker" and reply["stage"] == msg.stage and reply["step"] == msg.step, (role, reply)
-                assert msg.stage not in owner.gathered, f"a second push of stage {msg.stage} gathered: {reply!r}"
-                owner.gathered.add(msg.stage)
-                if len(owner.gathered) == len(owner.numels):  # the step committed
-                    owner.gathered.clear()
-                    self.outcomes["steps committed by fuzzed pushes"] += 1
+                self.fuzz_pushed(owner, msg.stage)
             elif isinstance(msg, m.Leave):
                 if role == "worker":
                     self.outcomes["steps discarded (the worker left)" if owner.gathered else "worker left"] += 1
@@ -1437,10 +1509,11 @@ class Fuzzer:
         be answered."""
         step = self.open_step(t)
         assert len(t.gathered) < len(t.numels), t.gathered  # (else the step committed)
+        slot = min(set(range(GRAD_SLOTS)) - self.held_slots(t))  # (held pushes keep theirs until the updates)
         for stage in sorted(range(len(t.numels)), key=lambda i: i not in t.gathered):
             numel = t.numels[stage]
             frames = [] if t.shm else [b"\x00" * (numel * 4)]
-            reply, _ = self.request(m.Push(session=t.worker, stage=stage, step=step, slot=0, numel=numel), frames)
+            reply, _ = self.request(m.Push(session=t.worker, stage=stage, step=step, slot=slot, numel=numel), frames)
             where = f"the push of stage {stage} step {step} of {t.name} (gathered by fuzzed pushes: {sorted(t.gathered)})"
             if stage in t.gathered:
                 refused = isinstance(reply, m.Error) and reply.code == ErrorCode.BAD_GRADIENT.value
@@ -1495,6 +1568,11 @@ class Where:
 
     def __str__(self) -> str:
         return f"case {self.n}: {self.case.describe(self.wire)}"
+
+
+def same_message(a: m.Message, b: m.Message) -> bool:
+    """``a == b``, but a NaN field equals a NaN (a struct's ``==`` says NaN != NaN)."""
+    return msgspec.msgpack.encode(a) == msgspec.msgpack.encode(b)
 
 
 class _IdOnly(msgspec.Struct):
@@ -1637,7 +1715,9 @@ def test_fuzz_every_op_while_a_job_trains(store_server: ServerProcess) -> None:
             f"({growth / 2**20:+.1f} MiB); {fz.outcomes['deferred']} deferred fetches: {fz.deferred_answered} answered, "
             f"{fz.outcomes['capped']} over the cap; {fz.outcomes['held commits']} held commits: {fz.commits_answered} "
             f"committed, {fz.outcomes['commits ended with their session']} ended with their worker's session; "
-            f"{fz.outcomes['step waits']} await_step waits: {fz.steps_reached} reached; "
+            f"{fz.outcomes['step waits']} await_step waits: {fz.steps_reached} reached; {fz.outcomes['held pushes']} held "
+            f"pushes: {fz.held_answered} answered after their update, {fz.outcomes['pushs ended with their session']} ended "
+            f"with their worker's session; "
             f"{fz.outcomes['dropped with their job']} waiting requests refused when their job was dropped"
             f"\n  steps committed by the fuzzer: {fz.steps_committed} ({fz.outcomes['pushed by a fuzzed push']} of their "
             f"stages gathered by a fuzzed push already); set_schedule accepted: {fz.outcomes['set_schedule:ok']}"
@@ -1651,6 +1731,7 @@ def test_fuzz_every_op_while_a_job_trains(store_server: ServerProcess) -> None:
             + (f"\n  outcomes: {dict(sorted(fz.outcomes.items()))}" if os.environ.get("WSTREAM_FUZZ_DEBUG") else "")
         )
         assert set(ops) == set(OPS), f"ops never fuzzed: {set(OPS) - set(ops)}"
+        assert fz.outcomes["held pushes"] >= 1, "the landmark's push was not held"
         assert growth <= RSS_BOUND, f"server RSS grew by {growth / 2**20:.1f} MiB over the fuzz (bound {RSS_BOUND / 2**20:.0f} MiB)"
 
         reference_thread.join(timeout=300)
@@ -1693,6 +1774,11 @@ def landmarks(fz: Fuzzer) -> list[Case]:
             push = {"v": PROTOCOL_VERSION, TAG_FIELD: "push", "id": 6, "session": worker, "stage": 0, "step": step,
                     "slot": 0, "numel": t.numels[0], "nframes": NFRAMES}  # fmt: skip
             waits.append(Case("landmark", "push", push, frames=[b"\x00" * (4 * t.numels[0])]))
+        else:  # with its norm, of the step's first stage pushed: held until the step commits
+            last = len(t.numels) - 1
+            push = {"v": PROTOCOL_VERSION, TAG_FIELD: "push", "id": 6, "session": worker, "stage": last, "step": step,
+                    "slot": 1, "numel": t.numels[last], "sumsq": 1.0}  # fmt: skip
+            waits.append(Case("landmark", "push", push))
     if MAX_WAITING_FETCHES is not None:  # fz-shm's worker: as many waiting fetches as allowed, and one more
         assert fz.session_of(SessionRef(1, live=True)) == fz.targets["fz-shm"].worker
         fetch = {"v": PROTOCOL_VERSION, TAG_FIELD: "fetch", "id": 4, "session": SessionRef(1, live=True), "stage": 0}

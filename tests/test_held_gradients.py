@@ -13,6 +13,7 @@ import zmq
 
 import models
 from conftest import ServerThread, run_workers
+from test_drop import Scene, push
 from test_equivalence import assert_weights_equal
 from test_recipe import ADAMW, CLIP, STEPS, cosine_factor, reference
 from wstream.client import Client
@@ -226,3 +227,28 @@ def test_a_parked_push_is_gathered_when_its_partner_leaves_having_pushed_nothing
         assert job.step == 1 and torch.equal(job.stages[0].master, torch.full((numel,), -1e-3))
     finally:
         job.close()
+
+
+def test_a_held_push_is_answered_when_its_worker_left_after_the_commit(held: Scene) -> None:
+    """Every request gets one answer: the held push's update runs after its worker left (the step
+    committed), and the push is still answered ``pushed`` (it was answered nothing)."""
+    job = held.victim()
+    a, sign_a = held.worker(job)
+    last = len(job.specs) - 1
+    for stage in range(last, 0, -1):  # gathered (no norm with them)
+        rid = push(held, a, sign_a, job, stage, 0)
+        held.wire.collect(lambda: rid in held.wire.replies)
+        assert isinstance(held.wire.replies[rid][0], m.Pushed), held.wire.replies[rid]
+    held.update.shut()
+    kept = held.wire.send(m.Push(session=a.session, stage=0, step=0, slot=0, numel=job.specs[0].numel, sumsq=1.0), signer=sign_a)
+    committed = held.wire.call(m.Commit(session=a.session, step=0), signer=sign_a)  # the held push completed the step
+    assert isinstance(committed, m.Committed), committed
+    held.update.wait_entered()
+    assert held.srv.server.jobs["victim"].stages[0].held is not None and kept not in held.wire.replies
+    left = held.wire.call(m.Leave(session=a.session), signer=sign_a)
+    assert isinstance(left, m.Ok), left
+    held.update.release()
+    held.wire.collect(lambda: kept in held.wire.replies)
+    (reply,) = held.wire.replies[kept]
+    assert isinstance(reply, m.Pushed) and (reply.stage, reply.step) == (0, 0), reply
+    assert job.wait_step(1) == 1

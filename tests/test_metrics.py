@@ -112,7 +112,7 @@ def test_metrics_agree_with_the_work_done_and_with_status(tmp_path: Path) -> Non
     assert total(samples, "wstream_job_memory_bytes") == value(samples, "wstream_memory_used_bytes")
     assert value(samples, "wstream_memory_used_bytes") == status.memory_used
     assert value(samples, "wstream_memory_limit_bytes") == 2**30
-    for idle in ("deferred_fetches", "deferred_pulls", "pending_gradients", "updates_in_flight"):
+    for idle in ("deferred_fetches", "deferred_pulls", "waiting_steps", "held_commits", "pending_gradients", "updates_in_flight"):
         assert value(samples, f"wstream_job_{idle}", job="m") == 0
     assert value(samples, "wstream_job_info", job="m", optimizer="AdamW", dtype="float32") == 1
     # the newest step's commit: its norm and lr as the worker saw them (and status says)

@@ -22,6 +22,7 @@ import models
 from conftest import HERE, ServerProcess, start_server, wait_worker
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import AdamW, Client, ServerUnavailable
+from wstream.client.push import GradientPusher
 
 LR, WD = 3e-3, 0.05
 
@@ -188,28 +189,32 @@ def test_workers_killed_or_stopped_mid_step_leave_the_others_training(tmp_path: 
         assert_clean_log(srv)
 
 
-def test_a_server_restart_while_fit_flushes_its_last_step_is_ridden_out(tmp_path: Path) -> None:
+def test_a_server_restart_while_fit_flushes_its_last_step_is_ridden_out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``fit`` ends with ``flush``, which for a delayed-update job waits for the last step's
-    commit. The server is killed right there (from ``on_step`` after the last step) and restarted
-    from its store: ``fit`` reconnects, trains again the steps the job lost, and returns with the
-    job at ``steps`` (it used to raise the heartbeat's SessionExpiredError out of its flush: a
-    flaky failure of the random-kill test above, when a kill came after the worker's last step)."""
+    commit. The server is killed right there (as the last step's commit is queued, before it is
+    sent: a kill from ``on_step`` raced the commit's answer, and lost it now and then) and
+    restarted from its store: ``fit`` reconnects, trains again the steps the job lost, and returns
+    with the job at ``steps`` (it used to raise the heartbeat's SessionExpiredError out of its
+    flush: a flaky failure of the random-kill test above, when a kill came after the worker's last
+    step)."""
     args = ("--memory-limit", "2GiB", "--store", str(tmp_path / "store"), "--snapshot-every", "1", "--lease", "3")
     servers = [start_server(tmp_path, *args, name="srv0")]
     address = servers[0].address
     steps = 6
+    queue_commit = GradientPusher.commit
+
+    def kill_at_the_last_commit(pusher: GradientPusher, step: int) -> None:
+        if step == steps - 1 and len(servers) == 1:
+            servers[0].stop(signal.SIGKILL)
+            servers.append(start_server(tmp_path, *args, name="srv1", address=address))
+        queue_commit(pusher, step)
+
+    monkeypatch.setattr(GradientPusher, "commit", kill_at_the_last_commit)
     try:
         with Client(address, timeout=30) as c:
             job = c.create_job("flush", models.mixed(), optimizer=AdamW(lr=LR, weight_decay=WD), token="t", delayed_update=True)
             with job.trainer(reconnect_s=60) as trainer:
-
-                def kill_after_the_last_step(t: int, loss: float) -> None:
-                    if t == steps - 1 and len(servers) == 1:
-                        servers[0].stop(signal.SIGKILL)
-                        servers.append(start_server(tmp_path, *args, name="srv1", address=address))
-
-                losses = trainer.fit(lambda t: models.batch("mixed", t, 0), models.loss_fn, steps=steps,
-                                     on_step=kill_after_the_last_step)
+                losses = trainer.fit(lambda t: models.batch("mixed", t, 0), models.loss_fn, steps=steps)
                 assert trainer.reconnects == 1 and len(servers) == 2
                 assert trainer.step_index == steps and sorted(losses) == list(range(steps))
         assert job_step(address, "flush") == steps
