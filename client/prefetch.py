@@ -27,6 +27,7 @@ from wstream.protocol.frames import copy_frames_into, frames_nbytes
 from .channel import Channel, raise_or_narrow
 from .device import DONE, CopyEngine, CopyTicket, ReceiveRing
 from .streaming import TRACE_MIN_WAIT_NS, StreamContext, StreamStats
+from .threads import serial_thread
 from .waiting import WaitWatch, recv_watched
 
 
@@ -117,8 +118,7 @@ class Prefetcher:
         """Begin fetching ``order`` (stage indices) for ``step``."""
         if self._thread is None or not self._thread.is_alive():
             self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._run, name="wstream-prefetch", daemon=True)
-            self._thread.start()
+            self._thread = serial_thread(self._run, "wstream-prefetch")
         self._orders.put((step, order))
 
     def get(self, stage: int) -> Fetched:

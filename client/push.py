@@ -23,6 +23,7 @@ from .channel import Channel, raise_or_narrow
 from .device import DONE, CopyTicket
 from .gradient_write import DeferredWrite, GradientStager
 from .streaming import StreamContext, StreamStats
+from .threads import serial_thread
 from .waiting import POLL_SLICE_S, WaitWatch
 
 log = logging.getLogger(__name__)
@@ -82,8 +83,7 @@ class GradientPusher:
         self._stop = threading.Event()
         self._wake = WakePipe()
         self.stats = StreamStats()
-        self._thread = threading.Thread(target=self._run, name="wstream-push", daemon=True)
-        self._thread.start()
+        self._thread = serial_thread(self._run, "wstream-push")
 
     @property
     def slots(self) -> int:
