@@ -142,7 +142,7 @@ def measure(client: Client, n: int, width: int, args: argparse.Namespace) -> dic
         summary = trainer.plan_summary()
         assert summary["recomputed_forwards"] == plan.advances, (summary, plan.advances)
         with FullCollections() as full:
-            plain, streamed = alternate(plain_step, trainer, data[1:])
+            plain, streamed, _ = alternate(plain_step, trainer, data[1:])
         stats = trainer.stats()
     job.drop()
     return {

@@ -11,6 +11,11 @@ step pays its whole update after its backward; with longer blocks a step's updat
 next step's forward, as in a training run (steady state). Printed per chain: the median times per
 step, their ratio, and the overhead per stage, ``(wstream - plain) / n``.
 
+Two baselines, both in the alternation: plain PyTorch on the worker's torch threads (the cores the
+server leaves it: 1 of 2 here; the same compute as the worker, so the ratio isolates what wstream
+adds), and plain PyTorch on every core (what a CPU-only user would run instead: the last column,
+``vs all cores``; wstream's worker and server share those cores).
+
     python bench/stage_overhead.py [--chains 100x48,1000x48,10000x48,60x256,30x1024] [--batch 16] [--steps 3] [--block 1]
         [--unit-bytes auto|none|N]   # transfer units (client/units.py): the default, none, or N bytes
 """
@@ -29,6 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from common import machine, parse_args, server, unit_bytes_arg
 from wstream.client import AdamW, Client, Trainer
+from wstream.protocol.host import host_cores
 
 
 def chain(n: int, width: int) -> list[nn.Module]:
@@ -43,9 +49,9 @@ def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def measure(
     client: Client, n: int, width: int, batch: int, steps: int, cpu_threads: int | None, unit_bytes: str = "auto",
     block: int = 1, grad_slots: int = 2, step_ring: bool | None = None,
-) -> tuple[float, float]:
-    """Median seconds per step of plain PyTorch and of wstream on the chain ``n x width``, over
-    blocks of ``block`` steps."""
+) -> tuple[float, float, float]:
+    """Median seconds per step of plain PyTorch (on the worker's threads), of wstream and of plain
+    PyTorch on every core, on the chain ``n x width``, over blocks of ``block`` steps."""
     stages = chain(n, width)
     ref = nn.Sequential(*copy.deepcopy(stages))
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
@@ -66,30 +72,40 @@ def measure(
     with job.trainer(schedule="store_all", cpu_threads=cpu_threads, grad_slots=grad_slots, step_ring=step_ring) as trainer:
         plain_step(*data[0])
         trainer.step(*data[0], loss_fn)
-        plain, streamed = alternate(plain_step, trainer, data[1:], block)
+        plain, streamed, everywhere = alternate(plain_step, trainer, data[1:], block, all_cores=True)
     job.drop()
-    return statistics.median(plain), statistics.median(streamed)
+    return statistics.median(plain), statistics.median(streamed), statistics.median(everywhere)
 
 
 def alternate(
     plain_step: Callable[[torch.Tensor, torch.Tensor], None], trainer: Trainer,
-    data: list[tuple[torch.Tensor, torch.Tensor]], block: int = 1,
-) -> tuple[list[float], list[float]]:
-    """Seconds per step of plain PyTorch and of wstream, alternating in blocks of ``block``
-    batches; a wstream block is timed until its updates are done."""
-    plain, streamed = [], []
-    for start in range(0, len(data), block):
-        batches = data[start : start + block]
+    data: list[tuple[torch.Tensor, torch.Tensor]], block: int = 1, all_cores: bool = False,
+) -> tuple[list[float], list[float], list[float]]:
+    """Seconds per step of plain PyTorch (this thread's torch threads: the worker's), of wstream
+    and (``all_cores``) of plain PyTorch on every core, alternating in blocks of ``block`` batches;
+    a wstream block is timed until its updates are done."""
+    plain, streamed, everywhere = [], [], []
+    worker_threads = torch.get_num_threads()
+
+    def time_plain(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         t0 = time.perf_counter()
         for x, y in batches:
             plain_step(x, y)
-        plain.append((time.perf_counter() - t0) / len(batches))
+        return (time.perf_counter() - t0) / len(batches)
+
+    for start in range(0, len(data), block):
+        batches = data[start : start + block]
+        plain.append(time_plain(batches))
+        if all_cores:
+            torch.set_num_threads(host_cores())
+            everywhere.append(time_plain(batches))
+            torch.set_num_threads(worker_threads)
         t0 = time.perf_counter()
         for x, y in batches:
             trainer.step(x, y, loss_fn)
         trainer.wait_updates()  # every update of the block applied (await_step: no weights move)
         streamed.append((time.perf_counter() - t0) / len(batches))
-    return plain, streamed
+    return plain, streamed, everywhere
 
 
 def main() -> None:
@@ -117,16 +133,19 @@ def main() -> None:
         f"{args.cpu_threads or 'the cores the server leaves'}; batch {args.batch}; {args.steps} timed blocks of {args.block} step(s); "
         f"unit_bytes {args.unit_bytes}"
     )
-    print(f"{'chain':>12} {'plain ms/step':>14} {'wstream ms/step':>16} {'ratio':>7} {'overhead/stage':>15}")
+    print(
+        f"{'chain':>12} {'plain ms/step':>14} {'wstream ms/step':>16} {'ratio':>7} {'overhead/stage':>15} "
+        f"{f'plain, {host_cores()} cores':>16} {'vs all cores':>13}"
+    )
     with server("--memory-limit", "16GiB", *args.server_arg) as address, Client(address, timeout=120) as client:
         for n, width in chains:
-            t_plain, t_ws = measure(client, n, width, args.batch, args.steps, args.cpu_threads, args.unit_bytes, args.block, args.grad_slots,
+            t_plain, t_ws, t_all = measure(client, n, width, args.batch, args.steps, args.cpu_threads, args.unit_bytes, args.block, args.grad_slots,
                 {"auto": None, "on": True, "off": False}[args.step_ring],
             )
             per_stage_us = (t_ws - t_plain) / n * 1e6
             print(
                 f"{f'{n}x{width}':>12} {t_plain * 1e3:14.1f} {t_ws * 1e3:16.1f} {t_ws / t_plain:7.2f} "
-                f"{per_stage_us:12.0f} us",
+                f"{per_stage_us:12.0f} us {t_all * 1e3:16.1f} {t_ws / t_all:13.2f}",
                 flush=True,
             )
 
