@@ -9,8 +9,8 @@ torch's defaults, each such thread that reaches a parallel operation becomes the
 second OpenMP team. libgomp then manages more threads than there are cores and stops spinning
 between parallel regions in *every* team (its "throttled" spin), so each parallel region of the
 compute thread pays a sleeping thread's wake-up: measured on 2 cores, plain PyTorch beside a
-trainer of 2 compute threads ran a 60 x 256 step in 63 ms instead of 24, and the trainer's own
-step in 51 ms instead of 41. So:
+trainer of 2 compute threads ran a 60 x 256 step in 47-63 ms instead of 21, and the trainer's own
+step in 51 ms instead of 31.5 (BENCHMARKS.md, session 17). So:
 
 1. A helper thread computes with one intra-op thread (:func:`serial_thread`): its copies and norms
    are one stage's, and they run beside the compute thread, which has the cores.
@@ -56,9 +56,11 @@ def serial_thread(target: Callable[[], None], name: str) -> threading.Thread:
     serial = threading.Event()
 
     def run() -> None:
-        torch.get_num_threads()  # torch's lazy per-thread setup, which would later apply the default
-        torch.set_num_threads(1)
-        serial.set()
+        try:
+            torch.get_num_threads()  # torch's lazy per-thread setup, which would later apply the default
+            torch.set_num_threads(1)
+        finally:
+            serial.set()
         target()
 
     thread = threading.Thread(target=run, name=name, daemon=True)

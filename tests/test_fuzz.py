@@ -1410,7 +1410,7 @@ class Fuzzer:
             return
         if w.kind in ("commit", "push") and error == SESSION_EXPIRED:
             self.expired_answers.append(w)  # checked once the case that ended the session is done
-            self.outcomes[f"{w.kind}s ended with their session"] += 1
+            self.outcomes[{"commit": "commits", "push": "held pushes"}[w.kind] + " ended with their session"] += 1
             return
         if w.kind == "fetch" and MAX_WAITING_FETCHES is None and error == BAD_STATE:
             self.outcomes["capped"] += 1  # (a server with a cap this file does not know of)
@@ -1716,7 +1716,7 @@ def test_fuzz_every_op_while_a_job_trains(store_server: ServerProcess) -> None:
             f"{fz.outcomes['capped']} over the cap; {fz.outcomes['held commits']} held commits: {fz.commits_answered} "
             f"committed, {fz.outcomes['commits ended with their session']} ended with their worker's session; "
             f"{fz.outcomes['step waits']} await_step waits: {fz.steps_reached} reached; {fz.outcomes['held pushes']} held "
-            f"pushes: {fz.held_answered} answered after their update, {fz.outcomes['pushs ended with their session']} ended "
+            f"pushes: {fz.held_answered} answered after their update, {fz.outcomes['held pushes ended with their session']} ended "
             f"with their worker's session; "
             f"{fz.outcomes['dropped with their job']} waiting requests refused when their job was dropped"
             f"\n  steps committed by the fuzzer: {fz.steps_committed} ({fz.outcomes['pushed by a fuzzed push']} of their "
@@ -1754,7 +1754,8 @@ def landmarks(fz: Fuzzer) -> list[Case]:
     step (fz-shm: answered by the step that follows the flood) or the next one (fz-frames); answered
     at the end, or when a fuzzed ``leave`` of the worker ends its session (the commits). fz-frames's
     worker also pushes stage 0 of its open step: that step is then committed by the fuzzer with a
-    stage pushed already, or discarded by a fuzzed ``leave`` of the worker."""
+    stage pushed already, or discarded by a fuzzed ``leave`` of the worker. fz-shm's worker pushes
+    its last stage with its norm: held (NOTE [Held gradient slots]) until that step commits."""
     status = {"v": PROTOCOL_VERSION, TAG_FIELD: "status", "id": 1}
     big = MAX_HEADER_BYTES + 1
     waits = []
