@@ -30,7 +30,8 @@ their completion, and the open step discarded when a worker leaves in the middle
 # 5. A worker that joins trains the open step when nothing of it has been gathered yet (or the
 #    start barrier is still shut), else the next one.
 # 6. A delayed-update job may push (i, t + 1) while stage i is still at t (its forward read
-#    t - 1); such a push is held (``waiting_push``) until the stage reaches t + 1.
+#    t - 1); such a push is held (``waiting_push``) until the stage reaches t + 1, or answered
+#    ``session_expired`` at once if its worker leaves first (nobody will take it then).
 #
 # NOTE [Held gradient slots]
 # A step's gradient must live somewhere from its push to its commit. With several workers it is
@@ -376,8 +377,6 @@ class StepCommit:
         deferred = st.waiting_push
         st.waiting_push = []
         for push in deferred:  # NOTE rule 6: a delayed job's pushes of the step the stage reached now
-            if push.worker.id not in self.job.workers:
-                continue
             try:
                 out += self._accept_push(st, push.msg, push.frames, push.identity, push.worker, submit)
             except Exception as exc:  # answered as the push would have been
@@ -402,7 +401,7 @@ class StepCommit:
         """Worker ``worker_id`` was detached (rule 4): if the open step holds a gradient of its, the
         step is discarded on every stage; otherwise its held commits are answered and the step goes
         on without it."""
-        out: list[Outgoing] = []
+        out = self._refuse_held_back(worker_id, reason)
         if worker_id in self.contributors:
             out += self._discard_open_step(worker_id, end_session, reason)
         else:  # its held commits are answered: its session is gone, so it will never see the step
@@ -411,6 +410,19 @@ class StepCommit:
             self.waiting_commit = [c for c in self.waiting_commit if c[1] != worker_id]
             out += [Outgoing.error(d.identity, d.request_id, gone) for d in mine]
             out += self.check_complete(self.job.stages, submit)
+        return out
+
+    def _refuse_held_back(self, worker_id: int, reason: str) -> list[Outgoing]:
+        """Answer the pushes of a worker that leaves which wait for their stage's update (a delayed
+        job's, rule 6): nobody will take them now."""
+        gone = SessionExpiredError(
+            f"job {self.job.name!r}: worker {worker_id} detached ({reason}) before its stage reached the step of this gradient"
+        )
+        out: list[Outgoing] = []
+        for st in self.job.stages:
+            if any(p.worker.id == worker_id for p in st.waiting_push):
+                out += [Outgoing.error(p.identity, p.msg.id, gone) for p in st.waiting_push if p.worker.id == worker_id]
+                st.waiting_push = [p for p in st.waiting_push if p.worker.id != worker_id]
         return out
 
     def _discard_open_step(self, leaver: int, end_session: EndSession, reason: str) -> list[Outgoing]:

@@ -14,8 +14,10 @@ from torch import nn
 
 import models
 from conftest import ServerProcess, run_workers, start_server
+from test_drop import Scene, commit_with_updates_held, push
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import AdamW, Client
+from wstream.protocol import messages as m
 from wstream.server.pool_tasks import UpdateTask
 
 STEPS = 8
@@ -210,3 +212,27 @@ def test_a_failed_update_answers_the_pushes_it_held_back(
     worker.join(120)  # a worker left waiting for the held push's answer would never end
     assert not worker.is_alive(), "the worker still waits for an answer to its held push"
     assert outcome and outcome[0] is not None and "the update of stage 0 step 0 failed" in str(outcome[0])
+
+
+def test_a_push_held_back_is_answered_when_its_worker_leaves(held: Scene) -> None:
+    """A delayed job's push of step 1 waits for its stage's update of step 0 (rule 6). Its worker
+    leaves meanwhile: the push is answered then (``session_expired``: nobody will take that
+    gradient), once, and the update, released later, answers nothing more (it used to skip the
+    push of a worker gone, which was never answered)."""
+    job = held.victim(delayed_update=True)
+    a, sign_a = held.worker(job)
+    commit_with_updates_held(held, a, sign_a, job)
+    early = push(held, a, sign_a, job, 2, 1)
+    barrier = held.wire.send(m.Status())
+    held.wire.collect(lambda: barrier in held.wire.replies)
+    assert early not in held.wire.replies, held.wire.replies[early]  # held back: stage 2 is at step 0
+    left = held.wire.call(m.Leave(session=a.session), signer=sign_a)
+    assert isinstance(left, m.Ok), left
+    held.wire.collect(lambda: early in held.wire.replies)
+    (reply,) = held.wire.replies[early]
+    assert isinstance(reply, m.Error) and reply.code == "session_expired", reply
+    held.update.release()
+    assert job.wait_step(1) == 1
+    barrier = held.wire.send(m.Status())
+    held.wire.collect(lambda: barrier in held.wire.replies)
+    assert len(held.wire.replies[early]) == 1, held.wire.replies[early]
