@@ -382,7 +382,7 @@ def layout_specs() -> st.SearchStrategy[dict[str, Any]]:
 
 STATE = st.fixed_dictionaries(
     {
-        "target": st.integers(0, 2),
+        "target": st.integers(0, 3),
         "session": st.sampled_from(["worker"] * 6 + ["plain", "extra"]),
         "stage": st.integers(0, 8),
         "index": st.sampled_from([0, 0, 0, 1, -1]),
@@ -540,6 +540,7 @@ class Target:
     gen: int = 0
     numels: list[int] = field(default_factory=list)
     gathered: set[int] = field(default_factory=set)  # stages of the open step a fuzzed push of the worker filled
+    delayed: bool = False  # created with delayed_update: step t computes on the weights of t - 1
 
 
 @dataclass(eq=False)
@@ -569,19 +570,20 @@ class Waiting:
     case: str
     session: bytes = b""  # the worker's
     before: int = 0  # fetches of that worker already waiting when it was sent
-    kind: str = "fetch"  # or "commit", "await", "push"
-    slot: int = -1  # a held push's
-    accepted: bool = False  # a push: not refused at once (so held: the marker after it said so)
+    kind: str = "fetch"  # or "commit", "await", "push" (held), "early" (a delayed job's, held back)
+    slot: int = -1  # a held or held-back push's
+    accepted: bool = False  # a push: not refused at once (the marker after it said so)
+    lag: int = 0  # a fetch of a delayed job: it reads the weights of step - lag
 
     @property
     def expects(self) -> str:
         """The reply op that answers it when nothing ends it first."""
-        return {"fetch": "weights", "commit": "committed", "await": "step_reached", "push": "pushed"}[self.kind]
+        return {"fetch": "weights", "commit": "committed", "await": "step_reached", "push": "pushed", "early": "pushed"}[self.kind]
 
     @property
     def due_at(self) -> int:
         """The step the job's stages must be at for the answer to be due."""
-        return self.step + 1 if self.kind in ("commit", "push") else self.step
+        return self.step + 1 if self.kind in ("commit", "push") else self.step - self.lag
 
     def __str__(self) -> str:
         return {
@@ -589,6 +591,7 @@ class Waiting:
             "commit": f"a held commit of step {self.step}",
             "await": f"an await_step of step {self.step}",
             "push": f"a held push of stage {self.stage} step {self.step}",
+            "early": f"a held-back push of stage {self.stage} step {self.step} (a delayed job's)",
         }[self.kind]
 
 
@@ -606,6 +609,7 @@ class Fuzzer:
         self.targets = {
             "fz-shm": Target("fz-shm", "tok-a", lambda: [nn.Linear(8, 8), nn.Linear(8, 3)], shm=True),
             "fz-frames": Target("fz-frames", "tok-c", lambda: [nn.Linear(4, 4), nn.Linear(4, 6), nn.Linear(6, 2)], shm=False),
+            "fz-delayed": Target("fz-delayed", "tok-d", lambda: [nn.Linear(5, 5), nn.Linear(5, 7)], shm=True, delayed=True),
         }
         for t in self.targets.values():
             self._create(t)
@@ -696,7 +700,9 @@ class Fuzzer:
 
     def _create(self, t: Target) -> None:
         # unit_bytes=None: the fuzzer aims its messages at each chain stage (t.numels)
-        t.job = self.client.create_job(t.name, t.build(), optimizer=AdamW(lr=1e-2), token=t.token, unit_bytes=None)
+        t.job = self.client.create_job(
+            t.name, t.build(), optimizer=AdamW(lr=1e-2), token=t.token, unit_bytes=None, delayed_update=t.delayed
+        )
         t.numels = [s.numel for s in t.job.specs]
         t.plain = t.job.session
         self.signers[t.plain] = t.job._signer
@@ -1124,7 +1130,7 @@ class Fuzzer:
         if not isinstance(owner, Target) or role != "worker":
             return None
         if isinstance(msg, m.Push):
-            return self.held_push(owner, msg)
+            return self.early_push(owner, msg) if owner.delayed else self.held_push(owner, msg)
         if isinstance(msg, m.Commit):
             open_step = self.open_step(owner)
             if not open_step <= msg.step <= open_step + 1:
@@ -1133,9 +1139,24 @@ class Fuzzer:
         if msg.stage >= len(owner.numels):
             return None
         version = self.version(owner, msg.stage)
-        if msg.step != version + 1:
+        lag = 1 if owner.delayed and msg.step >= 1 else 0  # (NOTE rule 5 of server/versions.py; created at step 0)
+        if msg.step - lag != version + 1:
             return None
-        return Waiting(owner.name, owner.gen, msg.stage, msg.step, "", msg.session, self.waiting_of(msg.session))
+        return Waiting(owner.name, owner.gen, msg.stage, msg.step, "", msg.session, self.waiting_of(msg.session), lag=lag)
+
+    def early_push(self, t: Target, msg: m.Push) -> Waiting | None:
+        """The wait of a delayed job's push of the step after the open one, which the server holds
+        back until its stage reaches that step (NOTE [The step commit point] rule 6 in
+        server/step_commit.py), else None. At most a slot per stage per worker's slot is held back
+        (more: ``bad_state`` at once)."""
+        if msg.stage >= len(t.numels) or msg.step != self.open_step(t) + 1:
+            return None
+        if sum(1 for w in self.waiting_of_kind(t, "early") if (w.stage, w.step) == (msg.stage, msg.step)) >= GRAD_SLOTS:
+            return None
+        return Waiting(t.name, t.gen, msg.stage, msg.step, "", msg.session, kind="early", slot=msg.slot)
+
+    def waiting_of_kind(self, t: Target, kind: str) -> list[Waiting]:
+        return [w for w in self.waiting.values() if w.kind == kind and w.target == t.name and w.gen == t.gen]
 
     def held_push(self, t: Target, msg: m.Push) -> Waiting | None:
         """The wait of a push of ``t``'s worker that the server holds if it accepts it (NOTE [Held
@@ -1143,7 +1164,7 @@ class Fuzzer:
         held, this one and one for each stage it still owes the step fit in its ring), else None.
         Pushes held in the step before are answered first, so that the worker's held slots are
         exactly the waiting held pushes of the open step."""
-        if msg.sumsq is None or msg.stage >= len(t.numels) or msg.stage in t.gathered:
+        if msg.sumsq is None or msg.stage >= len(t.numels) or msg.stage in t.gathered or t.delayed:
             return None
         step = self.open_step(t)
         if msg.step != step:
@@ -1156,8 +1177,9 @@ class Fuzzer:
         return Waiting(t.name, t.gen, msg.stage, msg.step, "", msg.session, kind="push", slot=msg.slot)
 
     def held_slots(self, t: Target) -> set[int]:
-        """The slots of ``t``'s worker that held pushes of its open step keep."""
-        return {w.slot for w in self.waiting.values() if w.kind == "push" and w.accepted and w.target == t.name and w.gen == t.gen}
+        """The slots of ``t``'s worker that held pushes of its open step keep (a held-back push takes
+        its slot only when its stage takes it)."""
+        return {w.slot for w in self.waiting_of_kind(t, "push") if w.accepted}
 
     def build(self, case: Case) -> tuple[bytes, m.Message | None, Waiting | None, bool]:
         """The header frame with the state now: sessions, nonces, proofs, ``nframes``, ids clear of
@@ -1272,7 +1294,7 @@ class Fuzzer:
         self.ops[case.op or "-"] += 1
         large = len(wire) + sum(len(f) for f in case.frames) > 2**16
         self.sock.send_multipart([wire, *case.frames], copy=not large)
-        if waiting is not None and waiting.kind == "push":
+        if waiting is not None and waiting.kind in ("push", "early"):
             return self.sent_held_push(waiting, msg)
         if waiting is not None:
             self.outcomes[{"fetch": "deferred", "commit": "held commits", "await": "step waits"}[waiting.kind]] += 1
@@ -1363,6 +1385,9 @@ class Fuzzer:
         assert got is not None and got[0].get("id") == marker, f"no answer to the status sent after {w.case}: {got!r}"
         if msg.id in self.waiting and not w.accepted:
             w.accepted = True
+            if w.kind == "early":  # it counts when its stage takes it, and is answered then
+                self.outcomes["held-back pushes"] += 1
+                return
             self.outcomes["held pushes"] += 1
             self.fuzz_pushed(self.targets[w.target], w.stage)
 
@@ -1397,30 +1422,41 @@ class Fuzzer:
         what = str(w)
         assert isinstance(reply, dict), f"{what} got {reply!r}: {w.case}"
         error = reply.get("code") if reply.get("op") == "error" else None
-        if w.kind == "push" and not w.accepted:  # answered before the status sent after it
+        if w.kind in ("push", "early") and not w.accepted:  # answered before the status sent after it
             if error is not None:  # refused at once, as any push may be
                 assert error in WIRE_CODES - DECODE_CODES and reply.get("message"), f"{what} got {reply!r}: {w.case}"
                 self.outcomes[f"push:{error}"] += 1
                 return
+            assert w.kind == "push", f"{what} got {reply!r} before its step committed: {w.case}"
             w.accepted = True  # held, and its step committed and its update ran at once
             self.fuzz_pushed(self.targets[w.target], w.stage)
         if error == UNKNOWN_JOB:
             self.dropped_answers.append(w)  # checked once the case that dropped the job is done
             self.outcomes["dropped with their job"] += 1
             return
-        if w.kind in ("commit", "push") and error == SESSION_EXPIRED:
+        if w.kind in ("commit", "push", "early") and error == SESSION_EXPIRED:
             self.expired_answers.append(w)  # checked once the case that ended the session is done
-            self.outcomes[{"commit": "commits", "push": "held pushes"}[w.kind] + " ended with their session"] += 1
+            self.outcomes[{"commit": "commits", "push": "held pushes", "early": "held-back pushes"}[w.kind] + " ended with their session"] += 1
+            return
+        if w.kind == "early" and error is not None:  # taken when its stage got there, and refused then
+            assert error in WIRE_CODES - DECODE_CODES and reply.get("message"), f"{what} got {reply!r}: {w.case}"
+            self.outcomes[f"held-back push:{error}"] += 1
             return
         if w.kind == "fetch" and MAX_WAITING_FETCHES is None and error == BAD_STATE:
             self.outcomes["capped"] += 1  # (a server with a cap this file does not know of)
             return
-        ok = reply.get("op") == w.expects and reply.get("step") == w.step
+        ok = reply.get("op") == w.expects and reply.get("step") == w.step - w.lag
         if w.kind == "fetch":
             ok = ok and reply.get("stage") == w.stage
             self.deferred_answered += 1
         elif w.kind == "await":
             self.steps_reached += 1
+        elif w.kind == "early":
+            ok = ok and reply.get("stage") == w.stage and reply.get("slot") == w.slot
+            t = self.targets[w.target]
+            if ok and t.gen == w.gen:  # taken for its step, which is the open one now
+                self.fuzz_pushed(t, w.stage)
+            self.outcomes["held-back pushes taken"] += 1
         elif w.kind == "push":
             ok = ok and reply.get("stage") == w.stage and reply.get("slot") == w.slot
             t = self.targets[w.target]
@@ -1508,6 +1544,7 @@ class Fuzzer:
         (fetches of the next one, as each stage's update ends, and held commits of it) must then
         be answered."""
         step = self.open_step(t)
+        self.answered(t, step)  # held-back pushes of this step were taken (their answers count them)
         assert len(t.gathered) < len(t.numels), t.gathered  # (else the step committed)
         slot = min(set(range(GRAD_SLOTS)) - self.held_slots(t))  # (held pushes keep theirs until the updates)
         for stage in sorted(range(len(t.numels)), key=lambda i: i not in t.gathered):
@@ -1717,6 +1754,8 @@ def test_fuzz_every_op_while_a_job_trains(store_server: ServerProcess) -> None:
             f"committed, {fz.outcomes['commits ended with their session']} ended with their worker's session; "
             f"{fz.outcomes['step waits']} await_step waits: {fz.steps_reached} reached; {fz.outcomes['held pushes']} held "
             f"pushes: {fz.held_answered} answered after their update, {fz.outcomes['held pushes ended with their session']} ended "
+            f"with their worker's session; {fz.outcomes['held-back pushes']} held-back pushes: "
+            f"{fz.outcomes['held-back pushes taken']} taken, {fz.outcomes['held-back pushes ended with their session']} ended "
             f"with their worker's session; "
             f"{fz.outcomes['dropped with their job']} waiting requests refused when their job was dropped"
             f"\n  steps committed by the fuzzer: {fz.steps_committed} ({fz.outcomes['pushed by a fuzzed push']} of their "
@@ -1732,6 +1771,7 @@ def test_fuzz_every_op_while_a_job_trains(store_server: ServerProcess) -> None:
         )
         assert set(ops) == set(OPS), f"ops never fuzzed: {set(OPS) - set(ops)}"
         assert fz.outcomes["held pushes"] >= 1, "the landmark's push was not held"
+        assert fz.outcomes["held-back pushes"] >= 1, "the delayed landmark's push was not held back"
         assert growth <= RSS_BOUND, f"server RSS grew by {growth / 2**20:.1f} MiB over the fuzz (bound {RSS_BOUND / 2**20:.0f} MiB)"
 
         reference_thread.join(timeout=300)
@@ -1755,7 +1795,10 @@ def landmarks(fz: Fuzzer) -> list[Case]:
     at the end, or when a fuzzed ``leave`` of the worker ends its session (the commits). fz-frames's
     worker also pushes stage 0 of its open step: that step is then committed by the fuzzer with a
     stage pushed already, or discarded by a fuzzed ``leave`` of the worker. fz-shm's worker pushes
-    its last stage with its norm: held (NOTE [Held gradient slots]) until that step commits."""
+    its last stage with its norm: held (NOTE [Held gradient slots]) until that step commits.
+    fz-delayed (``delayed_update``) fetches the step after the next one (its step t + 1 reads the
+    weights of t), and pushes stage 0 of the step after the open one: held back until stage 0
+    gets there."""
     status = {"v": PROTOCOL_VERSION, TAG_FIELD: "status", "id": 1}
     big = MAX_HEADER_BYTES + 1
     waits = []
@@ -1763,15 +1806,20 @@ def landmarks(fz: Fuzzer) -> list[Case]:
         worker = SessionRef(2 * k + 1, live=True)
         assert fz.session_of(worker) == t.worker
         step = fz.open_step(t)
+        lag = 1 if t.delayed else 0  # a delayed job's step t + 1 reads the weights of t: its t + 2 waits
         for stage in range(len(t.numels)):
             fetch = {"v": PROTOCOL_VERSION, TAG_FIELD: "fetch", "id": 2, "session": worker, "stage": stage}
-            waits.append(Case("landmark", "fetch", {**fetch, "step": step + 1}))
-        commit = {"v": PROTOCOL_VERSION, TAG_FIELD: "commit", "id": 5, "session": worker, "step": step + k}
+            waits.append(Case("landmark", "fetch", {**fetch, "step": step + 1 + lag}))
+        commit = {"v": PROTOCOL_VERSION, TAG_FIELD: "commit", "id": 5, "session": worker, "step": step + min(k, 1)}
         waits.append(Case("landmark", "commit", commit))
         if "await_step" in REQUESTS:  # the step after the job's one: answered as the fuzzer commits it
             reach = {"v": PROTOCOL_VERSION, TAG_FIELD: "await_step", "id": 7, "session": worker, "step": step + 1}
             waits.append(Case("landmark", "await_step", reach))
-        if not t.shm:
+        if t.delayed:  # of the step after the open one: held back until stage 0 gets there
+            push = {"v": PROTOCOL_VERSION, TAG_FIELD: "push", "id": 6, "session": worker, "stage": 0, "step": step + 1,
+                    "slot": 1, "numel": t.numels[0]}  # fmt: skip
+            waits.append(Case("landmark", "push", push))
+        elif not t.shm:
             push = {"v": PROTOCOL_VERSION, TAG_FIELD: "push", "id": 6, "session": worker, "stage": 0, "step": step,
                     "slot": 0, "numel": t.numels[0], "nframes": NFRAMES}  # fmt: skip
             waits.append(Case("landmark", "push", push, frames=[b"\x00" * (4 * t.numels[0])]))
