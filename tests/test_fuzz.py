@@ -60,7 +60,12 @@ The oracle, for every case:
   ``wstream.server.step_commit``, rules 1-2, computed from the fuzzer's own count of the step's
   pushes) is answered ``pushed`` only once its step committed and the stage's update read it
   (``session_expired`` when its worker leaves before the commit); whether it was refused at once
-  instead is told by a ``status`` sent right after it on the same socket, answered after it;
+  instead is told by a ``status`` sent right after it on the same socket, answered after it. One
+  target is created with ``delayed_update``: its step t reads the weights of step t - 1, so its
+  fetch of the step after the next one waits (answered with the next step's weights), and its
+  worker's push of the step after the open one is held back until the stage gets there (answered
+  once taken, with ``pushed`` or the error taking it met, or ``session_expired`` when the worker
+  leaves first);
 * a header that the protocol's own decoder refuses, or data frames of a count the op does not take
   (or other than its ``nframes``), get the decoder's error code (``bad_message``, ``unknown_op``,
   ``version_mismatch``), and a header it accepts never gets one of those;
