@@ -114,8 +114,10 @@ def test_a_failed_update_answers_await_step_with_the_failure(client: Client, mon
     monkeypatch.setattr(UpdateTask, "run", failing_run)
     job = client.create_job("fails", victim_model(), optimizer=AdamW(lr=1e-2), token="t", unit_bytes=None)
     with job.trainer() as trainer:
-        trainer.step(torch.randn(4, 6), torch.randn(4, 2), nn.functional.mse_loss)
+        # the failure answers the step's held push of stage 1 as well: it surfaces in the step when
+        # that answer comes before the step returns (a race of the two), else in wait_updates
         with pytest.raises(Exception, match="the update of stage 1 step 0 failed"):
+            trainer.step(torch.randn(4, 6), torch.randn(4, 2), nn.functional.mse_loss)
             trainer.wait_updates()
     with pytest.raises(Exception, match="the update of stage 1 step 0 failed"):
         job.wait_step(1)
