@@ -377,6 +377,8 @@ class StepCommit:
         deferred = st.waiting_push
         st.waiting_push = []
         for push in deferred:  # NOTE rule 6: a delayed job's pushes of the step the stage reached now
+            if push.worker.id not in self.job.workers:  # (its leave answered it: never taken, its ring is gone)
+                continue
             try:
                 out += self._accept_push(st, push.msg, push.frames, push.identity, push.worker, submit)
             except Exception as exc:  # answered as the push would have been
