@@ -133,7 +133,11 @@ class Prefetcher:
                 if self._sc.abort.is_set():
                     self._sc.raise_aborted()
                 if self._thread is None or not self._thread.is_alive():
-                    raise ServerUnavailable("the prefetch thread stopped") from None
+                    try:  # what it handed over just before it ended (its error, most likely)
+                        item = self._ready.get_nowait()
+                        break
+                    except queue.Empty:
+                        raise ServerUnavailable("the prefetch thread stopped") from None
         self.stats.fetch_wait_s += time.perf_counter() - t0
         tracer = self._sc.tracer
         if tracer is not None and time.monotonic_ns() - t0_ns > TRACE_MIN_WAIT_NS:

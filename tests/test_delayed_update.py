@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import copy
+import queue
 import signal
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,6 +19,8 @@ from conftest import ServerProcess, run_workers, start_server
 from test_drop import Scene, commit_with_updates_held, push
 from test_equivalence import assert_weights_equal, reference_train
 from wstream.client import AdamW, Client
+from wstream.client.prefetch import Prefetcher
+from wstream.protocol import InternalError
 from wstream.protocol import messages as m
 from wstream.server.pool_tasks import UpdateTask
 
@@ -236,3 +240,36 @@ def test_a_push_held_back_is_answered_when_its_worker_leaves(held: Scene) -> Non
     barrier = held.wire.send(m.Status())
     held.wire.collect(lambda: barrier in held.wire.replies)
     assert len(held.wire.replies[early]) == 1, held.wire.replies[early]
+
+
+def test_an_error_the_prefetcher_hands_over_as_it_ends_is_raised_not_taken_for_a_lost_connection() -> None:
+    """The failure above reaches the step through the prefetcher when a fetch of the failed stage
+    is refused: its thread hands the error over and ends. The consumer's wait for it (0.1 s slices)
+    could time out just before the error came, then see the thread gone, and report "the prefetch
+    thread stopped" (a lost connection: the trainer reconnected and resynced instead of raising
+    the update's failure; a clean-clone CI failure of the test above)."""
+    failure = InternalError("the update of stage 0 step 0 failed: RuntimeError('injected update failure')")
+
+    class LateQueue:  # the error arrives right after a wait timed out
+        def __init__(self) -> None:
+            self.queue: queue.SimpleQueue[object] = queue.SimpleQueue()
+            self.first = True
+
+        def get(self, timeout: float | None = None) -> object:
+            if self.first:
+                self.first = False
+                self.queue.put(failure)
+                raise queue.Empty
+            return self.queue.get(timeout=timeout)
+
+        def get_nowait(self) -> object:
+            return self.queue.get_nowait()
+
+    prefetcher = Prefetcher(SimpleNamespace(abort=threading.Event(), tracer=None), None, None)  # type: ignore[arg-type]
+    ended = threading.Thread(target=lambda: None)
+    ended.start()
+    ended.join()
+    prefetcher._thread = ended
+    prefetcher._ready = LateQueue()  # type: ignore[assignment]
+    with pytest.raises(InternalError, match="the update of stage 0 step 0 failed"):
+        prefetcher.get(0)
