@@ -322,7 +322,7 @@ class Job:
         """``step_reached`` once every stage holds the weights after ``msg.step`` steps, a step
         no further than the one after the step the job gathers (NOTE [Versions and who may read
         what] rule 6)."""
-        gathering = self.step_commit.open_step
+        gathering = self.open_step
         if msg.step > gathering + 1:
             raise StaleStepError(
                 f"job {self.name!r} gathers step {gathering}: step {msg.step} is more than one step past it "

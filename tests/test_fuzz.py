@@ -831,7 +831,7 @@ class Fuzzer:
 
     def awaits_of(self, t: Target) -> int:
         """The ``await_step`` requests of job ``t`` waiting now (the server caps those per job)."""
-        return sum(1 for w in self.waiting.values() if w.target == t.name and w.gen == t.gen and w.kind == "await")
+        return len(self.waiting_of_kind(t, "await"))
     # ---- drawing a case -------------------------------------------------------------------------------
     KINDS = [
         "valid", "valid", "wrong_type", "missing_extra", "extreme", "big", "raw", "truncated",
@@ -1161,6 +1161,7 @@ class Fuzzer:
         return Waiting(t.name, t.gen, msg.stage, msg.step, "", msg.session, kind="early", slot=msg.slot)
 
     def waiting_of_kind(self, t: Target, kind: str) -> list[Waiting]:
+        """The requests of job ``t`` (this generation of it) waiting now, of one kind."""
         return [w for w in self.waiting.values() if w.kind == kind and w.target == t.name and w.gen == t.gen]
 
     def held_push(self, t: Target, msg: m.Push) -> Waiting | None:
