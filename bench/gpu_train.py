@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from common import parse_args, server
-from gpu_common import add_model_args, header, require_cuda
+from gpu_common import add_model_args, empty_cache, header, peak_memory, require_cuda, reset_peak_memory, synchronize
 from wstream.client import SGD, AdamW, Client
 from wstream.client.models.gpt import GPTConfig, gpt_stages, lm_loss
 
@@ -51,7 +51,7 @@ def batch(cfg: GPTConfig, size: int, device: torch.device, step: int) -> tuple[t
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
-def timed_steps(step: Callable[[int], object], steps: int, warmup: int) -> float:
+def timed_steps(step: Callable[[int], object], steps: int, warmup: int, device: torch.device) -> float:
     """Median seconds of ``step(t)`` (each ends synchronized: it returns the loss as a float)."""
     for t in range(warmup):
         step(t)
@@ -59,7 +59,7 @@ def timed_steps(step: Callable[[int], object], steps: int, warmup: int) -> float
     for t in range(warmup, warmup + steps):
         t0 = time.perf_counter()
         step(t)
-        torch.cuda.synchronize()
+        synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -68,7 +68,7 @@ def resident(cfg: GPTConfig, sizes: list[int], device: torch.device, steps: int,
     """Per batch size: (seconds per step, peak bytes) of plain PyTorch with the model on the GPU."""
     out = _resident(cfg, sizes, device, steps, warmup)
     gc.collect()  # the model and its optimizer state are gone: free their memory for wstream
-    torch.cuda.empty_cache()
+    empty_cache(device)
     return out
 
 
@@ -81,23 +81,23 @@ def _resident(cfg: GPTConfig, sizes: list[int], device: torch.device, steps: int
     for size in sizes:
         def step(t: int, size: int = size) -> float:
             x, y = batch(cfg, size, device, t)
-            with torch.autocast("cuda", dtype=torch.bfloat16):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
                 for s in stages:
                     x = checkpoint(s, x, use_reentrant=False)
                 loss = loss_fn(x, y)
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
-            return float(loss)
+            return float(loss.detach())
 
         try:
-            torch.cuda.reset_peak_memory_stats(device)
-            seconds = timed_steps(step, steps, warmup)
-            out[size] = (seconds, torch.cuda.max_memory_allocated(device))
+            reset_peak_memory(device)
+            seconds = timed_steps(step, steps, warmup, device)
+            out[size] = (seconds, peak_memory(device))
         except torch.OutOfMemoryError:
             print(f"  resident, batch {size}: out of GPU memory")
             opt.zero_grad(set_to_none=True)
-            torch.cuda.empty_cache()
+            empty_cache(device)
     return out
 
 
@@ -116,7 +116,7 @@ def wstream(
         print(f"  job created in {time.perf_counter() - t0:.0f} s ({job.num_params / 1e9:.2f} B parameters)")
         sys.stdout.flush()
         for size in sizes:
-            torch.cuda.reset_peak_memory_stats(device)
+            reset_peak_memory(device)
             with job.trainer(device, weight_budget=weight_budget, step_ring=step_ring) as trainer:
                 st = trainer.stats()
                 print(
@@ -124,13 +124,13 @@ def wstream(
                     f"registered {st.registered_bytes / 2**30:.2f} GiB of host memory in {st.registration_s:.2f} s"
                 )
                 try:
-                    seconds = timed_steps(lambda t: trainer.step(*batch(cfg, size, device, t), loss_fn), steps, warmup)
+                    seconds = timed_steps(lambda t: trainer.step(*batch(cfg, size, device, t), loss_fn), steps, warmup, device)
                 except torch.OutOfMemoryError:
                     print(f"  wstream, batch {size}: out of GPU memory")
                     break
                 st = trainer.stats()
                 per = {"fetch_wait_s": st.fetch_wait_s / st.steps, "push_wait_s": st.push_wait_s / st.steps}
-                out[size] = (seconds, torch.cuda.max_memory_allocated(device), per)
+                out[size] = (seconds, peak_memory(device), per)
     return out
 
 
@@ -161,8 +161,8 @@ def main() -> None:
         help="the worker asks for a step ring (a gradient slot per stage, page-locked: every push read in place)",
     )
     p.add_argument("--json", help="also write the figures here (bench/gpu_deepspeed.py --compare reads them)")
-    args = parse_args(p, smoke=dict(steps=1, warmup=0, layers=1, width=64, heads=2, seq=16, batches="1", big_layers=0))
-    device = require_cuda("gpu_train.py", smoke=args.smoke)
+    args = parse_args(p, smoke=dict(steps=1, warmup=0, layers=1, width=64, heads=2, seq=16, batches="1", big_layers=0, memory_limit="2GiB"))
+    device = require_cuda("gpu_train.py", smoke=args.smoke, cpu_smoke=True)
     header(device)
     sizes = [int(b) for b in args.batches.split(",")]
     cfg = GPTConfig(vocab_size=VOCAB, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
@@ -190,8 +190,8 @@ def small(args: argparse.Namespace, cfg: GPTConfig, sizes: list[int], device: to
         rt = f"{tokens / r[0]:17,.0f}" if r else " " * 13 + "OOM"
         wt = f"{tokens / w[0]:16,.0f}" if w else " " * 12 + "OOM"
         ratio = f"{r[0] / w[0]:5.2f}" if r and w else "    -"
-        rm = gib(r[1]) if r else "-"
-        wm = gib(w[1]) if w else "-"
+        rm = gib(r[1]) if r and r[1] else "-"  # (0: not measured, off CUDA)
+        wm = gib(w[1]) if w and w[1] else "-"
         waits = f"{w[2]['fetch_wait_s']:.3f} s, {w[2]['push_wait_s']:.3f} s" if w else "-"
         print(f"{size:5d} | {rt} | {wt} | {ratio} | {rm:>17} | {wm:>16} | {waits}")
     sys.stdout.flush()

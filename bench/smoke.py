@@ -3,7 +3,8 @@
     python bench/smoke.py
 
 Each script in bench/ runs with ``--smoke`` (its smallest sizes, through its whole code path;
-the GPU ones, without CUDA, check their arguments and imports) under a time limit; a line per
+the GPU ones, without CUDA, check their arguments and imports; ``gpu_train.py``
+runs its whole path on the CPU) under a time limit; a line per
 script says how it went and how long it took. Exits 1 if any failed or ran out of time. A new
 script is picked up by its file name, so one without ``--smoke`` fails here until it has one;
 the shell scripts are checked for syntax with ``bash -n``.
