@@ -47,21 +47,25 @@ if [[ $part == 1 || $part == all ]]; then
     step cuda_tests 120 python3 -m pytest -q -s -m cuda -p no:cacheprovider tests/test_cuda.py
     step gpu_bandwidth 140 python3 bench/gpu_bandwidth.py --stage-mib 256 --stages 8 --rounds 4 --register-gib 8
     step gpu_train 270 python3 bench/gpu_train.py --only small --layers 24 --width 2048 --seq 1024 \
-        --batches 4,8,16 --steps 4 --warmup 2 --weight-budget 4GiB --json "$out/gpu_train.json"
+        --batches 4,8,16 --steps 4 --warmup 2 --weight-budget 4GiB --server-threads 12 --json "$out/gpu_train.json"
     cp "$out/gpu_train.json" /tmp/wstream-gpu_train.json 2>/dev/null  # for part 2 ($OUT is emptied per command)
     # the same with a step ring (every gradient read in place by its update; session 13: not yet measured)
     step gpu_train_step_ring 150 python3 bench/gpu_train.py --only small --layers 24 --width 2048 --seq 1024 \
-        --batches 4,16 --steps 4 --warmup 2 --weight-budget 4GiB --step-ring
+        --batches 4,16 --steps 4 --warmup 2 --weight-budget 4GiB --server-threads 12 --step-ring
     # and a delayed update with a step ring (session 13: delayed alone was slower than commit)
     step gpu_train_delayed_step_ring 150 python3 bench/gpu_train.py --only small --layers 24 --width 2048 --seq 1024 \
-        --batches 4,16 --steps 4 --warmup 2 --weight-budget 4GiB --step-ring --delayed-update
+        --batches 4,16 --steps 4 --warmup 2 --weight-budget 4GiB --server-threads 12 --step-ring --delayed-update
+    # the server's default threads (half the cores: 8 of 16) where the figures above give it 12: what a
+    # user gets without the flag, on a host whose worker computes on the GPU (session 18: not yet measured)
+    step gpu_train_default_threads 120 python3 bench/gpu_train.py --only small --layers 24 --width 2048 --seq 1024 \
+        --batches 16 --steps 4 --warmup 2 --weight-budget 4GiB
 fi
 if [[ $part == 2 || $part == all ]]; then
     if [[ $(id -u) == 0 ]] && grep -q hugetlbfs /proc/mounts; then
         echo 0 > /proc/sys/vm/nr_hugepages  # give figure 1's pages back: the 10 B model needs the RAM
     fi
     step gpu_train_big 420 python3 bench/gpu_train.py --only big --big-layers 56 --big-width 4096 --big-heads 32 \
-        --seq 1024 --big-batch 4 --steps 4 --weight-budget 4GiB
+        --seq 1024 --big-batch 4 --steps 4 --weight-budget 4GiB --server-threads 12
     step gpu_deepspeed 120 python3 bench/gpu_deepspeed.py --layers 24 --width 2048 --seq 1024 --batches 4,8,16 \
         --compare /tmp/wstream-gpu_train.json
 fi

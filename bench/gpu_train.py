@@ -103,12 +103,14 @@ def _resident(cfg: GPTConfig, sizes: list[int], device: torch.device, steps: int
 
 def wstream(
     cfg: GPTConfig, sizes: list[int], device: torch.device, steps: int, warmup: int, *, weight_budget: str,
-    optimizer: object, memory_limit: str, server_threads: int, huge_pages: str = "auto", delayed_update: bool = False,
+    optimizer: object, memory_limit: str, server_threads: int | None, huge_pages: str = "auto", delayed_update: bool = False,
     step_ring: bool = False,
 ) -> dict[int, tuple[float, int, dict[str, float]]]:
     """Per batch size: (seconds per step, peak bytes, worker stats per step) through a server."""
     out: dict[int, tuple[float, int, dict[str, float]]] = {}
-    extra = ("--memory-limit", memory_limit, "--torch-threads", str(server_threads), "--huge-pages", huge_pages)
+    extra = ("--memory-limit", memory_limit, "--huge-pages", huge_pages)
+    if server_threads is not None:
+        extra += ("--torch-threads", str(server_threads))
     with server(*extra) as address, Client(address, timeout=600) as client:
         torch.manual_seed(0)
         t0 = time.perf_counter()
@@ -145,7 +147,10 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--weight-budget", default="4GiB")
     p.add_argument("--memory-limit", default="100GiB", help="the server's")
-    p.add_argument("--server-threads", type=int, default=12, help="torch threads of the server's optimizer")
+    p.add_argument(
+        "--server-threads", type=int, default=None,
+        help="torch threads of the server's optimizer (default: the server's own, half the host's cores)",
+    )
     p.add_argument("--big-layers", type=int, default=56, help="0: skip the model larger than GPU memory")
     p.add_argument("--big-width", type=int, default=4096)
     p.add_argument("--big-heads", type=int, default=32)
