@@ -18,7 +18,7 @@ import torch
 from .backprop import backprop
 from .boundary import Boundary, as_boundary, lanes_of
 from .loss_scale import LossScaler, all_finite, unscaled
-from .plan_run import PlanRun, add_into
+from .plan_run import GradientSum, PlanRun
 from .rng import StageRng
 from .stages import Buffers, StageRunner
 from .taped import TapedForward
@@ -133,18 +133,18 @@ class StageBackward:
         kept = runner.bound_leaves(weights)[0]
         run.drop_current()
         grad_lanes = lanes_of(tuple(run.grad_out), run.k)
-        param_grads: list[torch.Tensor | None] = [None] * len(taped[0].leaves)
+        param_grads = GradientSum(len(taped[0].leaves))
         grad_out: list[torch.Tensor | None] = []
         for j, (record, lane_grad_out) in enumerate(zip(taped, grad_lanes)):
             record.bind[0] = kept
             roots, root_grads = _roots(run, record.out, lane_grad_out, loss_fn, j)
             grads = backprop(roots, root_grads, [*record.leaves, *_differentiable(record.inputs)])
             n = len(record.leaves)
-            add_into(param_grads, grads[:n])
+            param_grads.add_all(grads[:n])
             grad_out += _per_input(record.inputs, grads[n:])
             del roots, root_grads, grads
         run.grad_out = grad_out
-        return param_grads
+        return param_grads.values
 
     def _wants_input_grad(self, i: int) -> bool:
         """Whether position i's input gradient is used: a position below it trains."""
@@ -187,7 +187,7 @@ class StageBackward:
         are not finite is run again at a lower scale (NOTE [Per-stage loss scaling]) and its
         parameter gradients are summed unscaled, in fp32."""
         leaves = [v for v in params.values() if v.requires_grad]  # not a frozen base's views
-        param_grads: list[torch.Tensor | None] = [None] * len(leaves)
+        param_grads = GradientSum(len(leaves))
         grad_out: list[torch.Tensor | None] = []
         scaler = self.scaler
         for j, (lane, lane_grad_out) in enumerate(zip(lanes, grad_lanes)):
@@ -212,10 +212,10 @@ class StageBackward:
                     lane_grad_out = tuple(g * factor if isinstance(g, torch.Tensor) else g for g in lane_grad_out)
                 first = False
             own = grads[: len(leaves)]
-            add_into(param_grads, own if scaler is None or run.scales is None else unscaled(own, run.scales[j]))
+            param_grads.add_all(own if scaler is None or run.scales is None else unscaled(own, run.scales[j]))
             grad_out += _per_input(inputs, grads[len(leaves) :])
             del grads, inputs, grad_inputs, own
-        return param_grads, grad_out
+        return param_grads.values, grad_out
 
 
 def _roots(

@@ -123,6 +123,8 @@ def all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
 
 
 def unscaled(grads: Iterable[torch.Tensor | None], scale: float) -> list[torch.Tensor | None]:
-    """``grads`` in fp32, divided by ``scale`` (a multiplication by its inverse: exact for powers of two)."""
+    """``grads`` in fp32, divided by ``scale`` (a multiplication by its inverse: exact for powers of
+    two), as new tensors: a parameter's gradient may be the very tensor passed down as its stage
+    input's gradient, which stays scaled (``GradientSum`` in client/plan_run.py)."""
     inverse = 1.0 / scale
-    return [None if g is None else g.to(torch.float32).mul_(inverse) for g in grads]
+    return [None if g is None else g.float() * inverse for g in grads]

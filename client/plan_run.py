@@ -50,7 +50,7 @@ class PlanRun:
         self.last = last  # the position whose BACKWARD computes the loss
         self.runner_at = runner_at  # position -> its runner (a loop: the body, for any position)
         self.held: dict[int, torch.Tensor] = {}  # weights fetched once for the whole step (a loop body's)
-        self.grads: dict[int, list[torch.Tensor | None]] = {}  # stage -> gradient summed over its positions so far
+        self.grads: dict[int, GradientSum] = {}  # stage -> gradient summed over its positions so far
         # NOTE [Buffers] in executor.py: stage -> its buffers as this step's real forwards left them,
         # and (position, micro-batch) -> the buffers its real forward started from (for its reruns)
         self.buffers: dict[int, Buffers] = {}
@@ -124,11 +124,10 @@ class PlanRun:
         entries are touched, so a unit of many stages costs each position its own parameters."""
         acc = self.grads.get(stage)
         if acc is None:
-            self.grads[stage] = acc = [None] * size
+            self.grads[stage] = acc = GradientSum(size)
         for k, g in zip(indices, grads):
-            if g is not None:
-                acc[k] = g if acc[k] is None else acc[k].add_(g)
-        return acc
+            acc.add(k, g)
+        return acc.values
 
     def _account(self) -> None:
         live = self._kept_bytes + self._arriving_bytes
@@ -137,9 +136,33 @@ class PlanRun:
         self.peak_bytes = max(self.peak_bytes, live)
 
 
-def add_into(acc: list[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
-    """``acc[k] += grads[k]`` in place where both exist (the first gradient of a slot is taken as it
-    is), as accumulation into ``.grad`` would."""
-    for k, g in enumerate(grads):
-        if g is not None:
-            acc[k] = g if acc[k] is None else acc[k].add_(g)
+class GradientSum:
+    """Gradients summed slot by slot, as accumulation into ``.grad`` sums them. The first gradient
+    of a slot is kept as autograd returned it, and the second is added *out of place*: autograd
+    may return one tensor for several uses (in ``x + w`` with ``w`` of ``x``'s shape, the gradient
+    of ``w`` is the very tensor passed down as ``x``'s), so adding into it would change a gradient
+    still to be used. The sum is then this object's own tensor, and later gradients are added to it
+    in place (torch's AccumulateGrad likewise copies a gradient it does not own)."""
+
+    __slots__ = ("values", "_owned")
+
+    def __init__(self, size: int) -> None:
+        self.values: list[torch.Tensor | None] = [None] * size
+        self._owned = [False] * size
+
+    def add(self, k: int, g: torch.Tensor | None) -> None:
+        if g is None:
+            return
+        acc = self.values[k]
+        if acc is None:
+            self.values[k] = g
+        elif self._owned[k]:
+            acc.add_(g)
+        else:
+            self.values[k] = acc + g
+            self._owned[k] = True
+
+    def add_all(self, grads: Sequence[torch.Tensor | None]) -> None:
+        """Add ``grads[k]`` to slot k for every k."""
+        for k, g in enumerate(grads):
+            self.add(k, g)

@@ -174,3 +174,16 @@ def test_a_gradient_that_no_scale_makes_finite_is_refused_by_name(client: Client
             trainer.step(*models.batch("mixed", 0), _loss)
     finally:
         trainer.close()
+
+
+def test_unscaled_leaves_the_gradients_it_was_given_as_they_were() -> None:
+    """A parameter's gradient may be the tensor passed down as its stage input's gradient (``x + w``),
+    which must stay scaled: the unscaled copy is a new tensor, also for an fp32 gradient (defect
+    seen: it was divided in place)."""
+    g32 = torch.full((3,), 8.0)
+    g16 = torch.full((3,), 8.0, dtype=torch.float16)
+    out = unscaled([g32, None, g16], 4.0)
+    assert out[1] is None
+    assert out[0] is not g32 and out[0].dtype == torch.float32 and torch.equal(out[0], torch.full((3,), 2.0))
+    assert torch.equal(out[2], torch.full((3,), 2.0))
+    assert torch.equal(g32, torch.full((3,), 8.0)) and torch.equal(g16, torch.full((3,), 8.0, dtype=torch.float16))
