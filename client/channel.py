@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 import zmq
 
-from wstream.protocol import AuthError, ServerUnavailable, decode_reply, encode, error_from_code
+from wstream.protocol import AuthError, ServerUnavailable, WaitTimeoutError, decode_reply, encode, error_from_code
 from wstream.protocol import messages as m
 from wstream.protocol.auth import SessionSigner, admin_proof, attach_proof, secret_key, session_key
 from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY, ClientKeys, KeySource, client_keys, uses_curve
@@ -141,14 +141,20 @@ class Channel:
         """The next reply (errors included, not raised). Honours ``stop`` between poll slices."""
         self._check()
         limit = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic() + limit
+        got = self._next(time.monotonic() + limit, stop)
+        if got is None:
+            self._broken = no_answer(self.address, limit, self.curve)
+            raise ServerUnavailable(self._broken)
+        return got
+
+    def _next(self, deadline: float, stop: threading.Event | None) -> tuple[m.Message, list[zmq.Frame]] | None:
+        """The next reply, or None when none came before ``deadline``."""
         while True:
             if stop is not None and stop.is_set():
                 raise InterruptedError("channel wait interrupted by shutdown")
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
-                self._broken = no_answer(self.address, limit, self.curve)
-                raise ServerUnavailable(self._broken)
+                return None
             if self._sock.poll(min(remaining_ms, _POLL_SLICE_MS), zmq.POLLIN):
                 frames = self._sock.recv_multipart(copy=False)
                 return decode_reply(frames[0].buffer), frames[1:]
@@ -161,15 +167,38 @@ class Channel:
         *,
         timeout_s: float | None = None,
         stop: threading.Event | None = None,
+        held: bool = False,
     ) -> tuple[R, list[zmq.Frame]]:
-        """Send ``msg`` and wait for its reply; a server error reply raises its exception class."""
+        """Send ``msg`` and wait for its reply; a server error reply raises its exception class.
+
+        ``held``: a request the server holds until something happens (``await_step``, ``save``,
+        ``seal``), whose ``timeout_s`` may pass while the server is well. Then a ``status`` request
+        tells the two apart: answered, the wait raises :class:`WaitTimeoutError` and the connection
+        stays usable (the held request's reply, should it come later, is dropped as late); not
+        answered within the ordinary timeout, :class:`ServerUnavailable` as for any request."""
         rid = self.send(msg, frames)
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        probe: int | None = None
         while True:
-            reply, data = self.recv(timeout_s=timeout_s, stop=stop)
-            if reply.id != rid:
-                log.debug("dropping a late reply %s to request %d", type(reply).__name__, reply.id)
-                continue
-            return raise_or_narrow(reply, reply_type), data
+            got = self._next(deadline, stop)
+            if got is None:
+                if held and probe is None:
+                    probe = self.send(m.Status())
+                    deadline = time.monotonic() + self.timeout_s
+                    continue
+                self._broken = no_answer(self.address, limit if probe is None else self.timeout_s, self.curve)
+                raise ServerUnavailable(self._broken)
+            reply, data = got
+            if reply.id == rid:
+                return raise_or_narrow(reply, reply_type), data
+            if probe is not None and reply.id == probe:
+                raise WaitTimeoutError(
+                    f"{type(msg).__struct_config__.tag} was not answered within {limit:.3g} s; the server is up "
+                    "(it answered a status request) and still holds the request: what it waits for has not "
+                    "happened yet (wait longer with a larger timeout)"
+                )
+            log.debug("dropping a late reply %s to request %d", type(reply).__name__, reply.id)
 
 
 def no_answer(address: str, limit: float, curve: ClientKeys | None) -> str:

@@ -277,7 +277,7 @@ class Client:
                     add(unit, unit_flat, range(first, first + cutter.counts[added]))
                 units = cutter.counts
             groups.check_all_used()
-            sealed, _ = self._chan.request(m.Seal(session=session, units=units), m.Attached, timeout_s=self.wait_timeout_s)
+            sealed, _ = self._chan.request(m.Seal(session=session, units=units), m.Attached, timeout_s=self.wait_timeout_s, held=True)
         except BaseException:
             try:  # leave nothing half-made on the server
                 self._chan.request(m.DropJob(session=session), m.Ok, timeout_s=5.0)
@@ -379,7 +379,7 @@ class Client:
         if self._admin_secret() is None:
             return self.attach_job(name, token=self._job_token(token)).save(timeout=timeout)
         reply = self._admin_request(
-            lambda sid: m.Save(session=sid, job=name), m.Saved, timeout_s=timeout or self.wait_timeout_s
+            lambda sid: m.Save(session=sid, job=name), m.Saved, timeout_s=timeout or self.wait_timeout_s, held=True
         )
         return reply.step, reply.path
 
@@ -390,7 +390,7 @@ class Client:
             return self.attach_job(name, token=self._job_token(token)).wait_step(step, timeout=timeout)
 
         def reached(t: int, left: float) -> int:
-            return self._admin_request(lambda sid: m.AwaitStep(session=sid, job=name, step=t), m.StepReached, timeout_s=left).step
+            return self._admin_request(lambda sid: m.AwaitStep(session=sid, job=name, step=t), m.StepReached, timeout_s=left, held=True).step
 
         return wait_for_step(reached, step, timeout or self.wait_timeout_s)
 

@@ -177,7 +177,7 @@ class Job:
         ``timeout``: seconds for the whole wait (default: the client's ``wait_timeout``)."""
 
         def reached(t: int, left: float) -> int:
-            reply, _ = self.client._chan.request(m.AwaitStep(session=self.session, step=t), m.StepReached, timeout_s=left)
+            reply, _ = self.client._chan.request(m.AwaitStep(session=self.session, step=t), m.StepReached, timeout_s=left, held=True)
             return reply.step
 
         return wait_for_step(reached, step, timeout or self.client.wait_timeout_s)
@@ -188,7 +188,7 @@ class Job:
         The snapshot is of the job's next consistent step (at once when no step is under way). A
         server with an admin secret refuses this: use ``Client.save_job`` with ``admin_secret``."""
         reply, _ = self.client._chan.request(
-            m.Save(session=self.session), m.Saved, timeout_s=timeout or self.client.wait_timeout_s
+            m.Save(session=self.session), m.Saved, timeout_s=timeout or self.client.wait_timeout_s, held=True
         )
         return reply.step, reply.path
 

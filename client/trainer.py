@@ -218,7 +218,7 @@ class Trainer:
         conn = self.connection
         reply, _ = conn.chan.request(
             m.AwaitStep(session=conn.session, step=self._step), m.StepReached,
-            timeout_s=conn.endpoint.wait_timeout_s if timeout is None else timeout,
+            timeout_s=conn.endpoint.wait_timeout_s if timeout is None else timeout, held=True,
         )
         return reply.step
 

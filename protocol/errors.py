@@ -108,7 +108,9 @@ class ServerUnavailable(WstreamError):
 
 class WaitTimeoutError(WstreamError):
     """A wait on other workers (their gradients, their joining) outlasted the client's
-    ``wait_timeout``; the message says what the job waited for. The server did answer."""
+    ``wait_timeout``, or a request the server holds (``await_step``, ``save``, ``seal``) its
+    timeout; the message says what the job waited for. The server did answer, and the connection
+    stays usable."""
 
     code = ErrorCode.WAIT_TIMEOUT
 

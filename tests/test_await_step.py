@@ -22,7 +22,7 @@ from torch import nn
 
 from conftest import ADMIN_SECRET
 from test_drop import OPTIMIZER, Scene, commit_with_updates_held, push_all, victim_model
-from wstream.client import AdamW, Client
+from wstream.client import AdamW, Client, WaitTimeoutError
 from wstream.protocol import messages as m
 from wstream.server.inprocess import InProcessServer
 from wstream.server.metrics import ServerCollector
@@ -166,3 +166,19 @@ def test_metrics_count_the_waiting_await_steps_and_held_commits(held: Scene) -> 
     held.wire.collect(lambda: all(w in held.wire.replies for w in waiting))
     assert gauges() == {"wstream_job_waiting_steps": 0, "wstream_job_held_commits": 1}
     assert commit_next not in held.wire.replies
+
+
+def test_a_wait_that_outlasts_its_timeout_says_so_and_leaves_the_connection_usable(client: Client) -> None:
+    """A held request whose timeout passes while the server is well is a slow wait, not a dead
+    server: :class:`WaitTimeoutError`, and the same client goes on (defect seen: the wait read as
+    "did not answer ... this connection is closed", and every later request failed at once)."""
+    stages = [nn.Linear(4, 4)]
+    job = client.create_job("slow-wait", stages, optimizer=AdamW(lr=1e-3), token="t")
+    with job.trainer() as trainer:
+        trainer.step(torch.randn(2, 4), torch.randn(2, 4), nn.functional.mse_loss)
+        with pytest.raises(WaitTimeoutError, match=r"await_step was not answered within 0\.\d+ s; the server is up"):
+            job.wait_step(2, timeout=0.2)  # step 2 is never trained while nobody steps
+        assert trainer.wait_updates() == 1  # the held request's late answer, should it come, is not taken for this one
+        trainer.step(torch.randn(2, 4), torch.randn(2, 4), nn.functional.mse_loss)
+        assert job.wait_step(2, timeout=30) == 2
+    assert client.status().jobs and set(job.state_dict()) == {"0.weight", "0.bias"}
