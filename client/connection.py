@@ -69,12 +69,23 @@ class WorkerConnection:
         self.worker_id = -1  # not joined yet
         self.chan = endpoint.channel()
         try:
+            self._connect_or_undo()
+        except BaseException:
+            self.chan.close()
+            raise
+
+    def _connect_or_undo(self) -> None:
+        """:meth:`_connect`; when it fails after joining, leave again (a worker the others would wait
+        for until its lease ends), forget the worker and unregister what it page-locked."""
+        self.worker_id = -1
+        try:
             self._connect()
         except BaseException:
-            if self.worker_id >= 0:  # joined already: don't leave a worker others wait for
+            if self.worker_id >= 0:
+                self._forget_joined()
                 with contextlib.suppress(WstreamError):
                     self.chan.request(m.Leave(session=self.session), m.Ok, timeout_s=5.0)
-            self.chan.close()
+            self.release_host_memory()
             raise
 
     def _connect(self) -> None:
@@ -254,7 +265,7 @@ class WorkerConnection:
         while True:
             self.chan = ep.channel(timeout_s=min(ep.timeout_s, 5.0))
             try:
-                self._connect()
+                self._connect_or_undo()
                 break
             except (ServerUnavailable, SessionExpiredError) as exc:
                 self.chan.close()

@@ -319,8 +319,8 @@ class Trainer:
         self._check_open()
         runners = self.executor.runners
         modes = [r.skeleton.training for r in runners]
-        self.connection.prefetcher.start(self._step, self.executor.stages_of(list(range(len(runners)))))
         current = as_boundary(place(inputs, self.device, self.compute_dtype))  # as step() places them
+        self.connection.prefetcher.start(self._step, self.executor.stages_of(list(range(len(runners)))))
         out: Any = None
         try:
             for r in runners:
@@ -358,12 +358,14 @@ class Trainer:
         if pusher.uncommitted():  # a step left half-way: the server discards it when this worker leaves
             log.warning("closing with gradients of a step that was never committed: the server discards that step")
             pusher.forget_outstanding()
-        else:
-            try:
-                pusher.drain()  # a delayed-update job's last gradients
-            except WstreamError as exc:
-                log.warning("the last gradients were not acknowledged: %s", exc)
-        self._shut_down()
+            self._shut_down()
+            return
+        try:
+            pusher.drain()  # a delayed-update job's last gradients
+        except WstreamError as exc:
+            log.warning("the last gradients were not acknowledged: %s", exc)
+        finally:  # also on Ctrl-C or another error in the drain: leave, and stop the heartbeat
+            self._shut_down()
 
     def __enter__(self) -> Trainer:
         return self

@@ -111,3 +111,41 @@ def test_status_says_what_each_job_waits_for(server) -> None:
 def job_info(client: Client, name: str):
     (info,) = [j for j in client.status().jobs if j.name == name]
     return info
+
+
+def test_a_trainer_that_fails_after_joining_leaves_no_worker_behind(server, caplog: pytest.LogCaptureFixture) -> None:
+    """A trainer that fails after its ``join`` (here a weight budget below two stages) leaves the
+    job again and is forgotten here (defect seen: the next trainer was told the job "already has a
+    trainer in this process", and the server kept a worker that a world-size-2 step would wait for)."""
+    x, y = data()
+    with Client(server.address, timeout=30, **WAIT) as client:
+        job = client.create_job("failed-join", model(), token="t", optimizer=AdamW(lr=1e-2))
+        with pytest.raises(ValueError, match="weight_budget"):
+            job.trainer(weight_budget=8, zero_copy=False)
+        line = next(j for j in client.status().jobs if j.name == "failed-join")
+        assert line.workers == [], line
+        with caplog.at_level(logging.WARNING, logger="wstream.client"):
+            with job.trainer() as trainer:
+                trainer.step(x, y, nn.functional.mse_loss)
+        assert not [s for s in messages(caplog, logging.WARNING) if "already has a trainer" in s]
+
+
+def test_close_leaves_the_job_even_when_the_last_drain_is_interrupted(server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ctrl-C (or any error) while ``close`` drains the last gradients still leaves the job and
+    stops the heartbeat (defect seen: the worker stayed, renewing its lease, and the other
+    workers' steps waited for it)."""
+    x, y = data()
+    with Client(server.address, timeout=30, **WAIT) as client:
+        job = client.create_job("interrupted-close", model(), token="t", optimizer=AdamW(lr=1e-2))
+        trainer = job.trainer()
+        trainer.step(x, y, nn.functional.mse_loss)
+
+        def interrupted() -> None:
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as patch, pytest.raises(KeyboardInterrupt):
+            patch.setattr(trainer.connection.pusher, "drain", interrupted)
+            trainer.close()
+        assert trainer.connection.closed and not trainer.connection.heartbeat._thread.is_alive()
+        line = next(j for j in client.status().jobs if j.name == "interrupted-close")
+        assert line.workers == [], line
