@@ -291,7 +291,8 @@ class Job:
         if w is None:
             return []
         log.info("job %r: worker %d detached (%s)", self.name, worker_id, reason)
-        out = self.step_commit.worker_left(worker_id, submit, end_session, reason)
+        out = self.versions.worker_left(worker_id, reason)
+        out += self.step_commit.worker_left(worker_id, submit, end_session, reason)
         self.worker_table.free(w)
         if self.worker_table.started and not self.worker_table.expected(self.open_step):
             ahead = [v.id for v in self.workers.values() if not v.reader and v.first_step > self.open_step]

@@ -45,7 +45,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
 
-from wstream.protocol import InternalError, NotReadyError, StaleStepError, StateError
+from wstream.protocol import InternalError, NotReadyError, SessionExpiredError, StaleStepError, StateError
 from wstream.protocol import messages as m
 
 from .counters import JobCounters, Timeline
@@ -123,6 +123,21 @@ class StageVersions:
             f"{st.what}: weights of step {t} were replaced (the stage is at step "
             f"{st.version}{', updating' if st.updating else ''})"
         )
+
+    def worker_left(self, worker_id: int, reason: str) -> list[Outgoing]:
+        """Answer the fetches of a worker that leaves which wait for their stage's update: its
+        session is gone, so they are answered now (``session_expired``), not when the update ends."""
+        out: list[Outgoing] = []
+        for st in self.job.stages:
+            mine = [d for d in st.waiting_fetch if d.worker is not None and d.worker.id == worker_id]
+            if not mine:
+                continue
+            st.waiting_fetch = [d for d in st.waiting_fetch if d.worker is None or d.worker.id != worker_id]
+            gone = SessionExpiredError(
+                f"job {self.job.name!r}: worker {worker_id} detached ({reason}) while its fetch of {st.what} waited for the update"
+            )
+            out += [Outgoing.error(d.identity, d.request_id, gone) for d in mine]
+        return out
 
     def read_version(self, step: int) -> int:
         """The weights version step ``step`` computes on (NOTE rule 5)."""

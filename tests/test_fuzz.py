@@ -47,7 +47,8 @@ The oracle, for every case:
 
 * an answer comes within ``DEADLINE_S``, except where the specification lets a request wait: a
   ``fetch`` by a joined worker of the step after the stage's current one, answered later with
-  ``weights`` of exactly that stage and step (as the stage's update ends); a ``commit`` by a joined
+  ``weights`` of exactly that stage and step (as the stage's update ends), or with
+  ``session_expired`` when the worker's session ends first; a ``commit`` by a joined
   worker of the open step or the next one, held until that step commits and answered with
   ``committed`` of that step, or with ``session_expired`` when the worker's session ends first (it
   leaves: the server must answer it then). The run ends by committing steps of the targets until
@@ -621,7 +622,7 @@ class Fuzzer:
         self.fuzz_job: FuzzJob | None = None
         self.waiting: dict[int, Waiting] = {}
         self.dropped_answers: list[Waiting] = []  # waiting requests answered unknown_job: their job must be gone
-        self.expired_answers: list[Waiting] = []  # held commits answered session_expired: their session must be gone
+        self.expired_answers: list[Waiting] = []  # waiting requests answered session_expired: their session must be gone
         self.spent: collections.deque[bytes] = collections.deque(maxlen=8)  # nonces used up
         self.replayable: collections.OrderedDict[bytes, tuple[bytes, list[bytes], str | None]] = collections.OrderedDict()
         self.next_reserved = RESERVED_IDS
@@ -1375,7 +1376,7 @@ class Fuzzer:
             assert self.targets[w.target].gen != w.gen, f"a waiting {w.kind} got unknown_job, its job is alive: {w.case}"
         self.dropped_answers.clear()
         for w in self.expired_answers:  # answered session_expired: their worker's session must be gone now
-            assert w.session not in self.live(), f"a held commit got session_expired, its session is alive: {w.case}"
+            assert w.session not in self.live(), f"{w} got session_expired, its session is alive: {w.case}"
         self.expired_answers.clear()
         self.check_creation_timeout()
 
@@ -1440,9 +1441,10 @@ class Fuzzer:
             self.dropped_answers.append(w)  # checked once the case that dropped the job is done
             self.outcomes["dropped with their job"] += 1
             return
-        if w.kind in ("commit", "push", "early") and error == SESSION_EXPIRED:
+        if w.kind in ("fetch", "commit", "push", "early") and error == SESSION_EXPIRED:  # answered as its worker left
             self.expired_answers.append(w)  # checked once the case that ended the session is done
-            self.outcomes[{"commit": "commits", "push": "held pushes", "early": "held-back pushes"}[w.kind] + " ended with their session"] += 1
+            what_ended = {"fetch": "waiting fetches", "commit": "commits", "push": "held pushes", "early": "held-back pushes"}
+            self.outcomes[what_ended[w.kind] + " ended with their session"] += 1
             return
         if w.kind == "early" and error is not None:  # taken when its stage got there, and refused then
             assert error in WIRE_CODES - DECODE_CODES and reply.get("message"), f"{what} got {reply!r}: {w.case}"

@@ -13,7 +13,7 @@ import zmq
 
 import models
 from conftest import ServerThread, run_workers
-from test_drop import Scene, push
+from test_drop import Scene, commit_with_updates_held, push
 from test_equivalence import assert_weights_equal
 from test_recipe import ADAMW, CLIP, STEPS, cosine_factor, reference
 from wstream.client import Client
@@ -252,3 +252,28 @@ def test_a_held_push_is_answered_when_its_worker_left_after_the_commit(held: Sce
     (reply,) = held.wire.replies[kept]
     assert isinstance(reply, m.Pushed) and (reply.stage, reply.step) == (0, 0), reply
     assert job.wait_step(1) == 1
+
+
+def test_a_deferred_fetch_is_answered_when_its_worker_leaves(held: Scene) -> None:
+    """A fetch of step 1 waits for its stage's update of step 0. Its worker leaves meanwhile: the
+    fetch is answered then (``session_expired``), once, and the update, released later, answers
+    nothing more (defect seen: it stayed queued, unanswered, until the stage reached the step, and
+    was then answered to a session that was gone)."""
+    job = held.victim()
+    a, sign_a = held.worker(job)
+    commit_with_updates_held(held, a, sign_a, job)
+    waiting = held.wire.send(m.Fetch(session=a.session, stage=1, step=1), signer=sign_a)
+    barrier = held.wire.send(m.Status())
+    held.wire.collect(lambda: barrier in held.wire.replies)
+    assert waiting not in held.wire.replies, held.wire.replies[waiting]  # deferred: stage 1 is updating
+    left = held.wire.call(m.Leave(session=a.session), signer=sign_a)
+    assert isinstance(left, m.Ok), left
+    held.wire.collect(lambda: waiting in held.wire.replies)
+    (reply,) = held.wire.replies[waiting]
+    assert isinstance(reply, m.Error) and reply.code == "session_expired", reply
+    assert "detached" in reply.message and "stage 1" in reply.message, reply.message
+    held.update.release()
+    assert job.wait_step(1) == 1
+    barrier = held.wire.send(m.Status())
+    held.wire.collect(lambda: barrier in held.wire.replies)
+    assert len(held.wire.replies[waiting]) == 1, held.wire.replies[waiting]
