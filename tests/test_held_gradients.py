@@ -277,3 +277,40 @@ def test_a_deferred_fetch_is_answered_when_its_worker_leaves(held: Scene) -> Non
     barrier = held.wire.send(m.Status())
     held.wire.collect(lambda: barrier in held.wire.replies)
     assert len(held.wire.replies[waiting]) == 1, held.wire.replies[waiting]
+
+
+@pytest.mark.parametrize("with_norm", [True, False])
+def test_gradient_slots_hold_a_push_longer_than_its_stage(with_norm: bool) -> None:
+    """A stage whose parameters are not aligned (a raw client's spec may lay them back to back) has
+    a push layout longer than the stage itself: each trained parameter's gradient starts aligned.
+    The worker's slots must hold it (defect seen: slots of the stage's size, a held push's update
+    failed on a gradient cut short and the stage never reached step 1; without the norm the gather
+    answered ``internal``)."""
+    from wstream.protocol.layout import push_layout
+
+    spec = m.StageSpec(
+        name="s0", numel=3,
+        params=[m.ParamSpec("a", (1,), 0), m.ParamSpec("f", (1,), 1, 0, True), m.ParamSpec("c", (1,), 2)],
+    )
+    numel = push_layout(spec).numel
+    assert numel > spec.numel  # the case: the gradient of "c" starts aligned, past the stage's end
+    created = m.CreateJob(name="unaligned", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=AdamW(lr=1e-3)))
+    job = Job.create(created, MemoryAccount(2**30))
+    tasks: list[object] = []
+    try:
+        job.add_stage(m.AddStage(session=b"s" * 16, index=0, spec=spec), [zmq.Frame(torch.zeros(3).numpy().tobytes())])
+        job.seal()
+        w = job.join(b"w" * 16, m.Join(session=b"w" * 16, shm=True, grad_slots=2))
+        job.open_barrier(tasks.append)
+        assert all(s.numel() >= numel for s in w.slots)
+        w.slots[0][:numel].copy_(torch.arange(numel, dtype=torch.float32))
+        sumsq = squared_norm(w.slots[0][:numel]) if with_norm else None
+        out = job.push(m.Push(session=w.session, stage=0, step=0, slot=0, numel=numel, sumsq=sumsq), [], b"id", w, tasks.append)
+        out += finish(job, tasks)
+        committed = job.commit(m.Commit(session=w.session, step=0), b"c-id", w)
+        assert committed is not None and isinstance(committed.message, m.Committed), committed
+        out += finish(job, tasks)
+        assert job.stages[0].failed is None and job.step == 1
+        assert not [r for r in out if isinstance(r.message, m.Error)], out  # type: ignore[attr-defined]
+    finally:
+        job.close()
