@@ -456,9 +456,9 @@ class StepCommit:
                     held_by.held.discard(st.held.push.slot)
                     held_by.busy.discard(st.held.push.slot)
                 st.held = None
-        for d, _ in self.waiting_commit:
-            out.append(Outgoing.error(d.identity, d.request_id, gone))
-        self.waiting_commit = []
+        ended = {leaver, *others}  # the other workers' commits wait on (a delayed job's of the step after)
+        out += [Outgoing.error(d.identity, d.request_id, gone) for d, wid in self.waiting_commit if wid in ended]
+        self.waiting_commit = [c for c in self.waiting_commit if c[1] not in ended]
         for wid in others:
             end_session(wid, f"step {t} discarded")
         return out

@@ -273,3 +273,28 @@ def test_an_error_the_prefetcher_hands_over_as_it_ends_is_raised_not_taken_for_a
     prefetcher._ready = LateQueue()  # type: ignore[assignment]
     with pytest.raises(InternalError, match="the update of stage 0 step 0 failed"):
         prefetcher.get(0)
+
+
+def test_a_discarded_step_leaves_the_held_commits_of_workers_it_does_not_end(held: Scene) -> None:
+    """A delayed job's worker B joined for step 1, pushed all of it (held back, rule 6) and sent
+    ``commit(1)``. Worker A leaves having pushed part of step 0: step 0 is discarded and the sessions
+    of its other contributors end (none here). B's session lives on and its step 1 can still
+    commit, so its commit stays waiting (defect seen: answered ``session_expired``, "attach again
+    and train step 0", with B's session alive and its pushes still held)."""
+    job = held.victim(delayed_update=True)
+    a, sign_a = held.worker(job)
+    d, sign_d = held.worker(job)
+    push(held, a, sign_a, job, 2, 0)  # parked: d's gradient of stage 2 is still to come
+    b, sign_b = held.worker(job)
+    assert b.connection.joined_step == 1
+    early = [
+        held.wire.send(m.Push(session=b.session, stage=s, step=1, slot=k, numel=job.specs[s].numel), signer=sign_b)
+        for k, s in enumerate((2, 1))
+    ]
+    waiting = held.wire.send(m.Commit(session=b.session, step=1), signer=sign_b)
+    left = held.wire.call(m.Leave(session=a.session), signer=sign_a)
+    assert isinstance(left, m.Ok), left
+    alive = held.wire.call(m.Heartbeat(session=b.session), signer=sign_b)  # answered after anything the leave sent
+    assert isinstance(alive, m.Ok), alive
+    assert waiting not in held.wire.replies, held.wire.replies[waiting]
+    assert not any(rid in held.wire.replies for rid in early), [held.wire.replies.get(rid) for rid in early]
