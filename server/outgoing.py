@@ -49,12 +49,13 @@ class Outbox:
         self.errors = errors
 
     def send(self, out: Outgoing) -> None:
+        if isinstance(out.message, m.Error):  # also those the jobs' parts build (discards, failed updates, ...)
+            self.errors[out.message.code] += 1
         self._send(out)
 
     def send_all(self, outs: Iterable[Outgoing]) -> None:
         for out in outs:
-            self._send(out)
+            self.send(out)
 
     def error(self, identity: bytes, request_id: int, exc: WstreamError) -> None:
-        self.errors[exc.code.value] += 1
-        self._send(Outgoing(identity, m.Error(id=request_id, code=exc.code.value, message=exc.message)))
+        self.send(Outgoing(identity, m.Error(id=request_id, code=exc.code.value, message=exc.message)))

@@ -16,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import models
 from conftest import ServerProcess, run_workers, start_server
 from wstream.client import AdamW, Client
+from wstream.protocol import messages as m
 from wstream.server.metrics import HELP, Histogram, StepRate
 
 STEPS = 3  # per subprocess worker
@@ -171,3 +172,22 @@ def test_step_rate_counts_the_last_window_only() -> None:
     assert r.rate(200.0) == 0.0  # nothing in the last 30 s
     r.add(3, 200.2)
     assert r.rate(200.5) == pytest.approx(3 / 30)
+
+
+def test_every_error_reply_is_counted_also_those_the_jobs_build() -> None:
+    """``wstream_request_errors_total`` counts the errors a job's parts answer with (a discarded
+    step, a failed update, a worker gone) as well as those a handler raises (defect seen: only the
+    latter were counted)."""
+    from collections import Counter
+
+    from wstream.protocol import SessionExpiredError, StaleStepError
+    from wstream.server.outgoing import Outbox, Outgoing
+
+    sent: list[Outgoing] = []
+    errors: Counter[str] = Counter()
+    outbox = Outbox(sent.append, errors)
+    outbox.error(b"a", 1, StaleStepError("raised by a handler"))
+    outbox.send_all([Outgoing.error(b"b", 2, SessionExpiredError("built by a job")), Outgoing(b"c", m.Ok(id=3))])
+    outbox.send(Outgoing.error(b"d", 4, RuntimeError("a pool task's failure")))
+    assert len(sent) == 4
+    assert errors == Counter({"stale_step": 1, "session_expired": 1, "internal": 1})
