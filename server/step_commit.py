@@ -260,7 +260,28 @@ class StepCommit:
         if isinstance(task, GatherTask):
             return self._finish_gather(task, error, submit)
         task.stage.gathering -= 1  # a NormTask
+        if error is not None:
+            return self._norm_failed(task.stage, error)
         return self.check_complete([task.stage], submit)
+
+    def _norm_failed(self, st: StageState, error: BaseException) -> list[Outgoing]:
+        """A stage's norm task failed (a bug): the open step can never commit. The stage fails as a
+        failed update fails it, and who waits for the step is told: the held commits, the
+        ``await_step`` requests past the stage's version, its held push."""
+        log.error("job %r stage %d: the gradient norm of step %d failed: %r", self.job.name, st.index, self.open_step, error)
+        st.failed = f"the gradient norm of {st.what} step {self.open_step} failed: {error!r} (a bug in wstream)"
+        failed = InternalError(st.failed)
+        out = [Outgoing.error(d.identity, d.request_id, failed) for d, _ in self.waiting_commit]
+        self.waiting_commit = []
+        out += self.versions.refuse_steps(st.version, failed)
+        h, st.held = st.held, None
+        if h is not None:
+            w = self.job.workers.get(h.worker)
+            if w is not None:
+                w.held.discard(h.push.slot)
+                w.busy.discard(h.push.slot)
+            out.append(Outgoing.error(h.push.identity, h.push.request_id, failed))
+        return out
 
     def _finish_gather(self, task: GatherTask, error: BaseException | None, submit: Submit) -> list[Outgoing]:
         st = task.stage

@@ -314,3 +314,49 @@ def test_gradient_slots_hold_a_push_longer_than_its_stage(with_norm: bool) -> No
         assert not [r for r in out if isinstance(r.message, m.Error)], out  # type: ignore[attr-defined]
     finally:
         job.close()
+
+
+def test_a_failed_norm_answers_the_commit_instead_of_running_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A norm task (the last expected gradient came in without a task knowing it was the last: the
+    other worker left having pushed nothing) that fails, a bug, fails the stage as a failed update
+    does and answers the held commit ``internal`` (defect seen: the task was queued again and again
+    and the commit never answered)."""
+    import wstream.server.pool_tasks as pool_tasks
+
+    created = m.CreateJob(name="norm", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=AdamW(lr=1e-3)))
+    job = Job.create(created, MemoryAccount(2**30))
+    tasks: list[object] = []
+    try:
+        spec = build_stage_spec("0", [("w", (10,))])
+        job.add_stage(m.AddStage(session=b"s" * 16, index=0, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
+        job.seal()
+        a = job.join(b"a" * 16, m.Join(session=b"a" * 16, shm=True, world_size=2))
+        numel = job.stages[0].grad.numel()  # type: ignore[union-attr]
+        out = job.push(m.Push(session=a.session, stage=0, step=0, slot=0, numel=numel), [], b"a-push", a, tasks.append)
+        out += finish(job, tasks)  # gathered before the barrier opened: no norm (two gradients expected)
+        assert job.commit(m.Commit(session=a.session, step=0), b"a-commit", a) is None  # held
+        b = job.join(b"b" * 16, m.Join(session=b"b" * 16, shm=True, world_size=2))
+        out += job.open_barrier(tasks.append)
+
+        def injected(_: torch.Tensor) -> float:
+            raise MemoryError("injected")
+
+        monkeypatch.setattr(pool_tasks, "squared_norm", injected)
+        out += job.remove_worker(b.id, tasks.append, lambda wid, why: None, "left")
+        for _ in range(5):  # a norm task, then nothing more
+            if not tasks:
+                break
+            t = tasks.pop(0)
+            try:
+                t.run()  # type: ignore[attr-defined]
+                err = None
+            except BaseException as exc:
+                err = exc
+            out += job.finish_task(t, err, tasks.append)  # type: ignore[arg-type]
+        assert tasks == []
+        (answer,) = [r for r in out if r.identity == b"a-commit"]  # type: ignore[attr-defined]
+        assert isinstance(answer.message, m.Error) and answer.message.code == "internal", answer  # type: ignore[attr-defined]
+        assert "norm" in answer.message.message and "injected" in answer.message.message  # type: ignore[attr-defined]
+        assert job.stages[0].failed is not None
+    finally:
+        job.close()
