@@ -219,9 +219,9 @@ class StageState:
         served["pull", "frames"] += snapshot.nbytes
         return Outgoing(identity, m.Master(id=request_id, stage=self.index, version=self.version), list(tensor_frames(snapshot)))
 
-    def accept_push(self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker) -> PendingPush:
-        """Check a worker's gradient for this stage (NOTE [The step commit point] in step_commit.py),
-        copy it into its slot when it came in data frames, and record it as pending."""
+    def check_push(self, msg: m.Push, frames: list[Any], worker: Worker) -> None:
+        """The checks of a push that do not depend on where the stage is: who pushes, into which
+        slot, how much, in what (a delayed job's push that comes early is checked before it is held)."""
         where = f"gradient of {self.what} step {msg.step}"
         if worker.reader:
             raise GradientError(f"{where}: this worker joined as a reader, which never pushes")
@@ -231,19 +231,10 @@ class StageState:
             raise GradientError(
                 f"{where}: every parameter of this stage is frozen and it has no buffer; it has nothing to push"
             )
-        if msg.step != self.version or self.updating:
-            raise StaleStepError(
-                f"{where}: the stage is at step {self.version}{' and updating' if self.updating else ''}; "
-                f"only gradients for step {self.version} are accepted"
-            )
-        if worker.id in self.pending or worker.id in self.gathered:
-            raise GradientError(f"{where}: this worker already pushed it")
         if msg.slot >= len(worker.slots):
             raise GradientError(f"{where}: slot {msg.slot} does not exist (the ring has {len(worker.slots)})")
         if worker.slot_offsets and msg.slot != self.index:
             raise GradientError(f"{where}: slot {msg.slot} of a step ring, whose slot {self.index} is this stage's")
-        if msg.slot in worker.busy:
-            raise GradientError(f"{where}: slot {msg.slot} is still in use by an earlier push")
         numel = self.grad.numel()  # the push layout: frozen parameters have no gradient, buffers follow it
         if msg.numel != numel:
             raise GradientError(
@@ -257,11 +248,26 @@ class StageState:
             raise GradientError(f"{where}: a squared norm of {msg.sumsq} (it is never negative)")
         if worker.shm and frames:
             raise GradientError(f"{where}: a shared-memory worker sends no data frame (the slot holds it)")
+        if not worker.shm and frames_nbytes(frames) != numel * 4:
+            raise GradientError(f"{where}: data frames of {frames_nbytes(frames)} bytes, expected {numel * 4}")
+
+    def accept_push(self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker) -> PendingPush:
+        """Check a worker's gradient for this stage (NOTE [The step commit point] in step_commit.py),
+        copy it into its slot when it came in data frames, and record it as pending."""
+        self.check_push(msg, frames, worker)
+        where = f"gradient of {self.what} step {msg.step}"
+        if msg.step != self.version or self.updating:
+            raise StaleStepError(
+                f"{where}: the stage is at step {self.version}{' and updating' if self.updating else ''}; "
+                f"only gradients for step {self.version} are accepted"
+            )
+        if worker.id in self.pending or worker.id in self.gathered:
+            raise GradientError(f"{where}: this worker already pushed it")
+        if msg.slot in worker.busy:
+            raise GradientError(f"{where}: slot {msg.slot} is still in use by an earlier push")
         if not worker.shm:
-            got = frames_nbytes(frames)
-            if got != numel * 4:
-                raise GradientError(f"{where}: data frames of {got} bytes, expected {numel * 4}")
-            copy_frames_into(worker.slots[msg.slot][:numel], frames)
+            assert self.grad is not None  # (check_push)
+            copy_frames_into(worker.slots[msg.slot][: self.grad.numel()], frames)
         worker.busy.add(msg.slot)
         pending = self.pending[worker.id] = PendingPush(msg.slot, identity, msg.id)
         return pending

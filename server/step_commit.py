@@ -180,6 +180,7 @@ class StepCommit:
         if st.failed is not None:
             raise InternalError(st.failed)
         if self.job.options.delayed_update and st.version < msg.step <= self.open_step + 1:
+            st.check_push(msg, frames, worker)  # what can be told now is told now, not when the stage gets there
             if len(st.waiting_push) >= len(worker.slots) * max(1, len(self.job.workers)):
                 raise StateError(f"too many pushes held for {st.what}: wait for their replies")
             st.waiting_push.append(DeferredPush(msg, frames, identity, worker))  # NOTE rule 6

@@ -298,3 +298,32 @@ def test_a_discarded_step_leaves_the_held_commits_of_workers_it_does_not_end(hel
     assert isinstance(alive, m.Ok), alive
     assert waiting not in held.wire.replies, held.wire.replies[waiting]
     assert not any(rid in held.wire.replies for rid in early), [held.wire.replies.get(rid) for rid in early]
+
+
+def test_a_push_that_comes_early_is_checked_before_it_is_held() -> None:
+    """A delayed job holds a push of the step after the stage's (rule 6); what is wrong with it
+    whatever the stage's step (a reader pushing, a wrong size) is told at once (defect seen: a
+    reader's push was queued and refused as "too many pushes held for stage 0")."""
+    from wstream.protocol import GradientError
+    from wstream.protocol.layout import build_stage_spec
+    from wstream.server.job import Job
+    from wstream.server.memory import MemoryAccount
+    import zmq
+
+    options = m.JobOptions(optimizer=AdamW(lr=1e-3), delayed_update=True)
+    job = Job.create(m.CreateJob(name="early", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=options), MemoryAccount(2**30))
+    try:
+        spec = build_stage_spec("0", [("w", (10,))])
+        job.add_stage(m.AddStage(session=b"s" * 16, index=0, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
+        job.seal()
+        w = job.join(b"w" * 16, m.Join(session=b"w" * 16, shm=True))
+        r = job.join(b"r" * 16, m.Join(session=b"r" * 16, shm=True, reader=True))
+        job.open_barrier(lambda task: None)
+        numel = job.stages[0].grad.numel()  # type: ignore[union-attr]
+        with pytest.raises(GradientError, match="joined as a reader, which never pushes"):
+            job.push(m.Push(session=r.session, stage=0, step=1, slot=0, numel=numel), [], b"r-id", r, lambda task: None)
+        with pytest.raises(GradientError, match=f"{numel + 1} elements, its gradient has {numel}"):
+            job.push(m.Push(session=w.session, stage=0, step=1, slot=0, numel=numel + 1), [], b"w-id", w, lambda task: None)
+        assert job.stages[0].waiting_push == []
+    finally:
+        job.close()
