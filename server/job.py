@@ -260,9 +260,14 @@ class Job:
                 f"job {self.name!r} is a frozen base: nothing trains it; create a job on top of it "
                 "(create_job(..., base=...)) and train that"
             )
+        if not msg.reader and all(st.grad is None for st in self.stages):
+            raise StateError(
+                f"job {self.name!r} has nothing to train: every parameter of every stage is frozen and no stage has "
+                "a buffer, so no step would ever commit; join as a reader to read its weights"
+            )
         # a slot holds any stage's push: the stage's size, or its push layout where that is longer
         # (parameters laid out unaligned: each trained one's gradient starts aligned)
-        numel = max(self.published.max_stage_numel, *(st.grad.numel() for st in self.stages if st.grad is not None))
+        numel = max([self.published.max_stage_numel, *(st.grad.numel() for st in self.stages if st.grad is not None)])
         # NOTE [The step commit point] rule 5: the open step, unless part of it is gathered already
         joins_open = not self.worker_table.started or not self.contributors
         first_step = self.open_step if joins_open else self.open_step + 1

@@ -360,3 +360,23 @@ def test_a_failed_norm_answers_the_commit_instead_of_running_again(monkeypatch: 
         assert job.stages[0].failed is not None
     finally:
         job.close()
+
+
+def test_a_worker_of_a_job_with_nothing_to_push_is_refused_a_reader_is_not() -> None:
+    """Every parameter frozen and no buffer: no push would ever come, so no step would commit and a
+    worker's ``commit`` would wait for good (defect seen). Its join is refused, naming why; a reader
+    (weights only) may join."""
+    from wstream.protocol import StateError
+
+    created = m.CreateJob(name="frozen", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=AdamW(lr=1e-3)))
+    job = Job.create(created, MemoryAccount(2**30))
+    try:
+        spec = build_stage_spec("0", [("w", (4,), 0, True)])
+        job.add_stage(m.AddStage(session=b"s" * 16, index=0, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
+        job.seal()
+        with pytest.raises(StateError, match="'frozen' has nothing to train.*join as a reader"):
+            job.join(b"w" * 16, m.Join(session=b"w" * 16, shm=True))
+        reader = job.join(b"r" * 16, m.Join(session=b"r" * 16, shm=True, reader=True))
+        assert reader.reader
+    finally:
+        job.close()
