@@ -380,8 +380,12 @@ class Trainer:
 
     def _recovering(self, run: Callable[[], _T]) -> _T:
         """``run()`` a step (or the last flush); when the connection is lost reconnect, and retry the step if the job
-        is still at it, or raise :class:`Resynced` when it is at another step now."""
+        is still at it, or raise :class:`Resynced` when it is at another step now. A step tried again
+        starts from the RNG state its first try started from: its dropout masks are those of a run
+        that never lost its connection."""
         step = self._step
+        rng = self.executor.rng
+        start = rng.state()
         while True:
             try:
                 return run()
@@ -392,6 +396,7 @@ class Trainer:
                 self._step = self.connection.joined_step
             if self._step != step:
                 raise Resynced(step, self._step)
+            rng.set_state(start)
 
     def _new_run(self, inputs: Any, runner_at: Callable[[int], StageRunner], **kw: Any) -> PlanRun:
         conn, scaler = self.connection, self.executor.scaler
