@@ -13,7 +13,7 @@ import msgspec
 import torch
 import zmq
 
-from wstream.protocol import StageSpec, WstreamError
+from wstream.protocol import StageSpec, WaitTimeoutError, WstreamError
 from wstream.protocol import messages as m
 from wstream.protocol.frames import tensor_frames
 from wstream.protocol.layout import push_layout
@@ -186,7 +186,9 @@ class GradientPusher:
                 self._cond.wait(POLL_SLICE_S)
             try:
                 watch.tick()  # outside the lock: it may ask the server
-            except WstreamError as exc:  # every later wait fails with it too
+            except WaitTimeoutError:  # this wait's: a later one may find what it waits for
+                raise
+            except WstreamError as exc:  # the server did not answer: every later wait fails with it too
                 with self._cond:
                     self._error = exc
                 raise

@@ -149,3 +149,24 @@ def test_close_leaves_the_job_even_when_the_last_drain_is_interrupted(server, mo
         assert trainer.connection.closed and not trainer.connection.heartbeat._thread.is_alive()
         line = next(j for j in client.status().jobs if j.name == "interrupted-close")
         assert line.workers == [], line
+
+
+def test_a_wait_that_timed_out_does_not_fail_the_next_one(server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wait of the gradient sender that gave up (``WaitTimeoutError``, e.g. for a slot before the
+    step pushed anything, which leaves the trainer open) is that wait's outcome: the next wait
+    starts afresh (defect seen: the error was kept, and every later step failed with it at once)."""
+    from wstream.client.waiting import WaitWatch
+
+    with Client(server.address, timeout=30, **WAIT) as client:
+        job = client.create_job("timed-out-once", model(), token="t", optimizer=AdamW(lr=1e-2))
+        with job.trainer() as trainer:
+            pusher = trainer.connection.pusher
+
+            def gave_up(self: WaitWatch) -> None:
+                raise WaitTimeoutError(f"gave up waiting {self.what} (injected)")
+
+            with monkeypatch.context() as patch, pytest.raises(WaitTimeoutError, match="injected"):
+                patch.setattr(WaitWatch, "tick", gave_up)
+                pusher._wait_until(lambda: False, "wait test", "for nothing")
+            pusher._wait_until(lambda: True, "wait test", "for nothing")  # done: returns at once
+            trainer.step(*data(), nn.functional.mse_loss)
