@@ -99,7 +99,9 @@ class WorkerConnection:
         published = None
         if shm is not False:
             try:
-                published = map_segment(attached.published_path, attached.published_bytes)
+                # read-only where nothing page-locks it (a CPU worker computes on it in place: a write
+                # would change the weights every worker reads, past the commit point)
+                published = map_segment(attached.published_path, attached.published_bytes, writable=self.device.type == "cuda")
             except (FileNotFoundError, PermissionError, RuntimeError) as exc:
                 if shm:
                     raise StateError(
@@ -156,7 +158,9 @@ class WorkerConnection:
         self.compute_dtype = pub_dtype
         base_numels = [s.numel for s in attached.base_stages]
         base_published = (
-            map_segment(attached.base_path, attached.base_bytes) if published is not None and attached.options.base else None
+            map_segment(attached.base_path, attached.base_bytes, writable=self.device.type == "cuda")
+            if published is not None and attached.options.base
+            else None
         )
         if base_published is not None:
             self._register(base_published, f"job {ep.job!r} frozen base {attached.options.base!r}")

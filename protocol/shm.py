@@ -27,8 +27,10 @@ from __future__ import annotations
 import errno
 import functools
 import logging
+import mmap
 import os
 import secrets
+import warnings
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -225,12 +227,23 @@ def create_segment(nbytes: int, *, expected: int | None = None) -> str:
     return path
 
 
-def map_segment(path: str, nbytes: int) -> torch.Tensor:
-    """Map ``path`` shared, read-write, as a uint8 tensor that owns the mapping (whole huge pages
-    on hugetlbfs; the tensor is that long)."""
+def map_segment(path: str, nbytes: int, *, writable: bool = True) -> torch.Tensor:
+    """Map ``path`` shared as a uint8 tensor that owns the mapping (whole huge pages on hugetlbfs;
+    the tensor is that long). ``writable=False``: the pages are mapped read-only (``PROT_READ``), so
+    a write through the tensor faults instead of changing what every other reader sees."""
     import torch
 
-    return torch.from_file(path, shared=True, size=round_up(nbytes, page_size_of(path)), dtype=torch.uint8)
+    size = round_up(nbytes, page_size_of(path))
+    if writable:
+        return torch.from_file(path, shared=True, size=size, dtype=torch.uint8)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        mapping = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # torch warns that the buffer is not writable: that is the point
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(mapping, dtype=torch.uint8)  # (the tensor keeps the mapping alive)
 
 
 def unlink_segment(path: str) -> bool:

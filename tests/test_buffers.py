@@ -329,3 +329,19 @@ def test_a_layout_marks_buffers_and_pushes_them_after_the_gradient(client: Clien
     # a layout written before protocol 6 (five fields a parameter) still reads, without buffers
     old = msgspec.msgpack.encode({"name": "0", "numel": 16, "params": [["w", [4, 4], 0, 0, False]]})
     assert msgspec.msgpack.decode(old, type=m.StageSpec).params[0].buffer == ""
+
+
+def test_a_cpu_worker_maps_the_published_weights_read_only(client: Client) -> None:
+    """A CPU worker computes on the published weights in place (zero copy): its mapping is
+    read-only, so a stray in-place write faults in the worker instead of changing the weights every
+    worker reads, past the step commit point (defect seen: mapped read-write, a ``zero_()`` in a
+    worker zeroed the server's master)."""
+    job = client.create_job("read-only", [nn.Linear(4, 4), nn.Linear(4, 2)], optimizer=AdamW(lr=1e-3), token="t")
+    with job.trainer() as trainer:
+        published = trainer.connection.sc.published
+        assert published is not None and trainer.connection.zero_copy
+        start = published.data_ptr()
+        with open("/proc/self/maps") as maps:
+            perms = [line.split()[1] for line in maps if int(line.split("-")[0], 16) == start]
+        assert perms and perms[0].startswith("r-"), perms
+        trainer.step(torch.randn(3, 4), torch.randn(3, 2), nn.functional.mse_loss)
