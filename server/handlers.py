@@ -242,6 +242,14 @@ class Handlers:
         self.sessions.nonces.take(msg.nonce)
         if msg.name in self.jobs:  # before the admin check: create_job(exist_ok=True) attaches instead
             raise JobExistsError(f"a job named {msg.name!r} already exists on this server")
+        why = self.snapshots.unresumed.get(msg.name)
+        if why is not None:
+            assert self.snapshots.store is not None
+            raise JobExistsError(
+                f"job {msg.name!r} has snapshots in the store that were not resumed at start ({why}): a new job of "
+                f"that name would be mixed with them; restart the server once they can be resumed, or move "
+                f"{self.snapshots.store.job_dir(msg.name)} away and restart"
+            )
         if self.sessions.admin is not None:
             self.sessions.admin.check_create(msg.name, msg.nonce, msg.client_nonce, msg.admin_proof)
         base = self._base_for(msg)

@@ -42,6 +42,10 @@ class SnapshotScheduler:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wstream-snapshot")
         self.written: Mailbox[Written] = Mailbox()
         self._waiters: dict[str, list[Waiter]] = {}
+        self.unresumed: dict[str, str] = {}
+        """Jobs of the store not resumed at start, and why: their files stay in place (a restart that
+        can resume them will), so a new job of that name is refused (its snapshots would be mixed
+        with theirs, and the pruning of old ones would take the new job's)."""
 
     @property
     def enabled(self) -> bool:
@@ -76,8 +80,12 @@ class SnapshotScheduler:
             if record.options.base is not None and base is None:
                 raise UnknownJobError(f"its base {record.options.base!r} was not resumed")
             job = Job.restore(record, step, stages, memory, base=base)
-        except (SnapshotError, WstreamError) as exc:
-            log.error("job %r not resumed: %s (its files are left in place)", name, exc)
+        except (SnapshotError, WstreamError, OSError) as exc:  # OSError: e.g. /dev/shm has no room for it
+            log.error(
+                "job %r not resumed: %s (its files are left in place, and a new job of that name is refused "
+                "until a restart resumes it or they are moved away)", name, exc,
+            )
+            self.unresumed[name] = str(exc)
             return
         self.jobs[name] = job
         log.info(

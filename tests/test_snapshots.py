@@ -154,3 +154,44 @@ def test_a_dropped_job_stays_dropped_after_a_restart(tmp_path: Path) -> None:
         except UnknownJobError:
             pass
     assert srv.stop() == 0
+
+
+def test_a_job_not_resumed_keeps_its_snapshots_and_its_name(tmp_path: Path, monkeypatch) -> None:
+    """A job the server cannot resume at start (here its shared memory does not fit) leaves its
+    files in place, and the server starts and serves the other jobs (defect seen: the error, an
+    ``OSError``, stopped the whole server). A new job of that name is refused, naming why (defect
+    seen: it was created in the same directory and the pruning of old snapshots deleted the new
+    job's first one: it was gone after the next restart)."""
+    import pytest
+
+    from wstream.client import JobExistsError
+    from wstream.protocol.shm import SegmentSpaceError
+    from wstream.server.inprocess import InProcessServer
+    from wstream.server.job import Job
+
+    store = tmp_path / "store"
+    fields = dict(bind=[f"ipc://{tmp_path / 's.sock'}"], memory_limit=2**30, store=str(store), keep_snapshots=1)
+    srv = InProcessServer(**fields)
+    with Client(srv.address, timeout=30) as c:
+        for name in ("stuck", "fine"):
+            c.create_job(name, models.mixed(), optimizer=AdamW(lr=LR), token="t")
+        train(srv.address, "stuck", 2)
+    srv.stop()
+    kept = sorted(p.name for p in (store / "job-stuck").glob("step-*"))
+    restore = Job.restore.__func__  # type: ignore[attr-defined]
+
+    def no_room_for_stuck(cls: type[Job], record, *args, **kw):  # type: ignore[no-untyped-def]
+        if record.name == "stuck":
+            raise SegmentSpaceError(28, "/dev/shm full (injected)")
+        return restore(cls, record, *args, **kw)
+
+    monkeypatch.setattr(Job, "restore", classmethod(no_room_for_stuck))
+    srv = InProcessServer(**fields)
+    try:
+        with Client(srv.address, timeout=30) as c:
+            assert [j.name for j in c.status().jobs] == ["fine"]
+            with pytest.raises(JobExistsError, match=r"'stuck' has snapshots in the store that were not resumed.*/dev/shm full"):
+                c.create_job("stuck", models.mixed(), optimizer=AdamW(lr=LR), token="t2")
+        assert sorted(p.name for p in (store / "job-stuck").glob("step-*")) == kept
+    finally:
+        srv.stop()
