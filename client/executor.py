@@ -325,7 +325,11 @@ class PlanExecutor(StageBackward):
         [Taped forwards and early stop] in plans/taping.py; appended to ``run.tapes[i]``); returns
         its output, detached."""
         inputs = grad_inputs_of(lane, i, wanted=self._wants_input_grad(i))
-        record, out = taped_forward(runner, weights, inputs, lambda: self.rng.around(run.rng, i, j))
+        # the context the recomputation runs in lives in the graph ``run.tapes`` holds: it must not
+        # hold ``run`` (a cycle through autograd's nodes, which the collector cannot see, would keep
+        # a failed step's activations alive for good)
+        rng, states = self.rng, run.rng
+        record, out = taped_forward(runner, weights, inputs, lambda: rng.around(states, i, j))
         run.tapes.setdefault(i, []).append(record)
         return out
 

@@ -187,3 +187,30 @@ def test_hugging_faces_gradient_checkpointing_is_refused_at_creation(client: Cli
 
     with pytest.raises(LayoutError, match=r"stage 1: module '0' has gradient checkpointing on .*gradient_checkpointing_disable\(\)"):
         client.create_job("hf-gc", [nn.Linear(16, 16), stage], optimizer=AdamW(), token="t")
+
+
+def test_a_failed_step_with_taped_forwards_frees_what_it_held(client: Client) -> None:
+    """A step that fails between a taped forward and its backward (here its loss raises) leaves
+    nothing of its run alive once it is gone (defect seen: the RNG context of each taped forward
+    held the run, inside the graph the run held: a cycle through autograd's nodes that Python's
+    collector cannot see, so every failed step kept its activations for good)."""
+    import gc
+
+    from wstream.client.plan_run import PlanRun
+
+    def runs_alive() -> int:
+        gc.collect()
+        return sum(type(o) is PlanRun for o in gc.get_objects())
+
+    def failing_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("injected: the loss failed")
+
+    job = client.create_job("es-failed", models.mixed(), optimizer=AdamW(lr=1e-3), token="t")
+    with job.trainer(early_stop=True, schedule="store_all") as trainer:
+        assert all(trainer.executor.tapes)
+        before = runs_alive()
+        for _ in range(3):
+            with pytest.raises(RuntimeError, match="injected"):
+                trainer.step(*models.batch("mixed", 0), failing_loss)
+        assert runs_alive() == before, "the failed steps' runs are still alive"
+        trainer.step(*models.batch("mixed", 0), models.loss_fn)  # and the next step trains
