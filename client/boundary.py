@@ -19,6 +19,28 @@ def as_boundary(value: Any) -> Boundary:
     return value if isinstance(value, tuple) else (value,)
 
 
+def output_boundary(value: Any) -> Boundary:
+    """A stage's output as the next stage's positional arguments (:func:`as_boundary`), refused
+    when its tensors sit in a list, a dict or a nested tuple: gradients flow back through the
+    boundary's own tensors only, so the stages below would silently get no gradient."""
+    if isinstance(value, torch.Tensor):  # the common case, first
+        return (value,)
+    b = as_boundary(value)
+    for item in b:
+        if isinstance(item, (list, tuple, dict)) and _holds_tensors(item):
+            raise TypeError(
+                f"a stage returned {'a tuple holding ' if isinstance(value, tuple) else ''}a {type(item).__name__} of "
+                "tensors: wstream passes a tensor or a flat tuple of them from one stage to the next (the gradients "
+                "flow back through those only, so the stages below would get none); return a flat tuple"
+            )
+    return b
+
+
+def _holds_tensors(value: Any) -> bool:
+    items = value.values() if isinstance(value, dict) else value
+    return any(isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple, dict)) and _holds_tensors(v)) for v in items)
+
+
 def boundary_bytes(b: Boundary) -> int:
     if len(b) == 1:  # one tensor between stages, the common case: no generator per stage run
         t = b[0]

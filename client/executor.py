@@ -43,7 +43,7 @@ import torch
 from wstream.protocol.layout import push_layout
 
 from .backward import LossFn, StageBackward, grad_inputs_of
-from .boundary import Boundary, as_boundary, join_lanes, lanes_of
+from .boundary import Boundary, join_lanes, lanes_of, output_boundary
 from .distributed import AllReduceGradients, flat_spec
 from .loss_scale import LossScaler
 from .offload import HostMover
@@ -190,7 +190,7 @@ class PlanExecutor(StageBackward):
                         continue
                     buffers = self._buffers(run, runner, weights, i, j, real=first)
                     with torch.no_grad(), self.rng.around(run.rng, i, j):
-                        outs.append(as_boundary(runner(weights, lane, base, buffers)))
+                        outs.append(output_boundary(runner(weights, lane, base, buffers)))
             run.set_current(i + 1, join_lanes(outs))
         elif op == Op.SNAPSHOT:
             assert run.current is not None and run.current[0] == i
@@ -273,7 +273,7 @@ class PlanExecutor(StageBackward):
                 advanced.add(i)
                 weights, base = self.weights_of(runner.stage, held)
                 with around(states, i, 0):
-                    run.set_current(i + 1, as_boundary(runner(weights, run.current[1], base)))
+                    run.set_current(i + 1, output_boundary(runner(weights, run.current[1], base)))
                 a += 1
         return a
 
@@ -306,7 +306,7 @@ class PlanExecutor(StageBackward):
                 break
             advanced.add(i)
             weights, base = self.weights_of(runner.stage, held)
-            run.set_current(i + 1, as_boundary(runner(weights, run.current[1], base)))
+            run.set_current(i + 1, output_boundary(runner(weights, run.current[1], base)))
             positions.append(i)
             a += 1
         if rng.unmoved_since(before):

@@ -18,7 +18,7 @@ import torch
 
 from wstream.protocol import StateError
 
-from .boundary import Boundary, as_boundary, boundary_bytes
+from .boundary import Boundary, as_boundary, boundary_bytes, output_boundary
 from .device import synchronize
 from .backward import grad_inputs_of
 from .executor import PlanExecutor
@@ -137,7 +137,7 @@ def measure_profile(
                 t0 = time.perf_counter()
                 _to_device(current, torch.device("cpu"))
                 host_s += time.perf_counter() - t0
-                current = as_boundary(out)
+                current = output_boundary(out)
     except BaseException:
         executor.forget_resident()
         prefetcher.reset()

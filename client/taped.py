@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from .boundary import Boundary, as_boundary
+from .boundary import Boundary, output_boundary
 from .stages import StageRunner
 
 EARLY_STOP_MIN_NUMEL = 1 << 22
@@ -71,5 +71,5 @@ def taped_forward(
 
     with torch.enable_grad():
         out = checkpoint(run, *inputs, use_reentrant=False, preserve_rng_state=False, determinism_check="none")
-    following = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in as_boundary(out))
+    following = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in output_boundary(out))
     return TapedForward(out, list(leaves), inputs, bind), following

@@ -28,7 +28,7 @@ import torch
 from wstream.protocol import ServerUnavailable, SessionExpiredError, StateError, WstreamError
 from wstream.protocol import messages as m
 
-from .boundary import as_boundary, join_lanes, place, split_micro_batches
+from .boundary import as_boundary, join_lanes, output_boundary, place, split_micro_batches
 from .connection import WorkerConnection
 from .distributed import AllReduceGradients
 from .endpoint import WorkerEndpoint
@@ -328,7 +328,7 @@ class Trainer:
             for runner in runners:
                 with self.executor.stage_weights(runner.stage) as (weights, base), torch.no_grad():
                     out = runner(weights, current, base)
-                current = as_boundary(out)
+                current = output_boundary(out)
             self.executor.end_fetches()
         except BaseException:
             self.executor.forget_resident()

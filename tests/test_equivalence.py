@@ -119,3 +119,31 @@ def test_double_buffered_publication_matches_pytorch(client: Client) -> None:
             trainer.step(*models.batch("mixed", s), models.loss_fn)
     want = reference_train(start, lambda p: torch.optim.AdamW(p, lr=3e-3), "mixed", STEPS)
     assert_weights_equal(job.state_dict(), want, atol=1e-6)
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> list[torch.Tensor]:
+        h = self.l(x)
+        return [h, 2 * h]
+
+
+class _SumPair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.l = nn.Linear(4, 3)
+
+    def forward(self, hs: list[torch.Tensor]) -> torch.Tensor:
+        return self.l(hs[0] + hs[1])
+
+
+def test_a_stage_output_of_tensors_in_a_list_is_refused_not_left_untrained(client: Client) -> None:
+    """Gradients flow back through a boundary's own tensors: a stage that returns its tensors in a
+    list is refused, naming what to return (defect seen: the stages below it silently got no
+    gradient and never moved)."""
+    job = client.create_job("list-out", [_Pair(), _SumPair(), nn.Linear(3, 3)], optimizer=AdamW(lr=1e-2), token="t", unit_bytes=None)
+    with job.trainer() as trainer, pytest.raises(TypeError, match="a stage returned a list of tensors.*return a flat tuple"):
+        trainer.step(torch.randn(2, 4), torch.randn(2, 3), nn.functional.mse_loss)
