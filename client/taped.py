@@ -49,7 +49,7 @@ def tapes(runner: StageRunner, early_stop: bool | None) -> bool:
     train and run the lean way (no buffers, no frozen base) are."""
     if early_stop is False or not runner.simple or not runner.trains:
         return False
-    return early_stop is True or runner.spec.numel >= EARLY_STOP_MIN_NUMEL
+    return early_stop is True or runner.own_numel >= EARLY_STOP_MIN_NUMEL  # its own part of a unit
 
 
 def taped_forward(

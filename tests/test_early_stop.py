@@ -214,3 +214,19 @@ def test_a_failed_step_with_taped_forwards_frees_what_it_held(client: Client) ->
                 trainer.step(*models.batch("mixed", 0), failing_loss)
         assert runs_alive() == before, "the failed steps' runs are still alive"
         trainer.step(*models.batch("mixed", 0), models.loss_fn)  # and the next step trains
+
+
+def test_early_stop_by_default_reads_each_positions_own_size_not_its_units(client: Client) -> None:
+    """By default only stages of at least ``EARLY_STOP_MIN_NUMEL`` elements are taped; small stages
+    grouped into one large transfer unit stay untaped (defect seen: the unit's size was read, so
+    every small stage of a large unit was taped)."""
+    from wstream.client.taped import EARLY_STOP_MIN_NUMEL
+
+    width = 128
+    n = EARLY_STOP_MIN_NUMEL // (width * width + width) + 2  # a unit of them is above the threshold
+    torch.manual_seed(0)
+    stages = [nn.Linear(width, width) for _ in range(n)]
+    job = client.create_job("es-units", stages, optimizer=AdamW(lr=1e-3), token="t", unit_bytes=64 << 20)
+    with job.trainer() as trainer:
+        assert len(trainer.connection.sc.numels) < n  # grouped into units
+        assert not any(trainer.executor.tapes)
