@@ -116,7 +116,7 @@ class PlanExecutor(StageBackward):
         return out
 
     def weights_of(
-        self, stage: int, held: dict[int, torch.Tensor] | None = None
+        self, stage: int, held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Stage ``stage``'s weights and its frozen base's (if any), for the next compute: held
         for the whole step (a loop body, in ``held``), or the prefetcher's next fetch. A fetch
@@ -126,7 +126,7 @@ class PlanExecutor(StageBackward):
         After a compute that raises, the step's abort frees the buffer (the prefetcher's
         ``reset`` frees every buffer; :meth:`forget_resident`)."""
         if held is not None and stage in held:
-            return held[stage], None
+            return held[stage]
         resident = self._resident
         if resident is None or resident.stage != stage:
             prefetcher = self._streams.prefetcher
@@ -141,7 +141,7 @@ class PlanExecutor(StageBackward):
 
     @contextlib.contextmanager
     def stage_weights(
-        self, stage: int, held: dict[int, torch.Tensor] | None = None
+        self, stage: int, held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] | None = None
     ) -> Iterator[tuple[torch.Tensor, torch.Tensor | None]]:
         """:meth:`weights_of` as a block's context (the trainer's ``forward`` and the profile)."""
         yield self.weights_of(stage, held)

@@ -49,7 +49,7 @@ class PlanRun:
         self.targets = targets  # one per micro-batch
         self.last = last  # the position whose BACKWARD computes the loss
         self.runner_at = runner_at  # position -> its runner (a loop: the body, for any position)
-        self.held: dict[int, torch.Tensor] = {}  # weights fetched once for the whole step (a loop body's)
+        self.held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}  # (weights, base) fetched once for the whole step (a loop body's)
         self.grads: dict[int, GradientSum] = {}  # stage -> gradient summed over its positions so far
         # NOTE [Buffers] in executor.py: stage -> its buffers as this step's real forwards left them,
         # and (position, micro-batch) -> the buffers its real forward started from (for its reruns)

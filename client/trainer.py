@@ -289,8 +289,8 @@ class Trainer:
         prefetcher.start(self._step, [0])
         planner = OnlineBisection()
         try:
-            with ex.stage_weights(0) as (weights, _):  # the body's weights serve every application
-                run.held[0] = weights
+            with ex.stage_weights(0) as (weights, base):  # the body's weights serve every application
+                run.held[0] = (weights, base)
                 ex.execute(run, *planner.actions[0], loss_fn)
                 while True:
                     for op, i in planner.advance():

@@ -105,3 +105,39 @@ def test_a_200_step_loop_keeps_log_n_inputs(client: Client) -> None:
     assert want_lengths == [200] and loss == pytest.approx(want_losses[0], rel=1e-5)
     got, want = job.state_dict(), {f"0.{k}": v for k, v in ref.state_dict().items()}
     assert max((got[k] - want[k]).abs().max().item() for k in want) < 1e-6
+
+
+class _AdaptedBody(nn.Module):
+    """A loop body whose linear map is a frozen base's and whose bias-like adapter trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(WIDTH, WIDTH, bias=False)
+        self.adapter = nn.Parameter(torch.zeros(WIDTH))
+        with torch.no_grad():
+            self.lin.weight.mul_(0.9)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x) + self.adapter)
+
+
+def test_a_loop_body_on_a_frozen_base_trains_like_plain_pytorch(client: Client) -> None:
+    """``step_loop`` holds the body's weights for every application, and its frozen base's with
+    them (defect seen: the base was dropped, and the step failed with "a stage on a base needs the
+    base's weights: a bug in wstream")."""
+    torch.manual_seed(0)
+    base = _AdaptedBody()
+    body_on_base = copy.deepcopy(base)  # (create_job leaves the modules it uploads on the meta device)
+    body_on_base.lin.requires_grad_(False)
+    client.create_job("loop-base", [base], token="b", frozen=True)
+    ref = copy.deepcopy(body_on_base)
+    job = client.create_job("loop-adapter", [body_on_base], token="t", base="loop-base", base_token="b", optimizer=AdamW(lr=1e-2))
+    g = torch.Generator().manual_seed(5)
+    data = [(torch.randn(4, WIDTH, generator=g) * s, torch.randn(4, WIDTH, generator=g) * 0.01) for s in (0.3, 3.0)]
+    with job.trainer() as trainer:
+        for x, y in data:
+            trainer.step_loop(x, y, nn.functional.mse_loss, halt=halt, max_steps=16)
+    reference_steps(ref, data, 16)
+    got = job.state_dict()
+    assert (got["0.adapter"] - ref.adapter.detach()).abs().max().item() < 1e-6
+    assert ref.adapter.detach().abs().max().item() > 0  # it trained
