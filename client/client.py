@@ -7,7 +7,7 @@ import logging
 import os
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 import torch
@@ -27,6 +27,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.frames import tensor_frames
 from wstream.protocol.layout import describe_mismatch, numel_of, without_groups
 from wstream.protocol.lr_schedules import Schedule
+from wstream.protocol.units import parse_size
 
 from wstream.protocol.auth import SessionSigner, base_proof, create_proof, secret_key, session_key
 from wstream.protocol.curve import ClientKeys, KeySource, uses_curve
@@ -155,7 +156,7 @@ class Client:
         exist_ok: bool = False,
         progress: bool | None = None,
         param_groups: Sequence[ParamGroup] = (),
-        unit_bytes: int | Literal["auto"] | None = "auto",
+        unit_bytes: int | str | None = "auto",
         **option_fields: Any,
     ) -> Job:
         """Create job ``name`` from ``stages``, consumed one module at a time.
@@ -185,7 +186,7 @@ class Client:
         per server stage dominates. ``"auto"`` (default): 1 MiB units, except that a frozen base
         (``frozen=True``) and a job on one (``base``) are never cut. None: one server stage per
         stage, which is what a program that talks the raw protocol to stage ``k`` wants. A size
-        is refused with ``base``. Units change no result, only what moves per message.
+        (bytes, or a string such as ``"64MiB"``) is refused with ``base``. Units change no result, only what moves per message.
 
         ``exist_ok=True``: when a job of this name exists (a restarted rank, a rerun script),
         attach to it instead, without uploading anything, if ``token`` opens it and its layout and
@@ -214,6 +215,11 @@ class Client:
             raise ValueError("base= and base_token= go together")
         if unit_bytes == "auto":
             unit_bytes = None if base is not None or options.frozen else AUTO_UNIT_BYTES
+        elif isinstance(unit_bytes, str):  # a size, as memory_budget takes one ("64MiB")
+            try:
+                unit_bytes = parse_size(unit_bytes)
+            except ValueError as exc:
+                raise ValueError(f"unit_bytes: {exc}; or 'auto', or None") from None
         elif unit_bytes is not None and base is not None:
             raise ValueError("unit_bytes cannot be used with base=: stage i of a job on a base trains on its base's stage i")
         itemsize = torch.empty((), dtype=getattr(torch, options.dtype)).element_size()

@@ -406,3 +406,14 @@ def test_per_stage_metrics_of_a_unit_name_its_chain_stages() -> None:
         assert [(s.labels["stage"], s.labels["chain_stages"]) for s in family.samples] == [("0", "0-2"), ("1", "3")]
     finally:
         job.close()
+
+
+def test_unit_bytes_takes_a_size_string_and_names_itself_when_it_cannot(client: Client) -> None:
+    """``unit_bytes="64KiB"`` reads as ``memory_budget`` reads a size (defect seen: a bare
+    ``TypeError: '<' not supported between instances of 'str' and 'int'``); a string that is no
+    size is refused naming ``unit_bytes`` and the forms it takes."""
+    stages = [nn.Linear(16, 16) for _ in range(8)]
+    job = client.create_job("units-str", stages, optimizer=AdamW(lr=1e-3), token="t", unit_bytes="2KiB")
+    assert job.unit_specs is not None and 1 < len(job.unit_specs) < 8
+    with pytest.raises(ValueError, match=r"unit_bytes: cannot read 'lots' as a size.*'auto', or None"):
+        client.create_job("units-bad", [nn.Linear(4, 4)], optimizer=AdamW(lr=1e-3), token="t", unit_bytes="lots")
