@@ -213,7 +213,7 @@ def create_segment(nbytes: int, *, expected: int | None = None) -> str:
     """Create a preallocated segment of ``nbytes`` (at least one page) and return its path.
     ``expected``: the size it will grow to, if known (decides huge pages under ``auto``)."""
     directory, page = _policy.directory_for(nbytes if expected is None else max(expected, nbytes))
-    path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{secrets.token_hex(16)}")
+    path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{segment_stamp()}-{secrets.token_hex(16)}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.posix_fallocate(fd, 0, round_up(nbytes, page))
@@ -268,18 +268,48 @@ def _space(directory: str) -> str:
     return f"{directory} has {huge_pages_free(page)} bytes of free huge pages ({page}-byte pages)"
 
 
+_OWN_STAMP: tuple[int, int] | None = None  # (pid, stamp) of this process, kept: a fork gets its own
+
+
+def segment_stamp(pid: int | None = None) -> int:
+    """The start time of process ``pid`` (default: this one) in hundredths of a second, as a
+    segment's name carries its creator's: a pid alone does not tell a live creator from an
+    earlier process that had the same pid (a server restarted in a container is pid 1 again)."""
+    global _OWN_STAMP
+    me = os.getpid()
+    if pid is not None and pid != me:
+        return int(psutil.Process(pid).create_time() * 100)
+    if _OWN_STAMP is None or _OWN_STAMP[0] != me:
+        _OWN_STAMP = (me, int(psutil.Process(me).create_time() * 100))
+    return _OWN_STAMP[1]
+
+
+def _creator_alive(name: str) -> bool | None:
+    """Whether the process that made segment ``name`` (without its directory) still runs; None
+    when the name is not a wstream segment's. Names of older servers carry no start time: their
+    pid alone decides (and this process's pid is taken as alive)."""
+    parts = name[len(PREFIX) :].split("-")
+    try:
+        pid = int(parts[0])
+    except ValueError:
+        return None
+    if len(parts) == 2:  # pid-random: before the start time was in the name
+        return pid == os.getpid() or psutil.pid_exists(pid)
+    try:
+        return segment_stamp(pid) == int(parts[1])
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, ValueError):
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
 def reap_stale_segments(dirs: list[str] | None = None) -> list[str]:
-    """Unlink segments whose creating server process no longer exists; return what this call
-    removed (servers starting at once may share the work). ``dirs``: where to look (default
-    :func:`segment_dirs`)."""
+    """Unlink segments whose creating server process no longer exists (its pid gone, or held by
+    another process that started later); return what this call removed (servers starting at
+    once may share the work). ``dirs``: where to look (default :func:`segment_dirs`)."""
     removed = []
     for path in segment_paths(dirs=dirs):
-        parts = os.path.basename(path)[len(PREFIX) :].split("-", 1)
-        try:
-            pid = int(parts[0])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not psutil.pid_exists(pid) and unlink_segment(path):
+        if _creator_alive(os.path.basename(path)) is False and unlink_segment(path):
             removed.append(path)
     if removed:
         log.info("reaped %d stale shared-memory segment(s) of dead servers", len(removed))
