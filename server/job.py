@@ -65,6 +65,9 @@ class Job:
         self.worker_table = WorkerTable(record.name, memory)
         self.snapshot: Snapshot | None = None  # the snapshot being written, if any
         self.last_snapshot_step: int | None = None
+        self.record_changed = False
+        """The job's record (its options: lr, schedule) changed since the last snapshot began: a
+        snapshot at the same step is not the same snapshot."""
         self.versions = StageVersions(self)  # NOTE [Versions and who may read what]: fetch, pull
         self.step_commit = StepCommit(self, self.versions)  # NOTE [The step commit point]
         self.counters = JobCounters()  # bytes served, gradients, durations (server/counters.py)
@@ -345,6 +348,7 @@ class Job:
             opt, lr=opt.lr if lr is None else lr, schedule=opt.schedule if schedule is None else schedule
         )
         self.options = msgspec.structs.replace(self.options, optimizer=new)
+        self.record_changed = True
         log.info("job %r: lr %g, schedule %r from step %d on", self.name, new.lr, new.schedule, self.open_step)
 
     # ---- the pool's completions ----------------------------------------------------------------------

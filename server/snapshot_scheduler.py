@@ -107,7 +107,7 @@ class SnapshotScheduler:
         if step is None:
             return
         waiters = self._waiters.pop(job.name, [])
-        if step == job.last_snapshot_step:
+        if step == job.last_snapshot_step and not job.record_changed:
             path = str(self.store.snapshots(job.name)[0])
             for w in waiters:  # nothing changed since: that snapshot is it
                 self.outbox.send(Outgoing(w.identity, w.reply(step, path)))
@@ -121,6 +121,7 @@ class SnapshotScheduler:
         if reason is None:
             return
         snap = Snapshot(job.record(), step, self.buffer_bytes, reason, waiters=waiters)
+        job.record_changed = False  # (a change from now on is for the next one)
         job.snapshot = snap
         self._writer.submit(self._write, job, snap)
 
@@ -148,6 +149,7 @@ class SnapshotScheduler:
         if error is not None:
             job.counters.snapshot_failures += 1
             log.error("snapshot of job %r at step %d failed: %r", job.name, snap.step, error)
+            job.record_changed = True  # what it held is not on disk: the next one must hold it
             for w in snap.waiters:
                 self.outbox.error(w.identity, w.request_id, InternalError(f"snapshot failed: {error}"))
         elif path is not None:
@@ -195,7 +197,7 @@ class SnapshotScheduler:
         for job in self.jobs.values():
             job.snapshot = None
             step = job.consistent_step()
-            if step is None or step == job.last_snapshot_step:
+            if step is None or (step == job.last_snapshot_step and not job.record_changed):
                 if step is None:
                     log.warning("job %r is in the middle of a step: it will resume from its last snapshot", job.name)
                 continue
