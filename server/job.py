@@ -66,6 +66,9 @@ class Job:
         self.snapshot: Snapshot | None = None  # the snapshot being written, if any
         self.last_snapshot_step: int | None = None
         self.record_changed = False
+        self.snapshot_failed_step: int | None = None
+        """The step whose periodic snapshot failed last: not tried again until the job moves on
+        (a save request still tries)."""
         """The job's record (its options: lr, schedule) changed since the last snapshot began: a
         snapshot at the same step is not the same snapshot."""
         self.versions = StageVersions(self)  # NOTE [Versions and who may read what]: fetch, pull

@@ -116,7 +116,7 @@ class SnapshotScheduler:
         if reason is None and waiters:
             reason = "save request"
         last = job.last_snapshot_step if job.last_snapshot_step is not None else -every
-        if reason is None and every and step >= last + every:
+        if reason is None and every and step >= last + every and step != job.snapshot_failed_step:
             reason = f"every {every} steps"  # also when the step it was due at came during a write
         if reason is None:
             return
@@ -150,6 +150,7 @@ class SnapshotScheduler:
             job.counters.snapshot_failures += 1
             log.error("snapshot of job %r at step %d failed: %r", job.name, snap.step, error)
             job.record_changed = True  # what it held is not on disk: the next one must hold it
+            job.snapshot_failed_step = snap.step  # tried again once the job moves on (or asked to save)
             for w in snap.waiters:
                 self.outbox.error(w.identity, w.request_id, InternalError(f"snapshot failed: {error}"))
         elif path is not None:

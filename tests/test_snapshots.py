@@ -219,3 +219,47 @@ def test_a_schedule_change_is_in_the_next_snapshot_at_the_same_step(tmp_path: Pa
     with Client(srv.address, timeout=30) as c:
         assert c.attach_job("sched", token="t").options.optimizer.lr == 0.25
     assert srv.stop() == 0
+
+
+def test_a_failed_snapshot_is_not_tried_again_until_the_job_moves_on(tmp_path: Path, monkeypatch) -> None:
+    """A periodic snapshot that fails (here the disk is full) is tried again at the job's next
+    step, not at once: the job trains on (defect seen: an idle job's failed snapshot was written
+    again and again, tens of thousands of times a second, each logging an error). A ``save`` still
+    tries, and says why it failed."""
+    import errno
+
+    import pytest
+
+    from wstream.protocol import InternalError
+    from wstream.server.inprocess import InProcessServer
+    from wstream.server.snapshot import SnapshotStore
+
+    full = {"on": False, "tries": 0}
+    write = SnapshotStore.write
+
+    def disk_full(self: SnapshotStore, snap, stages):  # type: ignore[no-untyped-def]
+        if not full["on"]:
+            return write(self, snap, stages)
+        full["tries"] += 1
+        raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    monkeypatch.setattr(SnapshotStore, "write", disk_full)
+    srv = InProcessServer(bind=[f"ipc://{tmp_path / 's.sock'}"], memory_limit=2**30, store=str(tmp_path / "store"), snapshot_every=1)
+    try:
+        with Client(srv.address, timeout=30) as c:
+            job = c.create_job("full", models.mixed(), optimizer=AdamW(lr=LR), token="t")
+            full["on"] = True
+            train(srv.address, "full", 2)
+            assert job.wait_step(2) == 2
+            with pytest.raises(InternalError, match="snapshot failed.*No space left"):
+                job.save()
+            for _ in range(20):  # the loop turns twenty times more
+                c.status()
+            tries = full["tries"]
+            for _ in range(20):
+                c.status()
+            assert full["tries"] == tries, "an idle job's failed snapshot is being written again and again"
+            assert tries <= 2 + 2, tries  # one per step trained, and the save's
+    finally:
+        full["on"] = False
+        srv.stop()
