@@ -242,10 +242,31 @@ class SnapshotStore:
         return self.root / f"job-{name}"
 
     def remove_partial(self) -> None:
-        """Delete temporary directories left by a crash in the middle of writing (rule 4)."""
+        """Delete temporary directories left by a crash in the middle of writing (rule 4), what is
+        left of dropped jobs (:meth:`take_out`), and job directories holding no snapshot (a write
+        that began as its job was dropped)."""
         for tmp in self.root.glob("job-*/.tmp-*"):
             shutil.rmtree(tmp, ignore_errors=True)
             log.info("removed an unfinished snapshot %s", tmp)
+        for dropped in self.root.glob(".dropped-*"):
+            shutil.rmtree(dropped, ignore_errors=True)
+            log.info("removed what was left of a dropped job, %s", dropped)
+        for job_dir in self.root.glob("job-*"):
+            if job_dir.is_dir() and not any(job_dir.iterdir()):
+                job_dir.rmdir()
+
+    def take_out(self, name: str) -> Path | None:
+        """Take job ``name``'s directory out of the store now (renamed, and the rename made
+        durable), so that a restart does not resume it; returns where it went, for deleting later
+        (:meth:`remove_partial` finishes that after a crash). None: it had none."""
+        src = self.job_dir(name)
+        dst = self.root / f".dropped-{name}-{secrets.token_hex(4)}"
+        try:
+            os.rename(src, dst)
+        except FileNotFoundError:
+            return None
+        _fsync_dir(self.root)
+        return dst
 
     def jobs(self) -> list[str]:
         return sorted(p.name[4:] for p in self.root.glob("job-*") if p.is_dir())
@@ -253,9 +274,6 @@ class SnapshotStore:
     def snapshots(self, name: str) -> list[Path]:
         """This job's complete snapshots, newest first."""
         return sorted(self.job_dir(name).glob("step-*"), reverse=True)
-
-    def delete_job(self, name: str) -> None:
-        shutil.rmtree(self.job_dir(name), ignore_errors=True)
 
     # ---- writing (the writer thread) ------------------------------------------------------------
     def write(

@@ -11,6 +11,7 @@ through a :class:`~wstream.server.mailbox.Mailbox`.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -175,8 +176,10 @@ class SnapshotScheduler:
             job.snapshot.waiters = []
         for w in waiters:
             self.outbox.error(w.identity, w.request_id, gone)
-        if self.store is not None:  # after any write in progress: the writer runs one task at a time
-            self._writer.submit(self.store.delete_job, job.name)
+        if self.store is not None:  # out of the store before the drop is answered; deleted after any write in progress
+            gone_dir = self.store.take_out(job.name)
+            if gone_dir is not None:
+                self._writer.submit(shutil.rmtree, gone_dir, True)
 
     # ---- shutdown ------------------------------------------------------------------------------
     def shutdown(self) -> None:
