@@ -102,12 +102,19 @@ class Server:
     def run(self) -> None:
         """Serve until stopped; then free every job and shared-memory segment."""
         reap_stale_segments()
-        warmup = threading.Thread(target=_warm_up_optimizer, name="wstream-warmup")
-        warmup.start()  # torch's first fused optimizer takes seconds to import: not in a request
-        self.snapshots.restore_jobs(self.memory)
-        if threading.current_thread() is threading.main_thread():
+        if threading.current_thread() is threading.main_thread():  # before the restore: a signal then also cleans up
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, lambda *_: self.stop())
+        warmup = threading.Thread(target=_warm_up_optimizer, name="wstream-warmup")
+        warmup.start()  # torch's first fused optimizer takes seconds to import: not in a request
+        try:
+            self._restore_and_serve()
+        finally:
+            warmup.join()
+            self._shutdown()
+
+    def _restore_and_serve(self) -> None:
+        self.snapshots.restore_jobs(self.memory, self._stop)
         log.info(
             "wstream-server (protocol %d, pid %d) listening on %s, memory limit %d bytes",
             PROTOCOL_VERSION,
@@ -122,18 +129,14 @@ class Server:
         )
         if self.metrics is not None:
             log.info("Prometheus metrics at %s", self.metrics.url)
-        try:
-            self.transport.serve(
-                self._stop,
-                self.handlers.receive,
-                [self._updates.fileno(), self.snapshots.fileno()],
-                self._drain,
-                self.handlers.expire,
-                tick_every_s=min(1.0, self.config.lease_s / 4),
-            )
-        finally:
-            warmup.join()
-            self._shutdown()
+        self.transport.serve(
+            self._stop,
+            self.handlers.receive,
+            [self._updates.fileno(), self.snapshots.fileno()],
+            self._drain,
+            self.handlers.expire,
+            tick_every_s=min(1.0, self.config.lease_s / 4),
+        )
 
     def stop(self) -> None:
         """Ask the loop to exit (safe from any thread or a signal handler)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -56,15 +57,20 @@ class SnapshotScheduler:
         return self.written.fileno()
 
     # ---- start ---------------------------------------------------------------------------------
-    def restore_jobs(self, memory: MemoryAccount) -> None:
-        """Resume every job of the store from its newest intact snapshot."""
+    def restore_jobs(self, memory: MemoryAccount, stop: threading.Event | None = None) -> None:
+        """Resume every job of the store from its newest intact snapshot (until ``stop`` is set: a
+        signal during a long restore ends the start)."""
         if self.store is None:
             return
         self.store.remove_partial()
         on_a_base: list[str] = []
         for name in self.store.jobs():  # bases and plain jobs first, jobs on a base after them
+            if stop is not None and stop.is_set():
+                return
             self._restore_job(name, memory, on_a_base)
         for name in on_a_base:
+            if stop is not None and stop.is_set():
+                return
             self._restore_job(name, memory, None)
 
     def _restore_job(self, name: str, memory: MemoryAccount, defer: list[str] | None) -> None:
