@@ -248,6 +248,13 @@ class SnapshotStore:
         for tmp in self.root.glob("job-*/.tmp-*"):
             shutil.rmtree(tmp, ignore_errors=True)
             log.info("removed an unfinished snapshot %s", tmp)
+        for replaced in self.root.glob("job-*/.replaced-step-*"):  # a crash while a step's snapshot was replaced
+            final = replaced.parent / replaced.name[len(".replaced-") :].rsplit("-", 1)[0]
+            if final.exists():
+                shutil.rmtree(replaced, ignore_errors=True)
+            else:
+                os.rename(replaced, final)
+                log.info("put back %s: a crash came as it was being replaced", final)
         for dropped in self.root.glob(".dropped-*"):
             shutil.rmtree(dropped, ignore_errors=True)
             log.info("removed what was left of a dropped job, %s", dropped)
@@ -301,10 +308,14 @@ class SnapshotStore:
             _write_file(tmp / "manifest.json", json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)
             final = job_dir / f"step-{snap.step:012d}"
-            if final.exists():  # the same step saved twice (a save request on an idle job)
-                shutil.rmtree(final)
+            replaced = None
+            if final.exists():  # the same step saved again (a save after a schedule change, on an idle job)
+                replaced = job_dir / f".replaced-{final.name}-{secrets.token_hex(4)}"
+                os.rename(final, replaced)  # kept until the new one is in place (a start puts it back)
             os.rename(tmp, final)
             _fsync_dir(job_dir)
+            if replaced is not None:
+                shutil.rmtree(replaced, ignore_errors=True)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -340,3 +340,42 @@ def test_a_start_that_fails_while_resuming_removes_the_memory_of_the_jobs_it_res
     with pytest.raises(RuntimeError, match="injected"):
         failed.stop()
     assert set(segment_paths(os.getpid())) == before, "the resumed job's shared memory was left behind"
+
+
+def test_a_crash_while_a_steps_snapshot_is_replaced_keeps_the_old_one(tmp_path: Path, monkeypatch) -> None:
+    """A ``save`` at a step that has a snapshot already (after a schedule change) replaces it: a crash
+    between taking the old one away and putting the new one in place must leave the old one
+    (defect seen: it was deleted first; with ``--keep-snapshots 1`` the job then had no snapshot
+    and was not resumed)."""
+    import pytest
+
+    import wstream.server.snapshot as snapshot_module
+    from wstream.protocol import InternalError
+    from wstream.server.inprocess import InProcessServer
+
+    fields = dict(bind=[f"ipc://{tmp_path / 's.sock'}"], memory_limit=2**30, store=str(tmp_path / "store"), keep_snapshots=1)
+    rename = os.rename
+
+    def crash_at_the_new_one(src, dst):  # type: ignore[no-untyped-def]
+        if ".tmp-step-" in str(src):
+            raise OSError("injected: the process died here")
+        return rename(src, dst)
+
+    srv = InProcessServer(**fields)
+    try:
+        with Client(srv.address, timeout=30) as c:
+            job = c.create_job("replace", models.mixed(), optimizer=AdamW(lr=1e-3), token="t")
+            job.set_schedule(lr=0.5)
+            monkeypatch.setattr(snapshot_module.os, "rename", crash_at_the_new_one)
+            with pytest.raises(InternalError, match="injected"):
+                job.save()
+    finally:
+        srv.stop()  # (its shutdown snapshot fails the same way)
+    monkeypatch.setattr(snapshot_module.os, "rename", rename)
+    srv = InProcessServer(**fields)
+    try:
+        with Client(srv.address, timeout=30) as c:
+            assert [(j.name, j.step) for j in c.status().jobs] == [("replace", 0)]
+            assert c.attach_job("replace", token="t").options.optimizer.lr == 1e-3  # the old one: the new never landed
+    finally:
+        srv.stop()
