@@ -81,8 +81,8 @@ class ServerConfig:
     """Directory for snapshots and exports; created if missing. None: nothing is written to disk."""
 
     snapshot_every: int = 0
-    """With a store: snapshot every job each time its step is a multiple of this (0: only at
-    creation, on ``wstream save`` and at shutdown)."""
+    """With a store: snapshot every job once it is this many steps past its last snapshot, at
+    its next consistent step (0: only at creation, on ``wstream save`` and at shutdown)."""
 
     keep_snapshots: int = 3
     """Snapshots kept per job (newest first); older ones are deleted after a new one is durable."""

@@ -65,6 +65,7 @@ class Job:
         self.worker_table = WorkerTable(record.name, memory)
         self.snapshot: Snapshot | None = None  # the snapshot being written, if any
         self.last_snapshot_step: int | None = None
+        self.last_snapshot_path: str | None = None  # where that snapshot is (not always the newest name: a damaged one may be newer)
         self.record_changed = False
         self.snapshot_failed_step: int | None = None
         """The step whose periodic snapshot failed last: not tried again until the job moves on

@@ -16,7 +16,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from wstream.protocol import InternalError, UnknownJobError, WstreamError
+from wstream.protocol import InternalError, StateError, UnknownJobError, WstreamError
 
 from .config import ServerConfig
 from .job import Job
@@ -87,6 +87,7 @@ class SnapshotScheduler:
             if record.options.base is not None and base is None:
                 raise UnknownJobError(f"its base {record.options.base!r} was not resumed")
             job = Job.restore(record, step, stages, memory, base=base)
+            job.last_snapshot_path = str(path)
         except (SnapshotError, WstreamError, OSError) as exc:  # OSError: e.g. /dev/shm has no room for it
             log.error(
                 "job %r not resumed: %s (its files are left in place, and a new job of that name is refused "
@@ -114,8 +115,8 @@ class SnapshotScheduler:
         if step is None:
             return
         waiters = self._waiters.pop(job.name, [])
-        if step == job.last_snapshot_step and not job.record_changed:
-            path = str(self.store.snapshots(job.name)[0])
+        if step == job.last_snapshot_step and not job.record_changed and job.last_snapshot_path is not None:
+            path = job.last_snapshot_path
             for w in waiters:  # nothing changed since: that snapshot is it
                 self.outbox.send(Outgoing(w.identity, w.reply(step, path)))
             return
@@ -150,6 +151,12 @@ class SnapshotScheduler:
             self._finished(job, snap, path, error)
 
     def _finished(self, job: Job, snap: Snapshot, path: str | None, error: BaseException | None) -> None:
+        self._record(job, snap, path, error)
+        if self.jobs.get(job.name) is job:
+            self.maybe_snapshot(job)
+
+    def _record(self, job: Job, snap: Snapshot, path: str | None, error: BaseException | None) -> None:
+        """Note a finished write and answer its waiters."""
         if job.snapshot is snap:
             job.snapshot = None
         seconds = time.monotonic() - snap.started
@@ -161,7 +168,7 @@ class SnapshotScheduler:
             for w in snap.waiters:
                 self.outbox.error(w.identity, w.request_id, InternalError(f"snapshot failed: {error}"))
         elif path is not None:
-            job.last_snapshot_step = snap.step
+            job.last_snapshot_step, job.last_snapshot_path = snap.step, path
             job.counters.snapshots.observe(seconds)
             job.counters.snapshot_bytes += snap.bytes_written
             log.info(
@@ -170,8 +177,6 @@ class SnapshotScheduler:
             )
             for w in snap.waiters:
                 self.outbox.send(Outgoing(w.identity, w.reply(snap.step, path)))
-        if self.jobs.get(job.name) is job:
-            self.maybe_snapshot(job)
 
     def forget(self, job: Job, gone: WstreamError) -> None:
         """``job`` is dropped: stop its snapshot, answer its waiters with ``gone``, delete its files."""
@@ -193,8 +198,7 @@ class SnapshotScheduler:
         last snapshot (a job stopped in the middle of a step resumes from its last snapshot)."""
         self._writer.shutdown(wait=True)
         for job, snap, path, error in self.written.drain():  # writes that finished during shutdown
-            if path is not None and error is None:
-                job.last_snapshot_step = snap.step
+            self._record(job, snap, path, error)
         self.written.close()
         if self.store is None:
             return
@@ -202,6 +206,19 @@ class SnapshotScheduler:
             self._final_snapshots(self.store)
         finally:
             self.store.close()
+        for name, waiters in self._waiters.items():  # saves that waited for a consistent step
+            job = self.jobs.get(name)
+            done = job is not None and job.last_snapshot_path is not None and job.last_snapshot_step == job.consistent_step()
+            for w in waiters:
+                if done:
+                    assert job is not None and job.last_snapshot_step is not None and job.last_snapshot_path is not None
+                    self.outbox.send(Outgoing(w.identity, w.reply(job.last_snapshot_step, job.last_snapshot_path)))
+                else:
+                    self.outbox.error(w.identity, w.request_id, StateError(
+                        f"the server is shutting down with job {name!r} in the middle of a step: no snapshot of "
+                        "it was taken for this request (the job resumes from its last snapshot)"
+                    ))
+        self._waiters.clear()
 
     def _final_snapshots(self, store: SnapshotStore) -> None:
         for job in self.jobs.values():
@@ -214,7 +231,7 @@ class SnapshotScheduler:
             snap = Snapshot(job.record(), step, self.buffer_bytes, "shutdown")
             try:
                 path = store.write(snap, job.snapshot_sources())
-                job.last_snapshot_step = step
+                job.last_snapshot_step, job.last_snapshot_path = step, None if path is None else str(path)
                 log.info("job %r: snapshot of step %d written at shutdown to %s", job.name, step, path)
             except OSError as exc:
                 log.error("job %r: the shutdown snapshot failed: %s", job.name, exc)

@@ -105,7 +105,10 @@ def test_save_keep_restart_and_a_damaged_snapshot_falls_back_to_an_older_one(tmp
         assert {j.name: j.step for j in c.status().jobs} == {"keep": 3}
         with torch.device("meta"):
             skeleton = models.mixed()
-        got = c.attach_job("keep", token="t", stages=skeleton).state_dict()
+        resumed = c.attach_job("keep", token="t", stages=skeleton)
+        got = resumed.state_dict()
+        # nothing changed since the resume: the snapshot it resumed from, not the damaged newer one
+        assert resumed.save() == (3, str(store / "job-keep" / "step-000000000003"))
     assert_weights_equal(got, reference_train(copy.deepcopy(start), adamw, "mixed", 3), atol=1e-6)
     assert srv.stop() == 0
     assert "is damaged" in srv.log() and "does not match" in srv.log()
@@ -379,3 +382,27 @@ def test_a_crash_while_a_steps_snapshot_is_replaced_keeps_the_old_one(tmp_path: 
             assert c.attach_job("replace", token="t").options.optimizer.lr == 1e-3  # the old one: the new never landed
     finally:
         srv.stop()
+
+
+def test_a_save_waiting_for_a_consistent_step_is_answered_at_shutdown(held) -> None:  # type: ignore[no-untyped-def]
+    """A ``save`` of a job in the middle of a step waits for its next consistent step; the server
+    stops first: the save is answered (an error saying so), not left without a reply (defect seen)."""
+    import threading
+
+    from test_drop import commit_with_updates_held
+    from wstream.protocol import messages as m
+
+    job = held.victim()
+    a, sign_a = held.worker(job)
+    commit_with_updates_held(held, a, sign_a, job)  # the stages are updating: no consistent step
+    waiting = held.wire.send(m.Save(session=job.session), signer=job._signer)
+    barrier = held.wire.send(m.Status())
+    held.wire.collect(lambda: barrier in held.wire.replies)
+    assert waiting not in held.wire.replies, held.wire.replies[waiting]
+    stopping = threading.Thread(target=held.srv.stop)
+    stopping.start()
+    held.update.release()  # the shutdown waits for the running update
+    held.wire.collect(lambda: waiting in held.wire.replies)
+    stopping.join(30)
+    (reply,) = held.wire.replies[waiting]
+    assert isinstance(reply, m.Error) and "shutting down" in reply.message, reply
