@@ -205,23 +205,27 @@ def test_a_schedule_change_is_in_the_next_snapshot_at_the_same_step(tmp_path: Pa
     snapshot, and so does the shutdown; a restart resumes with the new lr (defect seen: "nothing
     changed since", the old snapshot stood, and the restarted job trained at the old lr)."""
     store = tmp_path / "store"
-    srv = start_server(tmp_path, "--store", str(store), name="a")
-    with Client(srv.address, timeout=30) as c:
-        job = c.create_job("sched", models.mixed(), optimizer=AdamW(lr=1e-3), token="t")
-        assert job.save()[0] == 0
-        job.set_schedule(lr=0.5)
-        assert job.save()[0] == 0
-    srv.stop(signal.SIGKILL)  # no shutdown snapshot: what the save wrote is what resumes
-    srv = start_server(tmp_path, "--store", str(store), name="b", address=srv.address)
-    with Client(srv.address, timeout=30) as c:
-        job = c.attach_job("sched", token="t")
-        assert job.options.optimizer.lr == 0.5
-        job.set_schedule(lr=0.25)
-    assert srv.stop() == 0  # a clean stop: its shutdown snapshot holds the change
-    srv = start_server(tmp_path, "--store", str(store), name="c", address=srv.address)
-    with Client(srv.address, timeout=30) as c:
-        assert c.attach_job("sched", token="t").options.optimizer.lr == 0.25
-    assert srv.stop() == 0
+    servers = [start_server(tmp_path, "--store", str(store), name="a")]
+    try:
+        with Client(servers[-1].address, timeout=30) as c:
+            job = c.create_job("sched", models.mixed(), optimizer=AdamW(lr=1e-3), token="t")
+            assert job.save()[0] == 0
+            job.set_schedule(lr=0.5)
+            assert job.save()[0] == 0
+        servers[-1].stop(signal.SIGKILL)  # no shutdown snapshot: what the save wrote is what resumes
+        servers.append(start_server(tmp_path, "--store", str(store), name="b", address=servers[-1].address))
+        with Client(servers[-1].address, timeout=30) as c:
+            job = c.attach_job("sched", token="t")
+            assert job.options.optimizer.lr == 0.5
+            job.set_schedule(lr=0.25)
+        assert servers[-1].stop() == 0  # a clean stop: its shutdown snapshot holds the change
+        servers.append(start_server(tmp_path, "--store", str(store), name="c", address=servers[-1].address))
+        with Client(servers[-1].address, timeout=30) as c:
+            assert c.attach_job("sched", token="t").options.optimizer.lr == 0.25
+        assert servers[-1].stop() == 0
+    finally:
+        for srv in servers:  # (each stop is a no-op once it has exited)
+            srv.stop()
 
 
 def test_a_failed_snapshot_is_not_tried_again_until_the_job_moves_on(tmp_path: Path, monkeypatch) -> None:
