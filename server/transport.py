@@ -40,7 +40,9 @@ class Transport:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.linger = 0
-        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # ZMQ_ROUTER_HANDOVER stays off: a peer may choose its routing id, and with hand-over a
+        # newcomer claiming a connected worker's id would receive that worker's replies (its
+        # weights among them). wstream's clients never choose one.
         # A reply that cannot be queued must be reported, not dropped silently (ZeroMQ's default
         # for a ROUTER at its high-water mark): raise instead, and queue up to 64 Ki replies per
         # peer (a worker's deferred fetches alone can be answered 1,024 at once).

@@ -423,3 +423,40 @@ def test_hkdf_sha256_matches_rfc_5869() -> None:
     assert okm.hex() == (
         "3cb25f25faacd57a90434f64d0362f2a2d2d0a90cf1a5a4c5db02d56ecc4c5bf34007208d5b887185865"
     )  # RFC 5869, A.1 (test case 1)
+
+
+def test_a_connection_that_claims_another_peers_routing_id_gets_none_of_its_replies(held) -> None:  # type: ignore[no-untyped-def]
+    """A peer may choose its ZeroMQ routing id. One that claims the id of a connected worker gets
+    none of that worker's replies: they still go to the worker (defect seen: the server's ROUTER
+    handed the id over, and the newcomer, with no token, received the worker's weights)."""
+    import zmq
+
+    from test_drop import commit_with_updates_held
+    from wstream.protocol import decode_reply, encode
+
+    job = held.victim()
+    a, sign_a = held.worker(job)
+    commit_with_updates_held(held, a, sign_a, job)  # stage 1's weights of step 1 are not there yet
+    ctx = zmq.Context()
+    victim, thief = ctx.socket(zmq.DEALER), ctx.socket(zmq.DEALER)
+    try:
+        for sock in (victim, thief):
+            sock.linger = 0
+            sock.setsockopt(zmq.ROUTING_ID, b"worker-a-connection")
+        victim.connect(held.srv.address)
+        victim.send_multipart([encode(sign_a.sign(m.Fetch(session=a.session, stage=1, step=1, id=7)))])  # deferred
+        victim.send_multipart([encode(m.Status(id=8))])
+        assert victim.poll(20_000) and decode_reply(victim.recv_multipart()[0]).id == 8  # the fetch waits
+        thief.connect(held.srv.address)
+        thief.send_multipart([encode(m.Status(id=9))])  # the thief's connection is made (or refused)
+        thief.poll(2_000)
+        held.update.release()
+        assert victim.poll(20_000), "the worker's deferred fetch was never answered to it"
+        reply = decode_reply(victim.recv_multipart()[0])
+        assert isinstance(reply, m.Weights) and reply.id == 7, reply
+        stolen = [decode_reply(thief.recv_multipart()[0]) for _ in range(10) if thief.poll(200)]
+        assert not any(r.id == 7 for r in stolen), stolen
+    finally:
+        victim.close()
+        thief.close()
+        ctx.term()
