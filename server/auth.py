@@ -86,6 +86,29 @@ class ReplayWindow:
             self._bits[byte] &= ~(1 << bit) & 0xFF
         return was
 
+    def _clear(self, lo: int, hi: int) -> None:
+        """Clear the slots of seqs ``lo .. hi - 1`` (fewer than ``size`` of them), whole bytes at
+        once: a session that skips far ahead must not cost the loop a Python step per seq."""
+        if hi <= lo:
+            return
+        start = lo % self.size
+        end = start + (hi - lo)
+        if end <= self.size:
+            self._clear_bits(start, end)
+        else:  # the range wraps around the window
+            self._clear_bits(start, self.size)
+            self._clear_bits(0, end - self.size)
+
+    def _clear_bits(self, a: int, b: int) -> None:
+        while a < b and a % 8:
+            self._bits[a // 8] &= ~(1 << a % 8) & 0xFF
+            a += 1
+        while b > a and b % 8:
+            b -= 1
+            self._bits[b // 8] &= ~(1 << b % 8) & 0xFF
+        if a < b:
+            self._bits[a // 8 : b // 8] = bytes((b - a) // 8)
+
     def check(self, seq: int) -> None:
         """Record ``seq``; raise :class:`AuthError` for a replayed or too old one."""
         if seq <= 0:
@@ -96,8 +119,7 @@ class ReplayWindow:
                 "a replayed message?"
             )
         if seq > self.highest:
-            for s in range(max(self.highest + 1, seq - self.size + 1), seq):
-                self._flip(s, False)  # slots reused by seqs not seen yet
+            self._clear(max(self.highest + 1, seq - self.size + 1), seq)  # slots reused by seqs not seen yet
             self.highest = seq
             self._flip(seq, True)
             return
