@@ -92,7 +92,7 @@ class ParamSpec(Struct, frozen=True, array_like=True):
     gradient (``wstream.protocol.layout.push_layout``), applied at the step's commit."""
 
 
-class StageSpec(Struct, frozen=True, kw_only=True):
+class StageSpec(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The flat-buffer layout of one stage (see ``wstream.protocol.layout``)."""
 
     name: ParamName
@@ -112,7 +112,7 @@ def _check_clip(value: float | None) -> None:
         raise ValueError(f"clip_grad_norm must be a finite number > 0 (or None), got {value!r}")
 
 
-class AdamW(Struct, frozen=True, kw_only=True, tag="adamw", tag_field="kind"):
+class AdamW(Struct, frozen=True, kw_only=True, tag="adamw", tag_field="kind", forbid_unknown_fields=True):
     """AdamW as ``torch.optim.AdamW`` defines it (decoupled weight decay); run fused on the server."""
 
     lr: float = 1e-3
@@ -136,7 +136,7 @@ class AdamW(Struct, frozen=True, kw_only=True, tag="adamw", tag_field="kind"):
         _check_clip(self.clip_grad_norm)
 
 
-class SGD(Struct, frozen=True, kw_only=True, tag="sgd", tag_field="kind"):
+class SGD(Struct, frozen=True, kw_only=True, tag="sgd", tag_field="kind", forbid_unknown_fields=True):
     """SGD with optional (Nesterov) momentum, as ``torch.optim.SGD`` defines it."""
 
     lr: float = 1e-2

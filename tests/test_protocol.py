@@ -160,6 +160,27 @@ def test_replies_round_trip() -> None:
             ProtocolError,
             "length <= 8",
         ),
+        # unknown fields inside the records are refused as at the top (a typo was dropped silently)
+        (
+            msgpack.packb({"v": PROTOCOL_VERSION, "op": "create_job", "name": "j", "token": "t", "nonce": NONCE,
+                           "client_nonce": CNONCE, "options": {"optimizer": {"kind": "adamw", "weight_decay_typo": 0.5}}}),
+            ProtocolError,
+            "weight_decay_typo",
+        ),
+        (
+            msgpack.packb({"v": PROTOCOL_VERSION, "op": "create_job", "name": "j", "token": "t", "nonce": NONCE,
+                           "client_nonce": CNONCE, "options": {"optimizer": {"kind": "sgd", "momentun": 0.9}}}),
+            ProtocolError,
+            "momentun",
+        ),
+        (
+            msgpack.packb(
+                {"v": PROTOCOL_VERSION, "op": "add_stage", "session": SID, "index": 0,
+                 "spec": {"name": "0", "numel": 4, "params": [["w", [4], 0]], "extra": 1}}
+            ),
+            ProtocolError,
+            "extra",
+        ),
     ],
 )
 def test_malformed_headers_raise_named_errors(header: bytes, error: type[Exception], words: str) -> None:
