@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,9 @@ class StageState:
     waiting_pull: list[Deferred] = field(default_factory=list)
     waiting_push: list[DeferredPush] = field(default_factory=list)
     failed: str | None = None
+    pulled: tuple[int, weakref.ref[Any]] | None = None
+    """The copy of the master that ``pull`` replies of one version share (its version and a weak
+    reference: it lives while a reply's frames wait to be sent)."""
     """Why the stage's last update failed (a bug in wstream): it stays at its version for good,
     so a fetch of a later version or a push is answered with this at once, not held."""
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -215,9 +219,17 @@ class StageState:
 
     def master_reply(self, identity: bytes, request_id: int, served: dict[tuple[str, str], int]) -> Outgoing:
         """The ``master`` reply of ``pull``: a copy of the fp32 master, in data frames."""
-        snapshot = self.master.clone()  # the master changes in place with the next update
-        served["pull", "frames"] += snapshot.nbytes
-        return Outgoing(identity, m.Master(id=request_id, stage=self.index, version=self.version), list(tensor_frames(snapshot)))
+        # the master changes in place with the next update: a copy, one per version for all the
+        # replies still waiting to be sent (a peer that pulls without reading held one each). The
+        # frames keep the copy's bytes (a NumPy array) alive while they wait: it is what is shared.
+        owner = self.pulled[1]() if self.pulled is not None and self.pulled[0] == self.version else None
+        if owner is None:
+            frames = list(tensor_frames(self.master.clone()))
+            self.pulled = (self.version, weakref.ref(frames[0].obj))
+        else:
+            frames = list(tensor_frames(torch.from_numpy(owner)))
+        served["pull", "frames"] += self.master.nbytes
+        return Outgoing(identity, m.Master(id=request_id, stage=self.index, version=self.version), frames)
 
     def check_push(self, msg: m.Push, frames: list[Any], worker: Worker) -> None:
         """The checks of a push that do not depend on where the stage is: who pushes, into which
