@@ -109,6 +109,9 @@ from .workers import Worker, WorkerTable
 
 COMMITS_KEPT = 8
 """Committed steps whose outcome a late ``commit`` request can still be answered with."""
+MAX_HELD_COMMITS = 4
+"""``commit`` requests one worker keeps waiting at once (its own step's and a delayed job's next
+one are all a client sends); one more is refused."""
 
 Submit = Callable[[PoolTask], None]
 EndSession = Callable[[int, str], None]
@@ -242,6 +245,11 @@ class StepCommit:
         """Answer when step ``msg.step`` commits (held until then; a delayed job's worker may
         already say so for the step after the open one)."""
         if self.open_step <= msg.step <= self.open_step + 1:
+            held = sum(1 for _, wid in self.waiting_commit if wid == worker.id)
+            if held >= MAX_HELD_COMMITS:
+                raise StateError(
+                    f"this worker already has {held} commits waiting (the limit is {MAX_HELD_COMMITS}): wait for their replies"
+                )
             self.waiting_commit.append((Deferred(identity, msg.id, msg.step), worker.id))
             return None
         for rec in self.commits:

@@ -74,6 +74,8 @@ class ReadJob(Protocol):
     def stage(self, index: int) -> StageState: ...
 
 
+MAX_WAITING_PULLS = 256
+"""``pull`` requests one stage keeps waiting for its update at once; one more is refused."""
 MAX_WAITING_STEPS = 256
 """``await_step`` requests one job keeps waiting at once (NOTE rule 6); one more is refused."""
 
@@ -218,6 +220,10 @@ class StageVersions:
             raise NotReadyError(f"job {self.job.name!r} is still uploading its weights")
         st = self.job.stage(msg.stage)
         if st.updating:
+            if len(st.waiting_pull) >= MAX_WAITING_PULLS:
+                raise StateError(
+                    f"{st.what}: {MAX_WAITING_PULLS} pulls already wait for its update (the limit): wait for their answers"
+                )
             st.waiting_pull.append(Deferred(identity, msg.id))
             return None
         return self.pull_reply(st, identity, msg.id)

@@ -55,7 +55,7 @@ The oracle, for every case:
   nothing waits. Either is answered ``unknown_job`` when its job is dropped meanwhile (before the
   drop's ``ok``). An ``await_step`` (any session of the job) of the step after the one its job is
   at waits too, answered with ``step_reached`` of that step once every stage is there. A worker that
-  already has ``MAX_WAITING_FETCHES`` fetches waiting, or a job with ``MAX_WAITING_STEPS`` waiting
+  already has ``MAX_WAITING_FETCHES`` fetches (or ``MAX_HELD_COMMITS`` commits) waiting, or a job with ``MAX_WAITING_STEPS`` waiting
   ``await_step`` requests, gets ``bad_state`` at once instead. A ``push`` of the target's worker
   that carries its norm (``sumsq``) and that the server must *hold* (NOTE [Held gradient slots] in
   ``wstream.server.step_commit``, rules 1-2, computed from the fuzzer's own count of the step's
@@ -141,6 +141,7 @@ from wstream.protocol.lr_schedules import Constant, InverseSqrt, MultiStep, Piec
 from wstream.protocol.messages import CHUNK_BYTES, MAX_HEADER_BYTES
 from wstream.protocol.shm import segment_paths
 from wstream.server import job as server_job
+from wstream.server import step_commit as server_step_commit
 from wstream.server import versions as server_versions
 from wstream.server.config import ServerConfig
 
@@ -154,6 +155,8 @@ MAX_WAITING_FETCHES: int | None = getattr(server_job, "MAX_WAITING_FETCHES", Non
 """Deferred fetches a worker may have at once (the server's; None where it has no such cap)."""
 MAX_WAITING_STEPS: int | None = getattr(server_versions, "MAX_WAITING_STEPS", None)
 """``await_step`` requests a job keeps waiting at once (the server's; None where it has no cap)."""
+MAX_HELD_COMMITS: int | None = getattr(server_step_commit, "MAX_HELD_COMMITS", None)
+"""``commit`` requests a worker keeps waiting at once (the server's; None where it has no cap)."""
 _config_defaults = {f.name: f.default for f in dataclasses.fields(ServerConfig)}
 CREATION_TIMEOUT_S: float | None = _config_defaults.get("creation_timeout_s")  # type: ignore[assignment]
 """An unsealed job that gets no stage for this long is dropped (the fixture server's default)."""
@@ -1141,7 +1144,8 @@ class Fuzzer:
             open_step = self.open_step(owner)
             if not open_step <= msg.step <= open_step + 1:
                 return None  # answered at once: from the kept outcomes of committed steps, or stale_step
-            return Waiting(owner.name, owner.gen, -1, msg.step, "", msg.session, kind="commit")
+            held = sum(1 for w in self.waiting.values() if w.session == msg.session and w.kind == "commit")
+            return Waiting(owner.name, owner.gen, -1, msg.step, "", msg.session, held, kind="commit")
         if msg.stage >= len(owner.numels):
             return None
         version = self.version(owner, msg.stage)
@@ -1217,7 +1221,7 @@ class Fuzzer:
                     waiting = self.may_wait(msg)
                 except WstreamError:
                     pass
-                limit = {"await": MAX_WAITING_STEPS, "fetch": MAX_WAITING_FETCHES}.get(waiting.kind) if waiting else None
+                limit = {"await": MAX_WAITING_STEPS, "fetch": MAX_WAITING_FETCHES, "commit": MAX_HELD_COMMITS}.get(waiting.kind) if waiting else None
                 if waiting is not None and limit is not None and waiting.before >= limit:
                     waiting, capped = None, True  # refused at once
                 elif waiting is not None:
@@ -1335,7 +1339,7 @@ class Fuzzer:
             if fresh_nonce:
                 assert not (code == AUTH_FAILED and "nonce" in text), f"a fresh nonce refused: {reply!r} for {where}"
             if capped:
-                assert "limit" in text, f"expected the cap on waiting fetches, got {reply!r} for {where}"
+                assert "limit" in text, f"expected the cap on waiting requests, got {reply!r} for {where}"
                 self.outcomes["capped"] += 1
             if isinstance(msg, m.Shutdown) and auth == "signed":  # nobody may stop a server without an admin secret
                 assert code == AUTH_FAILED and "admin" in text, f"{reply!r} for {where}"

@@ -380,3 +380,28 @@ def test_a_worker_of_a_job_with_nothing_to_push_is_refused_a_reader_is_not() -> 
         assert reader.reader
     finally:
         job.close()
+
+
+def test_held_commits_and_waiting_pulls_are_bounded() -> None:
+    """A peer that sends ``commit`` or ``pull`` again and again without reading the answers is
+    refused past a bound, with a message saying so (defect seen: each waited in an unbounded list,
+    memory for anyone holding a token)."""
+    from wstream.protocol import StateError
+    from wstream.server.step_commit import MAX_HELD_COMMITS
+    from wstream.server.versions import MAX_WAITING_PULLS
+
+    job, _, _ = lone_job(1, 2)
+    try:
+        w = job.worker_of(b"w" * 16)
+        for k in range(MAX_HELD_COMMITS):
+            assert job.commit(m.Commit(session=w.session, step=0, id=k + 1), b"id", w) is None  # held
+        with pytest.raises(StateError, match=f"already has {MAX_HELD_COMMITS} commits waiting"):
+            job.commit(m.Commit(session=w.session, step=0, id=99), b"id", w)
+        job.stages[0].updating = True  # (as while its update runs: a pull waits for it)
+        for k in range(MAX_WAITING_PULLS):
+            assert job.pull(m.Pull(session=w.session, stage=0, id=k + 1), b"id") is None
+        with pytest.raises(StateError, match=f"{MAX_WAITING_PULLS} pulls already wait"):
+            job.pull(m.Pull(session=w.session, stage=0, id=999), b"id")
+        job.stages[0].updating = False
+    finally:
+        job.close()
