@@ -114,10 +114,10 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--steps", type=int, default=3, help="timed blocks of each side (after one warm-up step)")
     p.add_argument("--block", type=int, default=1, help="steps per timed block (1: each step waits for its updates)")
-    p.add_argument("--grad-slots", type=int, default=2, help="the worker's gradient ring (TransportOptions.grad_slots)")
+    p.add_argument("--grad-slots", type=int, default=2, help="the worker's gradient ring (Transport.grad_slots)")
     p.add_argument(
         "--step-ring", choices=["auto", "on", "off"], default="auto",
-        help="TransportOptions.step_ring: auto (the default: a CPU worker asks), on, off (a ring of --grad-slots)",
+        help="Transport.step_ring: auto (the default: a CPU worker asks), on, off (a ring of --grad-slots)",
     )
     p.add_argument("--server-arg", action="append", default=[], help="an extra wstream-server argument (repeat)")
     p.add_argument("--cpu-threads", type=int, default=None, help="the worker's torch threads (default: the cores the server leaves)")

@@ -137,7 +137,7 @@ class WorkerConnection:
         self._say_what_it_waits_for()
         max_numel = max(s.numel for s in attached.stages)
         self.step_ring = bool(joined.grad_slot_offsets)
-        """Whether the gradient ring has a slot per stage (``TransportOptions.step_ring`` granted)."""
+        """Whether the gradient ring has a slot per stage (``Transport.step_ring`` granted)."""
         if self.step_ring:
             ring = map_segment(joined.grad_path, joined.grad_ring_bytes)
             self._register(ring, "gradient step ring")

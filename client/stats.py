@@ -55,7 +55,7 @@ class TrainerStats:
     grad_slots: int = 0
     """Slots of this worker's gradient ring (a step ring: one per server stage)."""
     step_ring: bool = False
-    """Whether the ring is a step ring (``TransportOptions.step_ring`` granted): every push held
+    """Whether the ring is a step ring (``Transport.step_ring`` granted): every push held
     in place until its update, none copied on the server."""
     loss_scale: float | None = None
     """The loss scale of the next step (None: no loss scaling; NOTE [Per-stage loss scaling])."""

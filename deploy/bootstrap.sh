@@ -27,7 +27,9 @@ fi
 py="$venv/bin/python"
 
 if ! "$py" -c "import torch" >/dev/null 2>&1; then
-  "$py" -m pip install --quiet "${WSTREAM_TORCH:-torch==2.13.0}"
+  # WSTREAM_TORCH is pip's arguments, split into words (e.g. "torch --index-url URL")
+  read -r -a torch_args <<< "${WSTREAM_TORCH:-torch==2.13.0}"
+  "$py" -m pip install --quiet "${torch_args[@]}"
 fi
 # tests: the hf extra (transformers) too, so that tests/test_hf.py runs rather than skips
 extras=test
