@@ -285,6 +285,8 @@ def test_a_discarded_step_leaves_the_held_commits_of_workers_it_does_not_end(hel
     a, sign_a = held.worker(job)
     d, sign_d = held.worker(job)
     push(held, a, sign_a, job, 2, 0)  # parked: d's gradient of stage 2 is still to come
+    barrier = held.wire.send(m.Status())  # answered after the push on the same socket: it was taken
+    held.wire.collect(lambda: barrier in held.wire.replies)
     b, sign_b = held.worker(job)
     assert b.connection.joined_step == 1
     early = [
