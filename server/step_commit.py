@@ -283,12 +283,8 @@ class StepCommit:
         out = [Outgoing.error(d.identity, d.request_id, failed) for d, _ in self.waiting_commit]
         self.waiting_commit = []
         out += self.versions.refuse_steps(st.version, failed)
-        h, st.held = st.held, None
+        h = self._take_held(st)
         if h is not None:
-            w = self.job.workers.get(h.worker)
-            if w is not None:
-                w.held.discard(h.push.slot)
-                w.busy.discard(h.push.slot)
             out.append(Outgoing.error(h.push.identity, h.push.request_id, failed))
         return out
 
@@ -418,15 +414,21 @@ class StepCommit:
     def _release_held(self, st: StageState) -> list[Outgoing]:
         """The stage's update has read its held slot: free it and answer its push (NOTE [Held
         gradient slots] rule 3)."""
-        h = st.held
+        h = self._take_held(st)
         if h is None:
             return []
-        st.held = None
-        w = self.job.workers.get(h.worker)
-        if w is not None:  # (a worker that left after the commit has no slots to free; it is answered all the same)
-            w.held.discard(h.push.slot)
-            w.busy.discard(h.push.slot)
         return [Outgoing(h.push.identity, m.Pushed(id=h.push.request_id, stage=st.index, step=st.version, slot=h.push.slot))]
+
+    def _take_held(self, st: StageState) -> HeldPush | None:
+        """Take the stage's held slot off it and free the slot in its worker's ring (a worker that
+        left has no slots to free; its push is answered all the same)."""
+        h, st.held = st.held, None
+        if h is not None:
+            w = self.job.workers.get(h.worker)
+            if w is not None:
+                w.held.discard(h.push.slot)
+                w.busy.discard(h.push.slot)
+        return h
 
     # ---- a worker leaves -------------------------------------------------------------------------
     def worker_left(self, worker_id: int, submit: Submit, end_session: EndSession, reason: str) -> list[Outgoing]:
@@ -480,12 +482,9 @@ class StepCommit:
             st.pending = {}
             st.parked = {}
             if st.held is not None and st.held.attempt == self.attempt - 1:  # of the discarded step
-                out.append(Outgoing.error(st.held.push.identity, st.held.push.request_id, gone))
-                held_by = self.job.workers.get(st.held.worker)
-                if held_by is not None:
-                    held_by.held.discard(st.held.push.slot)
-                    held_by.busy.discard(st.held.push.slot)
-                st.held = None
+                h = self._take_held(st)
+                assert h is not None
+                out.append(Outgoing.error(h.push.identity, h.push.request_id, gone))
         ended = {leaver, *others}  # the other workers' commits wait on (a delayed job's of the step after)
         out += [Outgoing.error(d.identity, d.request_id, gone) for d, wid in self.waiting_commit if wid in ended]
         self.waiting_commit = [c for c in self.waiting_commit if c[1] not in ended]
