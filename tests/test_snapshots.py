@@ -9,6 +9,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -405,6 +406,14 @@ def test_a_save_waiting_for_a_consistent_step_is_answered_at_shutdown(held) -> N
     assert waiting not in held.wire.replies, held.wire.replies[waiting]
     stopping = threading.Thread(target=held.srv.stop)
     stopping.start()
+    # released only once the loop has left serving (its pool shuts down, waiting for the running
+    # update): released earlier, the loop could drain the updates and end the step before it saw the
+    # stop, and answer the save with its snapshot (a CI race)
+    pool = held.srv.server._updates._pool
+    deadline = time.monotonic() + 30
+    while not pool._shutdown and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert pool._shutdown, "the server's loop did not begin its shutdown"
     held.update.release()  # the shutdown waits for the running update
     held.wire.collect(lambda: waiting in held.wire.replies)
     stopping.join(30)
