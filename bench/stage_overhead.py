@@ -13,8 +13,11 @@ step, their ratio, and the overhead per stage, ``(wstream - plain) / n``.
 
 Two baselines, both in the alternation: plain PyTorch on the worker's torch threads (the cores the
 server leaves it: 1 of 2 here; the same compute as the worker, so the ratio isolates what wstream
-adds), and plain PyTorch on every core (what a CPU-only user would run instead: the last column,
-``vs all cores``; wstream's worker and server share those cores).
+adds), and plain PyTorch on every core (what a CPU-only user would run instead: ``vs all cores``;
+wstream's worker and server share those cores). ``handoff floor``: plain PyTorch on every core
+plus the gradient handoff alone (each stage's gradient copied into a flat slot and its norm taken,
+timed inside those steps), over plain PyTorch: what a worker that hands its gradients to the
+server's memory pays at least against every core, before any message or update.
 
     python bench/stage_overhead.py [--chains 100x48,1000x48,10000x48,60x256,30x1024] [--batch 16] [--steps 3] [--block 1]
         [--unit-bytes auto|none|N]   # transfer units (client/units.py): the default, none, or N bytes
@@ -34,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from common import machine, parse_args, server, unit_bytes_arg
 from wstream.client import AdamW, Client, Trainer
+from wstream.protocol.grad_norm import squared_norm
 from wstream.protocol.host import host_cores
 
 
@@ -57,11 +61,14 @@ def measure(
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-4, fused=True)
     data = [(torch.randn(batch, width), torch.randn(batch, width)) for _ in range(steps * block + 1)]
 
+    handoff = GradientHandoff(ref)
+
     def plain_step(x: torch.Tensor, y: torch.Tensor) -> None:
         h = x
         for stage in ref:
             h = checkpoint(stage, h, use_reentrant=False)
         loss_fn(h, y).backward()
+        handoff.after_backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
@@ -72,14 +79,41 @@ def measure(
     with job.trainer(schedule="store_all", cpu_threads=cpu_threads, grad_slots=grad_slots, step_ring=step_ring) as trainer:
         plain_step(*data[0])
         trainer.step(*data[0], loss_fn)
-        plain, streamed, everywhere = alternate(plain_step, trainer, data[1:], block, all_cores=True)
+        plain, streamed, everywhere = alternate(plain_step, trainer, data[1:], block, all_cores=True, handoff=handoff)
     job.drop()
-    return statistics.median(plain), statistics.median(streamed), statistics.median(everywhere)
+    return statistics.median(plain), statistics.median(streamed), statistics.median(everywhere), statistics.median(handoff.seconds)
+
+
+class GradientHandoff:
+    """What any design that hands a step's gradients to another process's memory pays at least: each
+    parameter's gradient copied into a flat fp32 slot and its squared norm taken (what a CPU
+    worker does per push, ``client/gradient_write.py``). Timed inside plain PyTorch's all-core
+    steps, between backward and AdamW (and not counted in their time), while ``armed``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.stages = [list(stage.parameters()) for stage in model]
+        self.slots = [torch.empty(sum(p.numel() for p in params)) for params in self.stages]
+        self.armed = False
+        self.seconds: list[float] = []
+
+    def after_backward(self) -> None:
+        if not self.armed:
+            return
+        t0 = time.perf_counter()
+        for params, slot in zip(self.stages, self.slots):
+            at = 0
+            for p in params:
+                assert p.grad is not None
+                slot[at : at + p.numel()].copy_(p.grad.view(-1))
+                at += p.numel()
+            squared_norm(slot)
+        self.seconds.append(time.perf_counter() - t0)
 
 
 def alternate(
     plain_step: Callable[[torch.Tensor, torch.Tensor], None], trainer: Trainer,
     data: list[tuple[torch.Tensor, torch.Tensor]], block: int = 1, all_cores: bool = False,
+    handoff: GradientHandoff | None = None,
 ) -> tuple[list[float], list[float], list[float]]:
     """Seconds per step of plain PyTorch (this thread's torch threads: the worker's), of wstream
     and (``all_cores``) of plain PyTorch on every core, alternating in blocks of ``block`` batches;
@@ -98,7 +132,13 @@ def alternate(
         plain.append(time_plain(batches))
         if all_cores:
             torch.set_num_threads(host_cores())
+            if handoff is not None:
+                handoff.armed, timed = True, len(handoff.seconds)
             everywhere.append(time_plain(batches))
+            if handoff is not None:  # the handoff's time is its own column, not plain PyTorch's
+                handoff.armed = False
+                handoff.seconds[timed:] = [sum(handoff.seconds[timed:]) / len(batches)]
+                everywhere[-1] -= handoff.seconds[-1]
             torch.set_num_threads(worker_threads)
         t0 = time.perf_counter()
         for x, y in batches:
@@ -135,17 +175,17 @@ def main() -> None:
     )
     print(
         f"{'chain':>12} {'plain ms/step':>14} {'wstream ms/step':>16} {'ratio':>7} {'overhead/stage':>15} "
-        f"{f'plain, {host_cores()} cores':>16} {'vs all cores':>13}"
+        f"{f'plain, {host_cores()} cores':>16} {'vs all cores':>13} {'handoff floor':>14}"
     )
     with server("--memory-limit", "16GiB", *args.server_arg) as address, Client(address, timeout=120) as client:
         for n, width in chains:
-            t_plain, t_ws, t_all = measure(client, n, width, args.batch, args.steps, args.cpu_threads, args.unit_bytes, args.block, args.grad_slots,
+            t_plain, t_ws, t_all, t_handoff = measure(client, n, width, args.batch, args.steps, args.cpu_threads, args.unit_bytes, args.block, args.grad_slots,
                 {"auto": None, "on": True, "off": False}[args.step_ring],
             )
             per_stage_us = (t_ws - t_plain) / n * 1e6
             print(
                 f"{f'{n}x{width}':>12} {t_plain * 1e3:14.1f} {t_ws * 1e3:16.1f} {t_ws / t_plain:7.2f} "
-                f"{per_stage_us:12.0f} us {t_all * 1e3:16.1f} {t_ws / t_all:13.2f}",
+                f"{per_stage_us:12.0f} us {t_all * 1e3:16.1f} {t_ws / t_all:13.2f} {(t_all + t_handoff) / t_all:14.2f}",
                 flush=True,
             )
 
