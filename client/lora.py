@@ -258,6 +258,11 @@ def adapter_modules(job: Job) -> list[str]:
     return [p.name.removesuffix(suffix) for s in job.specs for p in s.params if p.name.endswith(suffix)]
 
 
+def is_adapter(name: str) -> bool:
+    """Whether a chain parameter's name is one of a :class:`LoraLinear`'s adapters."""
+    return f".lora_A.{ADAPTER}." in name or f".lora_B.{ADAPTER}." in name
+
+
 def peft_name(name: str) -> str:
     """The name peft saves an adapter parameter under: prefixed, the adapter's name dropped."""
     return PEFT_PREFIX + name.replace(f".{ADAPTER}.", ".")
@@ -287,8 +292,9 @@ def export_adapter(
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for stage in range(job.num_stages):
-        if job.specs[stage].params:
-            tensors.update((peft_name(name), t.contiguous()) for name, t in job.pull_stage(stage).items())
+        if any(is_adapter(p.name) for p in job.specs[stage].params):
+            # only the adapters: a job made without ``base=`` holds its frozen weights too
+            tensors.update((peft_name(name), t.contiguous()) for name, t in job.pull_stage(stage).items() if is_adapter(name))
     save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",

@@ -17,7 +17,7 @@ from test_hf_families import EPS, attn_of, batch, reference, save_model  # noqa:
 
 from wstream.client import AdamW, Client, LayoutError  # noqa: E402
 from wstream.client.hf import causal_lm_loss, create_job_from_pretrained, stages_from_pretrained  # noqa: E402
-from wstream.client.lora import PEFT_PREFIX, Lora, add_lora, export_adapter, export_merged  # noqa: E402
+from wstream.client.lora import PEFT_PREFIX, Lora, add_lora, export_adapter, export_merged, peft_name  # noqa: E402
 from wstream.client.stages import Tied  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
@@ -214,3 +214,24 @@ def test_a_peft_adapter_folder_is_read_back_into_the_chain(tmp_path: Path) -> No
     rslora.write_text(rslora.read_text().replace('"use_rslora": false', '"use_rslora": true'))
     with pytest.raises(ValueError, match="use_rslora=True is not supported"):
         Lora.from_pretrained(adapter)
+
+
+def test_an_adapter_of_a_job_without_a_base_holds_only_the_adapters(client: Client, tmp_path: Path) -> None:
+    """A LoRA job created without ``base=`` keeps its frozen weights in the job itself;
+    ``export_adapter`` writes only the adapters, under peft's names, and the folder reads back
+    (defect seen: every frozen weight went into ``adapter_model.safetensors``, and reading it back
+    failed)."""
+    from safetensors import safe_open
+
+    folder = save_model("llama", tmp_path / "model")
+    lora = Lora(targets=["q_proj", "v_proj"], rank=4, alpha=8)
+    chain = list(add_lora(stages_from_pretrained(folder), lora))
+    job = client.create_job("no-base", chain, token="t", optimizer=AdamW(lr=1e-3))
+    out = export_adapter(job, tmp_path / "adapter", lora, base_model=folder)
+    with safe_open(out / "adapter_model.safetensors", "pt") as f:
+        saved = set(f.keys())
+    want = {peft_name(name) for item in chain for name in lora_params(item)}
+    assert saved == want, sorted(saved ^ want)[:4]
+    back = list(add_lora(stages_from_pretrained(folder, weights=False), Lora.from_pretrained(out), weights=out))
+    assert {peft_name(name) for item in back for name in lora_params(item)} == want
+    job.drop()
