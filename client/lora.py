@@ -41,7 +41,7 @@ import json
 import math
 import os
 import re
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -119,7 +119,13 @@ class Lora:
         """Whether the module at ``path`` is a target."""
         if self._pattern is not None:
             return bool(self._pattern.fullmatch(path) or self._pattern.fullmatch(path.rpartition(".")[2]))
-        return any(path == t or path.endswith("." + t) for t in self.targets)
+        return bool(self.named_by(path))
+
+    def named_by(self, path: str) -> list[str]:
+        """The names of a list of targets that pick the module at ``path`` (none for a pattern)."""
+        if self._pattern is not None:
+            return []
+        return [t for t in self.targets if path == t or path.endswith("." + t)]
 
 
 def _is_conv1d(module: nn.Module) -> bool:
@@ -195,16 +201,23 @@ def add_lora(
     generator = torch.Generator().manual_seed(lora.seed) if lora.seed is not None else None
     saved = _AdapterFile(Path(weights)) if weights is not None else None
     wrapped = 0
+    named: set[str] = set()
     for i, item in enumerate(stages):
         module = item.module if isinstance(item, Tied) else item
         module.requires_grad_(False)
         if not isinstance(item, Tied):
-            wrapped += _wrap(i, module, lora, generator)
+            wrapped += _wrap(i, module, lora, generator, named)
             if saved is not None:
                 saved.fill(i, module)
         yield item
     if not wrapped:
         raise ValueError(f"Lora targets {lora.targets!r} picked no module of the chain")
+    missed = [t for t in lora.targets if t not in named] if lora._pattern is None else []
+    if missed:  # peft would skip them silently: a misspelt name, or one the chain spells otherwise
+        raise ValueError(
+            f"Lora targets {missed!r} picked no module of the chain (its modules carry their checkpoint's "
+            "names: GPT-NeoX's head, for one, is 'embed_out', not 'lm_head')"
+        )
     if saved is not None:
         saved.check_all_used()
 
@@ -241,9 +254,12 @@ class _AdapterFile:
             raise LayoutError(f"{len(unused)} tensors of {self.path} are no adapter of the chain, e.g. {unused[:3]}")
 
 
-def _wrap(index: int, stage: nn.Module, lora: Lora, generator: torch.Generator | None) -> int:
-    """Replace the targets of ``stage`` by :class:`LoraLinear`; how many there were."""
+def _wrap(index: int, stage: nn.Module, lora: Lora, generator: torch.Generator | None, named: set[str]) -> int:
+    """Replace the targets of ``stage`` by :class:`LoraLinear`; how many there were. The names of
+    a list of targets that picked one are added to ``named``."""
     picked = [(path, mod) for path, mod in stage.named_modules() if path and lora.picks(path)]
+    for path, _ in picked:
+        named.update(lora.named_by(path))
     for path, mod in picked:
         if not (isinstance(mod, nn.Linear) or _is_conv1d(mod)):
             raise ValueError(f"stage {index}: Lora target {path!r} is a {type(mod).__name__}, not a linear layer")
@@ -288,13 +304,18 @@ def export_adapter(
         raise ValueError(f"job {job.name!r} holds no LoRA adapter (no parameter named *.lora_A.{ADAPTER}.weight)")
     if fan_in_fan_out is None:
         fan_in_fan_out = base_model is not None and _conv1d_family(base_model)
+    # the chain's names are the checkpoint's; peft names the model's modules (GPT-NeoX's embed_out is its lm_head)
+    model_name = _model_names(base_model)
+    modules = [model_name(path + ".")[:-1] for path in modules]
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
     for stage in range(job.num_stages):
         if any(is_adapter(p.name) for p in job.specs[stage].params):
             # only the adapters: a job made without ``base=`` holds its frozen weights too
-            tensors.update((peft_name(name), t.contiguous()) for name, t in job.pull_stage(stage).items() if is_adapter(name))
+            tensors.update(
+                (peft_name(model_name(name)), t.contiguous()) for name, t in job.pull_stage(stage).items() if is_adapter(name)
+            )
     save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",
@@ -365,6 +386,16 @@ def export_merged(
 
 CONV1D_FAMILIES = ("gpt2",)
 """Model types whose linear layers are ``Conv1D`` (weight in x out): peft's ``fan_in_fan_out``."""
+
+
+def _model_names(base_model: str | os.PathLike[str] | None) -> Callable[[str], str]:
+    """Chain (checkpoint) name -> the model's, for ``base_model``'s family (as is without one)."""
+    if base_model is None:
+        return lambda name: name
+    from .hf import load_config
+    from .hf_layout import FAMILIES, Family
+
+    return FAMILIES.get(load_config(base_model).model_type, Family()).model_name
 
 
 def _conv1d_family(config: Any) -> bool:

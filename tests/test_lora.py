@@ -235,3 +235,36 @@ def test_an_adapter_of_a_job_without_a_base_holds_only_the_adapters(client: Clie
     back = list(add_lora(stages_from_pretrained(folder, weights=False), Lora.from_pretrained(out), weights=out))
     assert {peft_name(name) for item in back for name in lora_params(item)} == want
     job.drop()
+
+
+def test_a_target_that_picks_nothing_is_refused_by_name(tmp_path: Path) -> None:
+    """Every name of a list of targets must pick a module (defect seen: GPT-NeoX's ``lm_head``, which
+    the chain holds under its checkpoint name ``embed_out``, was skipped without a word, as peft
+    adapts it, once another target matched)."""
+    neox = save_model("gpt_neox", tmp_path / "neox")
+    with pytest.raises(ValueError, match=r"\['lm_head'\] picked no module of the chain .*'embed_out'"):
+        list(add_lora(stages_from_pretrained(neox, weights=False), targets=["query_key_value", "lm_head"], rank=4))
+    llama = save_model("llama", tmp_path / "llama")
+    with pytest.raises(ValueError, match=r"\['v_prj'\] picked no module"):
+        list(add_lora(stages_from_pretrained(llama, weights=False), targets=["q_proj", "v_prj"], rank=4))
+
+
+def test_an_adapter_on_a_renamed_head_is_exported_under_the_models_name(client: Client, tmp_path: Path) -> None:
+    """GPT-NeoX's head is ``embed_out`` in the chain (its checkpoint's name) and ``lm_head`` in the
+    model: the adapter folder names the model's module, so peft loads it onto the head (defect seen:
+    ``target_modules=['embed_out']``, which peft refuses)."""
+    folder = save_model("gpt_neox", tmp_path / "model")
+    lora = Lora(targets=["query_key_value", "embed_out"], rank=4, alpha=8, seed=0)
+    chain = list(add_lora(stages_from_pretrained(folder), lora))
+    for item in chain:  # a non-zero B, so that the adapter changes the logits
+        for name, p in lora_params(item).items():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p)
+    job = client.create_job("neox-head", chain, token="t", optimizer=AdamW(lr=1e-3))
+    out = export_adapter(job, tmp_path / "adapter", lora, base_model=folder)
+    model = peft.PeftModel.from_pretrained(reference(folder, "sdpa"), out)
+    adapted = {n.removeprefix(PEFT_PREFIX).split(".lora_A")[0] for n, _ in model.named_parameters() if ".lora_A." in n}
+    assert "lm_head" in adapted, sorted(adapted)
+    got = {n.removeprefix(PEFT_PREFIX): p for n, p in model.named_parameters() if ".lora_" in n}
+    assert torch.equal(got["lm_head.lora_B.default.weight"], job.pull_stage(job.num_stages - 1)["embed_out.lora_B.default.weight"])
+    job.drop()
