@@ -99,7 +99,8 @@ class Embedding(nn.Module):
             raise ValueError(
                 "this family counts positions from a 2D padding mask; with a 4D attention_mask pass position_ids too"
             )
-        return (torch.cumsum(attention_mask, dim=1) * attention_mask - 1).long()
+        ones = attention_mask.bool().long()  # counted in integers: a float mask may arrive in bf16, which skips past 256
+        return ones.cumsum(dim=1) * ones - 1
 
 
 class Blocks(nn.Module):
