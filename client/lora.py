@@ -104,9 +104,11 @@ class Lora:
         if config.get("peft_type", "LORA") != "LORA":
             raise ValueError(f"{folder}: a {config['peft_type']} adapter, not LoRA")
         for key in ("use_rslora", "use_dora", "bias", "modules_to_save", "rank_pattern", "alpha_pattern",
-                    "layers_to_transform", "trainable_token_indices"):
+                    "layers_to_transform", "trainable_token_indices", "exclude_modules", "lora_bias"):
             if config.get(key) not in (None, False, "none", {}, []):
                 raise ValueError(f"{folder}: {key}={config[key]!r} is not supported (plain LoRA only)")
+        if config.get("init_lora_weights", True) not in (True, False, "gaussian"):  # PiSSA, OLoRA, LoftQ... change the base too
+            raise ValueError(f"{folder}: init_lora_weights={config['init_lora_weights']!r} is not supported (plain LoRA only)")
         targets = config["target_modules"]
         return cls(targets=targets if isinstance(targets, str) else sorted(targets), rank=config["r"],
                    alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0))

@@ -4,6 +4,7 @@ adapter with ``peft``, the merged model with ``transformers``, giving the stream
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +215,14 @@ def test_a_peft_adapter_folder_is_read_back_into_the_chain(tmp_path: Path) -> No
     rslora.write_text(rslora.read_text().replace('"use_rslora": false', '"use_rslora": true'))
     with pytest.raises(ValueError, match="use_rslora=True is not supported"):
         Lora.from_pretrained(adapter)
+    # settings peft saves that change what the adapter computes or which layers hold one (defect
+    # seen: accepted, then a LayoutError or other layers than peft's)
+    plain = {**json.loads(rslora.read_text()), "use_rslora": False}
+    for key, value in (("exclude_modules", ["k_proj"]), ("lora_bias", True), ("init_lora_weights", "pissa")):
+        config = {**plain, key: value}
+        rslora.write_text(json.dumps(config))
+        with pytest.raises(ValueError, match=f"{key}=.* is not supported"):
+            Lora.from_pretrained(adapter)
 
 
 def test_an_adapter_of_a_job_without_a_base_holds_only_the_adapters(client: Client, tmp_path: Path) -> None:
