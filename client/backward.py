@@ -235,9 +235,10 @@ def _roots(
                 f"the loss of micro-batch {lane} is {value}: nothing of this step was sent (the job's "
                 "weights are unchanged); check the data and the learning rate"
             )
+        weights = run.lane_weights  # an uneven split: each micro-batch's mean loss weighs its share of the batch
         if first:
-            run.loss += value / run.k
-        root = loss if run.k == 1 else loss / run.k
+            run.loss += value / run.k if weights is None else value * weights[lane]
+        root = loss if run.k == 1 else loss / run.k if weights is None else loss * weights[lane]
         if run.scales is None:
             return [root], [None]
         return [root.float()], [torch.tensor(run.scales[lane], dtype=torch.float32, device=root.device)]

@@ -26,7 +26,7 @@ class PlanRun:
         "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last",
         "runner_at", "held", "grads", "_kept_bytes", "_arriving_bytes", "_current_bytes", "_current_kept",
         "k", "targets", "advanced", "scales", "step", "delayed", "buffers", "buffers_before", "buffers_start",
-        "tapes",
+        "tapes", "lane_weights",
     )
 
     def __init__(
@@ -44,6 +44,8 @@ class PlanRun:
         self.step = step  # the job's step this run trains
         self.delayed = delayed  # it may end before its updates (a delayed-update job past warm-up)
         self.k = k  # micro-batches: every state is k lanes packed (see ``join_lanes``)
+        # each micro-batch's share of the batch (n_j / N) when the split is uneven; None: 1/k each
+        self.lane_weights: list[float] | None = None
         self.scales = None if scale is None else [scale] * k  # each micro-batch's loss scale, if scaling
         self.advanced: set[int] = set()  # positions run forward this step (a rerun is a recomputation)
         self.targets = targets  # one per micro-batch

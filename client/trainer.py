@@ -28,7 +28,7 @@ import torch
 from wstream.protocol import ServerUnavailable, SessionExpiredError, StateError, WstreamError
 from wstream.protocol import messages as m
 
-from .boundary import as_boundary, join_lanes, output_boundary, place, split_micro_batches
+from .boundary import as_boundary, join_lanes, lane_weights, output_boundary, place, split_micro_batches
 from .connection import WorkerConnection
 from .distributed import AllReduceGradients
 from .endpoint import WorkerEndpoint
@@ -422,6 +422,7 @@ class Trainer:
         run = self._new_run(
             join_lanes(as_boundary(x) for x in lanes), runners.__getitem__, k=k, targets=lane_targets, last=len(runners) - 1
         )
+        run.lane_weights = lane_weights(inputs, k)
         started = time.monotonic_ns()
         try:
             ex.run_actions(run, plan.actions, loss_fn, planning.taped)
