@@ -6,6 +6,7 @@ apart so that ``client.py`` holds only the ``Client`` and ``Job`` handles.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -46,14 +47,39 @@ def walk_chain(
     Every module is moved to the meta device once handled, so one at a time is materialized."""
     specs: list[StageSpec] = []
     chain: Chain = []
+    seen = SharedWeights()
     for item in items:
         if isinstance(item, Tied):
             check_tied(len(chain), item, specs, base_stages)
             chain.append((item.stage, skeleton_of(item.module)))
             continue
+        seen.check(len(specs), item)
         specs.append(add_stage(len(specs), item))
         chain.append((len(specs) - 1, skeleton_of(item)))
     return specs, chain
+
+
+class SharedWeights:
+    """Refuses a stage that holds a parameter an earlier stage held: each stage's weights are
+    uploaded and trained apart, so a weight shared that way would silently become two, trained on
+    separate gradients (:class:`Tied` is how a chain shares one). Parameters are remembered by weak
+    reference, so a handled stage's weights are still freed as the walk moves on."""
+
+    def __init__(self) -> None:
+        self._owners: dict[int, tuple[weakref.ref[nn.Parameter], int, str]] = {}
+
+    def check(self, stage: int, module: nn.Module) -> None:
+        for name, p in module.named_parameters():
+            owner = self._owners.get(id(p))
+            if owner is not None and owner[0]() is p:
+                raise LayoutError(
+                    f"stage {stage}'s parameter {name!r} is stage {owner[1]}'s {owner[2]!r}: a weight shared by "
+                    f"two stages must be given once, with the later position as Tied({owner[1]}, module) "
+                    "(as given, each stage would train its own copy)"
+                )
+        owners = self._owners
+        for name, p in module.named_parameters():  # forgotten once freed (a 250,000-stage chain keeps no table of them)
+            owners[id(p)] = (weakref.ref(p, lambda _, key=id(p): owners.pop(key, None)), stage, name)
 
 
 def progress_bar(enabled: bool | None, total: int | None, desc: str) -> Any:

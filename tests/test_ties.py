@@ -145,3 +145,22 @@ def test_a_tied_position_must_name_parameters_of_an_earlier_stage(client: Client
         with pytest.raises(LayoutError, match=message):
             client.create_job(f"bad{k}", make(*chain()), token="t")
     assert client.status().jobs == []  # nothing half-made was left
+
+
+def test_a_weight_shared_by_two_stages_without_tied_is_refused(client: Client) -> None:
+    """Each stage's weights are uploaded and trained apart, so one ``nn.Parameter`` in two stages
+    would silently become two copies on separate gradients: refused, pointing to ``Tied``
+    (defect seen: accepted, and after 3 steps the two copies differed by 0.05)."""
+    shared = nn.Linear(4, 4)
+    first = nn.Sequential(shared, nn.Tanh())
+    second = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    second[0].weight = shared.weight
+    with pytest.raises(LayoutError, match=r"stage 1's parameter '0.weight' is stage 0's '0.weight'.*Tied\(0, module\)"):
+        client.create_job("shared", [first, second, nn.Linear(4, 2)], token="t")
+    assert client.status().jobs == []
+    one = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    two = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    two[0].bias = one[0].bias
+    with pytest.raises(LayoutError, match=r"stage 2's parameter '0.bias' is stage 0's '0.bias'"):
+        client.create_job("shared-later", [one, nn.Linear(4, 4), two], token="t")
+    assert client.status().jobs == []
