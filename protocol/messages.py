@@ -218,6 +218,8 @@ class JobOptions(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     server checks at ``seal`` that it has one entry per stage. A creator gives it in ``seal``."""
 
     def __post_init__(self) -> None:
+        if self.delay_after and not self.delayed_update:
+            raise ValueError(f"delay_after={self.delay_after} means nothing without delayed_update=True")
         if len(self.param_groups) > MAX_PARAM_GROUPS:
             raise ValueError(f"{len(self.param_groups)} parameter groups, more than the limit of {MAX_PARAM_GROUPS}")
         seen: set[str] = set()

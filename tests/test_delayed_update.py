@@ -329,3 +329,16 @@ def test_a_push_that_comes_early_is_checked_before_it_is_held() -> None:
         assert job.stages[0].waiting_push == []
     finally:
         job.close()
+
+
+def test_delay_after_without_delayed_update_is_refused(client: Client) -> None:
+    """``delay_after`` only counts warm-up steps of a delayed-update job: given alone it would be
+    ignored (defect seen: accepted, silently)."""
+    from wstream.protocol import messages as m
+
+    with pytest.raises(ValueError, match=r"delay_after=5 means nothing without delayed_update=True"):
+        m.JobOptions(delay_after=5)
+    with pytest.raises(ValueError, match=r"delay_after=5 means nothing without delayed_update=True"):
+        client.create_job("no-delay", models.mixed(), token="t", delay_after=5)
+    assert client.status().jobs == []
+    assert m.JobOptions(delayed_update=True, delay_after=5).delay_after == 5
