@@ -8,6 +8,8 @@ written, one ``torch.cat`` or torch's own flattening, is its own concern.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from wstream.protocol import StageSpec
@@ -56,11 +58,37 @@ def scatter_grads(dst: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor |
             pos = at + numel_of(spec.params[k].shape)
             g = grads[k]
             if g is None:
+                _warn_no_gradient(spec, k)
                 dst[at:pos].zero_()  # in place: no temporary as large
             else:
                 dst[at:pos].copy_(g.reshape(-1))
         if layout.tail:
             dst[pos : layout.numel].zero_()
+
+
+_warned: set[tuple[int, str, str]] = set()
+"""(stage, parameter) already warned of in this process."""
+
+
+def _warn_no_gradient(spec: StageSpec, k: int) -> None:
+    """Once per parameter in a process: a trained parameter without a gradient is updated as with a
+    zero one (DESIGN.md, "A parameter without a gradient")."""
+    key = (id(spec), spec.name, spec.params[k].name)  # a job's specs live as long as its connection
+    if key in _warned:
+        return
+    _warned.add(key)
+    warnings.warn(
+        f"stage {spec.name}: parameter {spec.params[k].name!r} got no gradient in a step; the server updates it as with a "
+        "zero gradient (weight decay and momentum still move it, as under DistributedDataParallel with "
+        "find_unused_parameters=True), where torch.optim on one process skips it. Give it requires_grad=False "
+        "if it should not train.",
+        UnusedParameterWarning,
+        stacklevel=2,
+    )
+
+
+class UnusedParameterWarning(UserWarning):
+    """A trained parameter of a stage got no gradient in a step."""
 
 
 _flatten = getattr(torch._C._nn, "flatten_dense_tensors", None)

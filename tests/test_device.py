@@ -123,6 +123,7 @@ def test_receive_ring_lands_frames_in_reused_host_buffers() -> None:
     ring.close()
 
 
+@pytest.mark.filterwarnings("ignore::wstream.client.scatter.UnusedParameterWarning")  # missing gradients on purpose
 def test_staged_gradients_equal_the_direct_scatter_bit_for_bit() -> None:
     module = models.Residual(32, 64)
     spec = spec_of(0, module)
@@ -306,6 +307,7 @@ MODULES_TO_SCATTER = {
 }
 
 
+@pytest.mark.filterwarnings("ignore::wstream.client.scatter.UnusedParameterWarning")  # missing gradients on purpose
 @pytest.mark.parametrize("case", list(MODULES_TO_SCATTER))
 def test_scatter_grads_writes_every_piece_as_the_layout_says(case: str) -> None:
     mod = MODULES_TO_SCATTER[case]()

@@ -19,6 +19,7 @@ from torch import nn
 
 import models
 from conftest import ServerThread, start_server
+from test_equivalence import assert_weights_equal
 from rawwire import RawPeer, RawSession
 from wstream.client import connection as connection_module
 from wstream.client import SGD, AdamW, Client, GradientError, LayoutError, ParamGroup, no_decay
@@ -485,6 +486,7 @@ def test_the_server_refuses_bad_groups_on_the_wire(server: ServerThread) -> None
         peer.close()
 
 
+@pytest.mark.filterwarnings("ignore::wstream.client.scatter.UnusedParameterWarning")  # it pushes no gradient on purpose
 def test_a_push_of_the_whole_stage_is_refused_when_some_parameters_are_frozen(client: Client) -> None:
     """The gradient of a stage with frozen parameters is smaller than the stage: the server says so."""
     import msgspec
@@ -561,3 +563,44 @@ def test_an_export_carries_the_groups_and_the_frozen_parameters(client: Client, 
     assert json.loads(meta["frozen"]) == ["0.0.bias"]
     assert set(groups["no_decay"]["params"]) | set(groups["up"]["params"]) | {"0.0.bias"} <= names
     assert meta["job"] == "exported"
+
+
+class _Gated(nn.Module):
+    """A data-dependent branch (as MoE routing): ``extra`` runs only while ``use`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(12, 12)
+        self.extra = nn.Linear(12, 12)
+        self.use = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.extra(x) if self.use else self.lin(x)
+
+
+def test_a_parameter_without_a_gradient_is_updated_as_with_a_zero_one_and_said_so(client: Client) -> None:
+    """A trained parameter that gets no gradient in a step is updated as with a zero gradient (as
+    DistributedDataParallel with find_unused_parameters=True does; torch.optim on one process skips
+    it), and the worker says so once, naming it (defect seen: the departure from plain PyTorch was
+    silent and written nowhere)."""
+    from wstream.client.scatter import UnusedParameterWarning
+
+    torch.manual_seed(0)
+    stages: list[nn.Module] = [_Gated(), nn.Linear(12, 5)]
+    ref = nn.Sequential(*copy.deepcopy(stages))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    job = client.create_job("gated", stages, optimizer=AdamW(lr=1e-2, weight_decay=0.1), token="t")
+    with pytest.warns(UnusedParameterWarning, match=r"extra\.(weight|bias)' got no gradient") as said, job.trainer() as trainer:
+        for step in range(4):
+            stages[0].use = ref[0].use = step == 0
+            x, y = models.batch("mixed", step)
+            trainer.step(x, y, models.loss_fn)
+            opt.zero_grad()
+            models.loss_fn(ref(x), y).backward()
+            for p in ref.parameters():  # zero, not None: the update wstream documents
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            opt.step()
+    for name in ("extra.weight'", "extra.bias'"):
+        assert len([w for w in said if name in str(w.message)]) == 1, name  # once, not every step
+    assert_weights_equal(job.state_dict(), {f"{i}.{k}": v for i, m in enumerate(ref) for k, v in m.state_dict().items()}, atol=2e-6)
