@@ -118,7 +118,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         "curve_authorized_keys_dir": args.curve_authorized_keys_dir,
         "huge_pages": args.huge_pages,
     }
-    if args.bind:
+    if args.bind is not None:  # an empty list from a file is ServerConfig's to refuse, not a default
         kwargs["bind"] = args.bind
     if args.memory_limit is not None:
         kwargs["memory_limit"] = args.memory_limit

@@ -164,9 +164,11 @@ class ServerConfig:
             raise ConfigError("huge_pages", f" must be auto, on or off, got {self.huge_pages!r}")
         if not self.bind:
             raise ConfigError("bind", ": give at least one endpoint to listen on")
-        for addr in self.bind:
+        for k, addr in enumerate(self.bind):
             if "://" not in addr:
                 raise ConfigError("bind", f": {addr!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555")
+            if addr in self.bind[:k]:
+                raise ConfigError("bind", f": {addr!r} is listed twice")
             _check_tcp_port(addr)
         if self.memory_limit <= 0:
             raise ConfigError("memory_limit", f" must be > 0 bytes, got {self.memory_limit}")
@@ -187,6 +189,7 @@ class ServerConfig:
             raise ConfigError("snapshot_every", " needs a store to write to: give {store} (a directory)")
         _positive_seconds("nonce_ttl_s", self.nonce_ttl_s)
         _at_least("max_pending_nonces", self.max_pending_nonces, 1)
+        _at_least("max_sessions_per_job", self.max_sessions_per_job, 1)
         if self.admin_secret_file is not None:
             try:
                 read_admin_secret(self.admin_secret_file)

@@ -210,6 +210,11 @@ def test_loopback_and_ipc_endpoints_need_no_admin_secret(endpoint: str) -> None:
                                     "give --store (config key store)"),
         (["--bind", "tcp://127.0.0.1:99999"], "--bind (config key bind): 'tcp://127.0.0.1:99999': a tcp endpoint's port"),
         (["--huge-pages", "auto", "--nonce-ttl", "0"], "--nonce-ttl (config key nonce_ttl_s) must be > 0 seconds, got 0"),
+        # defect seen: accepted, then every create_job failed "unknown or expired session"
+        (["--max-sessions-per-job", "0"], "--max-sessions-per-job (config key max_sessions_per_job) must be >= 1, got 0"),
+        # defect seen: "another wstream-server (pid <its own>) holds it"
+        (["--bind", "ipc:///tmp/x.sock", "--bind", "ipc:///tmp/x.sock"],
+         "--bind (config key bind): 'ipc:///tmp/x.sock' is listed twice"),
     ],
 )
 def test_a_bad_setting_names_its_flag_and_its_config_key(argv: list[str], message: str) -> None:
@@ -225,6 +230,15 @@ def test_a_bad_setting_from_the_file_names_the_file_too(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as err:
         load_config(["--config", str(conf)])
     assert f"--lease (config key lease_s, set in {conf}) must be > 0 seconds, got -1.5" in str(err.value)
+
+
+def test_an_empty_bind_list_in_the_file_is_refused(tmp_path: Path) -> None:
+    """``bind = []`` names no endpoint: refused, as ``ServerConfig(bind=[])`` is (defect seen: the
+    server listened on the default tcp endpoint instead)."""
+    conf = tmp_path / "server.toml"
+    conf.write_text("bind = []\n")
+    with pytest.raises(ValueError, match=r"--bind \(config key bind, set in .*\): give at least one endpoint"):
+        load_config(["--config", str(conf)])
 
 
 def test_the_python_api_still_names_the_field() -> None:
