@@ -103,7 +103,7 @@ class Server:
         """Serve until stopped; then free every job and shared-memory segment."""
         reap_stale_segments()
         if threading.current_thread() is threading.main_thread():  # before the restore: a signal then also cleans up
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):  # a hangup too: a clean stop, not a kill
                 signal.signal(sig, lambda *_: self.stop())
         warmup = threading.Thread(target=_warm_up_optimizer, name="wstream-warmup")
         warmup.start()  # torch's first fused optimizer takes seconds to import: not in a request
