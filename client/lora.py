@@ -214,7 +214,7 @@ def add_lora(
         yield item
     if not wrapped:
         raise ValueError(f"Lora targets {lora.targets!r} picked no module of the chain")
-    missed = [t for t in lora.targets if t not in named] if lora._pattern is None else []
+    missed = [] if isinstance(lora.targets, str) else [t for t in lora.targets if t not in named]
     if missed:  # peft would skip them silently: a misspelt name, or one the chain spells otherwise
         raise ValueError(
             f"Lora targets {missed!r} picked no module of the chain (its modules carry their checkpoint's "
@@ -270,10 +270,11 @@ def _wrap(index: int, stage: nn.Module, lora: Lora, generator: torch.Generator |
 
 
 # ---- exports -------------------------------------------------------------------------------------
-def adapter_modules(job: Job) -> list[str]:
-    """The paths of the layers the job adapts (its ``lora_A`` parameters' modules), in chain order."""
+def adapter_modules(job: Job, rename: Callable[[str], str] = lambda name: name) -> list[str]:
+    """The paths of the layers the job adapts (its ``lora_A`` parameters' modules), in chain order;
+    ``rename`` maps each parameter's name first (the chain's checkpoint name to the model's)."""
     suffix = f".lora_A.{ADAPTER}.weight"
-    return [p.name.removesuffix(suffix) for s in job.specs for p in s.params if p.name.endswith(suffix)]
+    return [rename(p.name).removesuffix(suffix) for s in job.specs for p in s.params if p.name.endswith(suffix)]
 
 
 def is_adapter(name: str) -> bool:
@@ -301,14 +302,14 @@ def export_adapter(
     (GPT-2), as peft records it; None: read from ``base_model``'s config (False without one)."""
     from safetensors.torch import save_file
 
-    modules = adapter_modules(job)
+    base_config = None if base_model is None else _load_config(base_model)
+    # the chain's names are the checkpoint's; peft names the model's modules (GPT-NeoX's embed_out is its lm_head)
+    model_name = _model_names(base_config)
+    modules = adapter_modules(job, model_name)
     if not modules:
         raise ValueError(f"job {job.name!r} holds no LoRA adapter (no parameter named *.lora_A.{ADAPTER}.weight)")
     if fan_in_fan_out is None:
-        fan_in_fan_out = base_model is not None and _conv1d_family(base_model)
-    # the chain's names are the checkpoint's; peft names the model's modules (GPT-NeoX's embed_out is its lm_head)
-    model_name = _model_names(base_model)
-    modules = [model_name(path + ".")[:-1] for path in modules]
+        fan_in_fan_out = base_config is not None and _conv1d_family(base_config)
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, torch.Tensor] = {}
@@ -390,17 +391,20 @@ CONV1D_FAMILIES = ("gpt2",)
 """Model types whose linear layers are ``Conv1D`` (weight in x out): peft's ``fan_in_fan_out``."""
 
 
-def _model_names(base_model: str | os.PathLike[str] | None) -> Callable[[str], str]:
-    """Chain (checkpoint) name -> the model's, for ``base_model``'s family (as is without one)."""
-    if base_model is None:
-        return lambda name: name
+def _load_config(source: Any) -> Any:
     from .hf import load_config
+
+    return load_config(source)
+
+
+def _model_names(config: Any) -> Callable[[str], str]:
+    """Chain (checkpoint) name -> the model's, for ``config``'s family (as is without one)."""
+    if config is None:
+        return lambda name: name
     from .hf_layout import FAMILIES, Family
 
-    return FAMILIES.get(load_config(base_model).model_type, Family()).model_name
+    return FAMILIES.get(config.model_type, Family()).model_name
 
 
 def _conv1d_family(config: Any) -> bool:
-    from .hf import load_config
-
-    return load_config(config).model_type in CONV1D_FAMILIES
+    return _load_config(config).model_type in CONV1D_FAMILIES
