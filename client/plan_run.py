@@ -40,12 +40,12 @@ class PlanRun:
         scale: float | None = None,
         step: int = 0,
         delayed: bool = False,
+        lane_weights: list[float] | None = None,
     ) -> None:
         self.step = step  # the job's step this run trains
         self.delayed = delayed  # it may end before its updates (a delayed-update job past warm-up)
         self.k = k  # micro-batches: every state is k lanes packed (see ``join_lanes``)
-        # each micro-batch's share of the batch (n_j / N) when the split is uneven; None: 1/k each
-        self.lane_weights: list[float] | None = None
+        self.lane_weights = lane_weights  # each micro-batch's share (n_j / N) of an uneven split; None: 1/k each
         self.scales = None if scale is None else [scale] * k  # each micro-batch's loss scale, if scaling
         self.advanced: set[int] = set()  # positions run forward this step (a rerun is a recomputation)
         self.targets = targets  # one per micro-batch

@@ -420,9 +420,9 @@ class Trainer:
         conn.prefetcher.start(self._step, planning.fetch_order)
         runners = ex.runners
         run = self._new_run(
-            join_lanes(as_boundary(x) for x in lanes), runners.__getitem__, k=k, targets=lane_targets, last=len(runners) - 1
+            join_lanes(as_boundary(x) for x in lanes), runners.__getitem__, k=k, targets=lane_targets, last=len(runners) - 1,
+            lane_weights=lane_weights(inputs, k),
         )
-        run.lane_weights = lane_weights(inputs, k)
         started = time.monotonic_ns()
         try:
             ex.run_actions(run, plan.actions, loss_fn, planning.taped)
