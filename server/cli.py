@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=size_arg,
         default=None,
         metavar="SIZE",
-        help=f"bytes all jobs may hold, e.g. 64GiB (default 80%% of RAM, at most the size of /dev/shm: {format_bytes(default_memory_limit())})",
+        help=f"bytes all jobs may hold, e.g. 64GiB (default 80%% of RAM or of a container's memory limit, at most the size of /dev/shm: {format_bytes(default_memory_limit())})",
     )
     p.add_argument("--store", metavar="DIR", help="directory for snapshots; jobs found there are resumed at start")
     p.add_argument(

@@ -13,17 +13,18 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import psutil
-
 from wstream.protocol.curve import curve_available, load_secret_certificate, public_keys_in, uses_curve
 from wstream.protocol.shm import SHM_DIR
 
+from .memory import usable_memory
+
 
 def default_memory_limit() -> int:
-    """80% of physical memory (room for the OS and the workers on the same host), and no more than
-    the size of /dev/shm, where the weights and gradient rings live: the default never draws the
-    start-up warning of :func:`~wstream.server.memory.memory_limit_warnings`."""
-    limit = int(psutil.virtual_memory().total * 0.8)
+    """80% of physical memory, or of a container's memory limit where that is less (room for the OS
+    and the workers on the same host), and no more than the size of /dev/shm, where the weights and
+    gradient rings live: the default never draws the start-up warning of
+    :func:`~wstream.server.memory.memory_limit_warnings`."""
+    limit = int(usable_memory() * 0.8)
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:

@@ -19,7 +19,7 @@ from wstream.protocol import format_bytes
 from wstream.protocol.curve import write_keypair
 from wstream.protocol.shm import SHM_DIR
 from wstream.server.cli import build_parser, config_from_args, load_config
-from wstream.server.config import ServerConfig
+from wstream.server.config import ServerConfig, default_memory_limit
 from wstream.server.config_file import apply_config_file, setting_types
 from wstream.server.inprocess import InProcessServer
 from wstream.server.service import Server
@@ -333,3 +333,49 @@ def test_a_memory_limit_beyond_ram_or_dev_shm_is_warned_about_at_start(
     with caplog.at_level(logging.WARNING, logger="wstream.server"):
         InProcessServer(bind=[f"ipc://{tmp_path / 'b.sock'}"], memory_limit=2**20).stop()
     assert not [r for r in caplog.records if "memory limit" in r.getMessage()]
+
+
+def _cgroup_tree(tmp_path: Path, files: dict[str, str], proc: str) -> tuple[str, str]:
+    root = tmp_path / "cgroup"
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text + "\n")
+    (tmp_path / "proc_cgroup").write_text(proc)
+    return str(root), str(tmp_path / "proc_cgroup")
+
+
+@pytest.mark.parametrize(
+    ("files", "proc", "want"),
+    [
+        # cgroup v2 (a container sees its own cgroup at the mount; the host's path is not there)
+        ({"cgroup.controllers": "memory", "memory.max": "1073741824"}, "0::/kubepods/pod1/c1\n", 2**30),
+        ({"cgroup.controllers": "memory", "memory.max": "max"}, "0::/\n", None),
+        # v2 on the host: the limit is on a parent of the process's cgroup
+        ({"a/memory.max": "max", "memory.max": "max", "a/b/memory.max": "max"}, "0::/a/b\n", None),
+        ({"a/memory.max": "2147483648", "a/b/memory.max": "max"}, "0::/a/b\n", 2**31),
+        # v1 (and hybrid: v1's memory controller beside an empty v2 hierarchy)
+        ({"memory/docker/x/memory.limit_in_bytes": "536870912", "memory/memory.limit_in_bytes": "9223372036854771712"},
+         "12:memory:/docker/x\n0::/\n", 2**29),
+        ({"memory/memory.limit_in_bytes": "9223372036854771712"}, "4:memory:/process_api/abc\n0::/\n", None),
+    ],
+)
+def test_a_containers_memory_limit_is_read_from_its_cgroup(
+    tmp_path: Path, files: dict[str, str], proc: str, want: int | None
+) -> None:
+    from wstream.server.memory import container_memory_limit
+
+    root, proc_cgroup = _cgroup_tree(tmp_path, files, proc)
+    assert container_memory_limit(root, proc_cgroup) == want
+
+
+def test_the_default_memory_limit_keeps_under_a_containers_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container's /dev/shm pages count against its memory limit: the default stays at 80% of it,
+    and a limit above it is warned about (defect seen: 18.8 GiB by default in a 1 GiB container,
+    and the server was OOM-killed at the first step instead of refusing the job)."""
+    from wstream.server import memory
+
+    monkeypatch.setattr(memory, "container_memory_limit", lambda: 2**30)
+    assert default_memory_limit() <= int(0.8 * 2**30)
+    (warning,) = memory.memory_limit_warnings(2**31, ram=2**34, shm_size=2**34, container=2**30)
+    assert "this container's memory limit (1.00 GiB)" in warning and "OOM killer" in warning
+    assert memory.memory_limit_warnings(2**29, ram=2**34, shm_size=2**34, container=2**30) == []
