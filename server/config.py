@@ -6,12 +6,18 @@ the Python API names it as ``ServerConfig.<field>``, ``wstream-server`` as its f
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import ipaddress
 import os
 import re
 import stat
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
 
 from wstream.protocol.curve import curve_available, load_secret_certificate, public_keys_in, uses_curve
 from wstream.protocol.shm import SHM_DIR
@@ -30,6 +36,17 @@ def default_memory_limit() -> int:
     except OSError:
         return limit
     return min(limit, st.f_blocks * st.f_frsize) or limit
+
+
+PATH_FIELDS = ("store", "admin_secret_file", "curve_secret_key_file", "curve_authorized_keys_dir")
+"""Fields that name a file or directory: an ``os.PathLike`` is taken as its string."""
+
+
+@functools.cache
+def _field_types() -> dict[str, Any]:
+    """ServerConfig's fields and their annotated types (resolved once)."""
+    hints = typing.get_type_hints(ServerConfig)
+    return {f.name: hints[f.name] for f in dataclasses.fields(ServerConfig)}
 
 
 class ConfigError(ValueError):
@@ -161,6 +178,7 @@ class ServerConfig:
     server does not start without a mount), ``off`` never. NOTE [Huge pages] in protocol/shm.py."""
 
     def __post_init__(self) -> None:
+        self._check_types()
         if self.huge_pages not in ("auto", "on", "off"):
             raise ConfigError("huge_pages", f" must be auto, on or off, got {self.huge_pages!r}")
         if not self.bind:
@@ -198,6 +216,19 @@ class ServerConfig:
                 raise ConfigError("admin_secret_file", f": {exc}") from None
         self._check_open()
         self._check_curve()
+
+    def _check_types(self) -> None:
+        """Each field of its annotated type (the Python API's values are not a flag's or a file's,
+        which are read by type already); a path may be given as a ``Path``."""
+        for name, hint in _field_types().items():
+            value = getattr(self, name)
+            if name in PATH_FIELDS and isinstance(value, os.PathLike):
+                value = os.fspath(value)
+                setattr(self, name, value)
+            try:
+                msgspec.convert(value, hint)
+            except msgspec.ValidationError as exc:
+                raise ConfigError(name, f": {exc} (got {value!r})") from None
 
     def _check_open(self) -> None:
         """Refuse to listen beyond this host without an admin secret, unless told to."""

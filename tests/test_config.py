@@ -241,6 +241,28 @@ def test_an_empty_bind_list_in_the_file_is_refused(tmp_path: Path) -> None:
         load_config(["--config", str(conf)])
 
 
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"lease_s": "30"}, r"ServerConfig\.lease_s: Expected `float`, got `str` \(got '30'\)"),
+        ({"memory_limit": "16GiB"}, r"ServerConfig\.memory_limit: Expected `int`, got `str`"),
+        ({"bind": "ipc:///tmp/x.sock"}, r"ServerConfig\.bind: Expected `array`, got `str`"),
+        ({"insecure": "no"}, r"ServerConfig\.insecure: Expected `bool`, got `str`"),
+        ({"keep_snapshots": 2.5}, r"ServerConfig\.keep_snapshots: Expected `int`, got `float`"),
+        ({"store": 5}, r"ServerConfig\.store: Expected `str \| null`, got `int`"),
+    ],
+)
+def test_the_python_api_refuses_a_value_of_the_wrong_type_naming_the_field(fields: dict, message: str) -> None:
+    """Defect seen: ``insecure='no'`` turned insecure mode on, ``store=5`` and ``keep_snapshots=2.5``
+    were taken, and ``lease_s='30'`` failed in a comparison that named no field."""
+    with pytest.raises(ValueError, match=message):
+        ServerConfig(**fields)
+
+
+def test_the_python_api_takes_a_path_for_a_path(tmp_path: Path) -> None:
+    assert ServerConfig(store=tmp_path / "store").store == str(tmp_path / "store")
+
+
 def test_the_python_api_still_names_the_field() -> None:
     with pytest.raises(ValueError, match=r"ServerConfig\.lease_s must be > 0 seconds, got -1"):
         ServerConfig(lease_s=-1)
