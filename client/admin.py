@@ -9,6 +9,7 @@ import sys
 from typing import Any
 
 import msgspec
+import zmq
 
 from wstream.protocol import WstreamError, format_bytes, version_line
 from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY, write_keypair
@@ -17,6 +18,7 @@ from wstream.protocol.lr_schedules import Schedule
 
 from .cli_flags import add_connection_flags, admin_secret_from_args, client_from_args, token_from_args
 from .client import ENV_ADMIN_SECRET_FILE
+from .env import server_address
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -218,6 +220,10 @@ def main(argv: list[str] | None = None) -> int:
     except WstreamError as exc:
         print(f"wstream: {exc}", file=sys.stderr)
         return 1
+    except zmq.ZMQError as exc:  # an endpoint ZeroMQ cannot use ("foo://x": protocol not supported)
+        address = server_address(getattr(args, "server", None))
+        print(f"wstream: cannot use the server address {address!r}: {exc} (tcp://HOST:PORT or ipc:///PATH)", file=sys.stderr)
+        return 2
     except (ValueError, OSError) as exc:  # a bad key file or directory, a key that exists already
         print(f"wstream: {exc}", file=sys.stderr)
         return 2

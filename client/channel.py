@@ -101,9 +101,13 @@ class Channel:
         self.curve = curve if curve is not None and uses_curve(address) else None
         self._sock = ctx.socket(zmq.DEALER)
         self._sock.linger = 0
-        if self.curve is not None:
-            self.curve.apply(self._sock)
-        self._sock.connect(address)
+        try:
+            if self.curve is not None:
+                self.curve.apply(self._sock)
+            self._sock.connect(address)
+        except BaseException:  # an address ZeroMQ cannot use: the socket is not left to the collector
+            self._sock.close(linger=0)
+            raise
         self._next_id = 1
         self._broken: str | None = None
 

@@ -16,6 +16,7 @@ flag left out falls back to its environment variable (``$WSTREAM_SERVER``, ``$WS
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from typing import Any, Literal
 
@@ -23,6 +24,17 @@ from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY
 
 from .client import ENV_ADMIN_SECRET_FILE, Client, admin_secret_from_env, read_secret_file
 from .env import DEFAULT_SERVER, ENV_SERVER, ENV_TOKEN, job_token, server_address
+
+
+def positive_seconds(text: str) -> float:
+    """``--timeout``'s value: a finite number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
 
 
 def add_connection_flags(
@@ -54,7 +66,9 @@ def add_connection_flags(
         help=f"this client's secret CURVE certificate, for a server with --curve-authorized-keys "
         f"(default: ${ENV_CLIENT_KEY})",
     )
-    g.add_argument("--timeout", metavar="SECONDS", type=float, default=timeout, help="seconds to wait for an answer (default: %(default)g)")
+    g.add_argument(
+        "--timeout", metavar="SECONDS", type=positive_seconds, default=timeout, help="seconds to wait for an answer (default: %(default)g)"
+    )
     if token:
         g.add_argument("--token-file", metavar="FILE", help=f"file holding the job's token (default: ${ENV_TOKEN})")
     if admin:

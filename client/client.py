@@ -125,7 +125,11 @@ class Client:
         """This client's CURVE keys (every socket it and its trainers open uses them), or None."""
         self.ctx: zmq.Context[Any] = zmq.Context()
         self._keys = Keyring()
-        self._chan = self.channel(signer=self._keys)
+        try:
+            self._chan = self.channel(signer=self._keys)
+        except BaseException:  # an address ZeroMQ cannot use ("foo://x"): no context left behind
+            self.ctx.term()
+            raise
         self._admin: SessionSigner | None = None
         self._trainers: weakref.WeakSet[Closeable] = weakref.WeakSet()
         self._closed = False

@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="handshake nonces outstanding at most (default %(default)s)")
     p.add_argument(
         "--admin-secret-file", metavar="FILE",
-        help="file (mode 0600) holding the admin secret: needed to drop or save jobs and to shut down over the wire",
+        help="file (mode 0600) holding the admin secret: needed to create, drop or save jobs and to shut down over the wire",
     )
     p.add_argument(
         "--insecure", action="store_true",
@@ -122,7 +122,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         kwargs["bind"] = args.bind
     if args.memory_limit is not None:
         kwargs["memory_limit"] = args.memory_limit
-    return ServerConfig(**kwargs)  # type: ignore[arg-type]
+    config = ServerConfig(**kwargs)  # type: ignore[arg-type]
+    for addr in config.bind:  # an in-process server may take one; a process of its own reaches nobody so
+        if addr.startswith("inproc://"):
+            raise ConfigError("bind", f": {addr!r} reaches only this process: wstream-server listens on tcp:// or ipc://")
+    return config
 
 
 def load_config(argv: list[str] | None) -> tuple[ServerConfig, argparse.Namespace]:

@@ -204,6 +204,7 @@ class ServerConfig:
         if self.snapshot_every < 0:
             raise ConfigError("snapshot_every", f" must be >= 0 steps, got {self.snapshot_every}")
         _at_least("keep_snapshots", self.keep_snapshots, 1)
+        _at_least("snapshot_buffer", self.snapshot_buffer, 0)
         if self.snapshot_every and self.store is None:
             raise ConfigError("snapshot_every", " needs a store to write to: give {store} (a directory)")
         _positive_seconds("nonce_ttl_s", self.nonce_ttl_s)

@@ -84,3 +84,20 @@ def test_export_to_a_folder_that_does_not_exist_fails_before_pulling_anything(
     argv = ["export", "j", "--out", str(out), "--server", f"ipc://{tmp_path}/nobody.sock"]
     assert main(argv) == 2
     assert f"cannot write {out}: the directory {out.parent} does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("timeout", ["nan", "0", "-1", "inf", "soon"])
+def test_a_timeout_that_is_no_positive_number_of_seconds_is_refused(timeout: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Defect seen: ``--timeout nan`` ended in "cannot convert float NaN to integer", and 0 or -1 in
+    "did not answer within -1 s"."""
+    with pytest.raises(SystemExit) as exit_:
+        main(["status", "--server", "ipc:///nonexistent", "--timeout", timeout])
+    assert exit_.value.code == 2
+    assert "--timeout" in capsys.readouterr().err
+
+
+def test_an_address_zeromq_cannot_use_is_an_error_not_a_traceback(capsys: pytest.CaptureFixture[str]) -> None:
+    """Defect seen: ``wstream jobs --server foo://x`` ended in a ZMQError traceback."""
+    assert main(["jobs", "--server", "foo://x", "--timeout", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot use the server address 'foo://x'" in err and "tcp://HOST:PORT" in err

@@ -215,6 +215,8 @@ def test_loopback_and_ipc_endpoints_need_no_admin_secret(endpoint: str) -> None:
         # defect seen: "another wstream-server (pid <its own>) holds it"
         (["--bind", "ipc:///tmp/x.sock", "--bind", "ipc:///tmp/x.sock"],
          "--bind (config key bind): 'ipc:///tmp/x.sock' is listed twice"),
+        # defect seen: accepted, a server nobody could reach
+        (["--bind", "inproc://x"], "--bind (config key bind): 'inproc://x' reaches only this process"),
     ],
 )
 def test_a_bad_setting_names_its_flag_and_its_config_key(argv: list[str], message: str) -> None:
@@ -257,6 +259,16 @@ def test_the_python_api_refuses_a_value_of_the_wrong_type_naming_the_field(field
     were taken, and ``lease_s='30'`` failed in a comparison that named no field."""
     with pytest.raises(ValueError, match=message):
         ServerConfig(**fields)
+
+
+def test_a_negative_snapshot_buffer_from_the_file_is_refused(tmp_path: Path) -> None:
+    """The flag reads a size (never negative); a file's integer did not go through it (defect seen:
+    ``snapshot_buffer = -1`` was taken)."""
+    conf = tmp_path / "server.toml"
+    conf.write_text("snapshot_buffer = -1\n")
+    with pytest.raises(ValueError, match=r"--snapshot-buffer \(config key snapshot_buffer, set in .*\) must be >= 0, got -1"):
+        load_config(["--config", str(conf)])
+    assert ServerConfig(snapshot_buffer=0).snapshot_buffer == 0  # one capture at a time
 
 
 def test_the_python_api_takes_a_path_for_a_path(tmp_path: Path) -> None:
