@@ -127,14 +127,17 @@ class WorkerTable:
 
     def _ring(self, nbytes: int) -> tuple[str, torch.Tensor]:
         """A gradient ring of ``nbytes`` in shared memory, reserved in the account (released
-        again if the segment cannot be made)."""
+        again, and the segment removed, if it cannot be made or mapped)."""
         self.memory.reserve(nbytes, f"gradient ring of a worker of job {self.job_name!r}")
+        path = None
         try:
             path = create_segment(nbytes)
+            return path, map_segment(path, nbytes)
         except BaseException:
+            if path is not None:
+                unlink_segment(path)
             self.memory.release(nbytes)
             raise
-        return path, map_segment(path, nbytes)
 
     def barrier_opens(self) -> int | None:
         """The number of pushing workers when the start barrier opens now (``world_size`` of them

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,23 @@ def test_pull_replies_of_one_version_share_one_copy_of_the_master() -> None:
         assert bytes(memoryview(third.frames[0])) == torch.ones(spec.numel).numpy().tobytes()
     finally:
         job.close()
+
+
+def test_a_gradient_ring_that_cannot_be_mapped_leaves_no_reservation_and_no_segment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defect seen in review: a ring made but not mapped kept its bytes reserved in the account and
+    its segment in /dev/shm until the server stopped."""
+    from wstream.protocol.shm import segment_paths
+    from wstream.server import workers
+    from wstream.server.memory import MemoryAccount
+
+    def refuse(path: str, nbytes: int, **_: object) -> None:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(workers, "map_segment", refuse)
+    account = MemoryAccount(2**30)
+    table = workers.WorkerTable("j", account)
+    before = set(segment_paths(os.getpid()))
+    with pytest.raises(OSError, match="Cannot allocate memory"):
+        table._ring(2**20)
+    assert account.used == 0
+    assert set(segment_paths(os.getpid())) == before
