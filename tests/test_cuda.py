@@ -192,3 +192,23 @@ def test_float16_job_on_cuda_overflows_backs_off_and_trains_every_step(client: C
 
 def test_tensor_nbytes_counts_the_dtype() -> None:
     assert tensor_nbytes(torch.empty(10, dtype=torch.bfloat16, device=DEV)) == 20
+
+
+def test_offload_moves_only_the_gpu_tensors_of_a_boundary_and_keeps_their_layout() -> None:
+    """NOTE [Ordering of offload copies] rule 6 on a GPU: a CPU tensor in a boundary (the
+    ``lengths`` that ``pack_padded_sequence`` wants on the host) comes back on the CPU, and a
+    channels_last activation comes back channels_last."""
+    from wstream.client.offload import HostMover
+
+    mover = HostMover(DEV)
+    try:
+        image = torch.randn(2, 3, 4, 4, device=DEV).to(memory_format=torch.channels_last)
+        lengths = torch.tensor([4, 3])
+        host = mover.to_host((image, lengths, None))
+        back = mover.to_device(host).result()
+        torch.cuda.current_stream(DEV).synchronize()
+        assert host.result()[0].is_pinned() and host.result()[1] is lengths
+        assert back[0].device.type == "cuda" and back[0].stride() == image.stride() and torch.equal(back[0], image)
+        assert back[1] is lengths and back[2] is None
+    finally:
+        mover.close()

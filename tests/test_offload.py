@@ -48,3 +48,50 @@ def test_copies_run_off_the_calling_thread() -> None:
         assert seen and all(name != caller and name.startswith("wstream-offload") for name in seen)
     finally:
         mover.close()
+
+
+def test_round_trip_keeps_each_tensors_layout() -> None:
+    """A channels_last or permuted boundary comes back with its strides (a stage after it may
+    ``view`` it, and a GPU kernel's speed depends on the layout)."""
+    mover = HostMover(torch.device("cpu"))
+    try:
+        image = torch.randn(2, 3, 4, 4).to(memory_format=torch.channels_last)
+        permuted = torch.randn(4, 5, 6).permute(2, 0, 1)
+        host = mover.to_host((image, permuted))
+        back = mover.to_device(host).result()
+        for original, copied in [*zip((image, permuted), host.result()), *zip((image, permuted), back)]:
+            assert copied.stride() == original.stride()
+            assert torch.equal(copied, original)
+    finally:
+        mover.close()
+
+
+def test_an_offload_waits_for_the_one_before_it() -> None:
+    """NOTE [Ordering of offload copies] rule 5: when copies fall behind compute, the executor's
+    next OFFLOAD waits, so at most one source waits for its copy (the plan's budget counts one),
+    instead of every offloaded input staying alive on the device."""
+    import wstream.client.offload as offload_module
+
+    mover = HostMover(torch.device("cpu"))
+    copied = peak = 0
+    lock = threading.Lock()
+    original = offload_module._copy
+
+    def slow_copy(b: tuple, *args: object) -> tuple:  # a link slower than compute
+        nonlocal copied
+        threading.Event().wait(0.02)
+        out = original(b, *args)
+        with lock:
+            copied += 1
+        return out
+
+    offload_module._copy = slow_copy  # type: ignore[assignment]
+    try:
+        for issued in range(1, 7):
+            mover.to_host((torch.ones(1024),))
+            with lock:
+                peak = max(peak, issued - copied)  # sources still waiting for their copy
+        assert peak <= 1
+    finally:
+        offload_module._copy = original  # type: ignore[assignment]
+        mover.close()
