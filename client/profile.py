@@ -22,7 +22,7 @@ from .boundary import Boundary, as_boundary, boundary_bytes, output_boundary
 from .device import synchronize
 from .backward import grad_inputs_of
 from .executor import PlanExecutor
-from .plans import Plan, StageCosts
+from .plans import Plan, StageCosts, simulate
 from .plans.taping import taped_advances
 from .prefetch import Prefetcher
 from .stages import StageRunner
@@ -97,6 +97,11 @@ class Planning:
             "peak_live_states": plan.peak_states,
             "peak_activation_bytes_measured": peak_boundary,
             "weight_bytes_fetched": sum(stage_bytes[i] for i in self.fetch_order),
+            # inputs offloaded to host memory at once, by the profile's sizes (None: no profile);
+            # on a CPU worker the same memory as the activations, beside the budget
+            "peak_host_bytes_planned": None if self.profile is None else simulate(
+                plan.n, plan.actions, state_bytes=self.profile.state_bytes, tape_bytes=self.profile.tape_bytes
+            ).peak_host_bytes,
         }
 
 
@@ -155,6 +160,7 @@ def measure_profile(
         weight_bytes=weight_bytes,
         bandwidth=bandwidth,
         host_bandwidth=sum(state_bytes) / max(host_s, 1e-9),
+        host_is_device=device.type == "cpu",
     )
 
 
@@ -166,17 +172,23 @@ def _tape_bytes(
     saved = 0
     own = [w.untyped_storage().data_ptr() for w in (weights, base) if w is not None]
 
-    def pack(t: torch.Tensor) -> torch.Tensor:
+    def pack(t: torch.Tensor) -> None:
+        """Counts the tensor and keeps nothing: no backward runs, and handing autograd ``t``
+        itself would make a cycle through C++ for a saved output (Tanh's) that no collection
+        frees, keeping every stage's output and tape alive after the profile."""
         nonlocal saved
         if t.untyped_storage().data_ptr() not in own:
             saved += t.numel() * t.element_size()
-        return t
 
     params = runner.leaves(weights, base)
     xs = grad_inputs_of(inputs, i)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _never_unpacked):
         out = runner.call_with(params, xs)
     return saved + boundary_bytes(as_boundary(out))
+
+
+def _never_unpacked(_: None) -> torch.Tensor:
+    raise AssertionError("the profile's tape run has no backward: a bug in wstream")
 
 
 def _to_device(b: Boundary, device: torch.device) -> Boundary:

@@ -423,6 +423,7 @@ class Trainer:
             join_lanes(as_boundary(x) for x in lanes), runners.__getitem__, k=k, targets=lane_targets, last=len(runners) - 1,
             lane_weights=lane_weights(inputs, k),
         )
+        del inputs, lanes  # the run holds x_0 now: an OFFLOAD 0 frees it from the device (the plan counts on it)
         started = time.monotonic_ns()
         try:
             ex.run_actions(run, plan.actions, loss_fn, planning.taped)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import heapq
 import math
 import random
@@ -303,7 +305,7 @@ def test_offload_overhead_is_constant_in_n_and_device_memory_bounded() -> None:
         plan = offload(costs, 32, 1.0)
         sim = simulate(n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes)
         assert sim.peak_bytes <= 32  # the device budget, whatever n
-        assert sim.peak_host_bytes == 4 * math.ceil(n / 4)  # every 4th input on the host
+        assert sim.peak_host_bytes == 4 * (math.ceil(n / 4) - 1)  # every 4th input on the host but the last segment's
         per_stage.append(plan.advances / n)
     assert max(per_stage) <= 2.0  # bounded by a constant (k = 4, 4 device slots) ...
     assert max(per_stage[1:]) - min(per_stage[1:]) < 0.02  # ... and flat in n past the edge effect
@@ -312,6 +314,37 @@ def test_offload_overhead_is_constant_in_n_and_device_memory_bounded() -> None:
     assert offload(costs, 32, 4.0).advances < offload(costs, 32, 1.0).advances
     with pytest.raises(PlanError, match="needs at least 16 bytes"):
         offload(costs, 15, 1.0)
+
+
+def test_offload_reads_back_every_input_it_offloads() -> None:
+    """The last segment's start stays on the device (its reversal comes first): a copy to the host
+    that is never read back would be a wasted transfer and host memory every step."""
+    from wstream.client.plans import Op, offload
+
+    for n in (1, 2, 3, 5, 8, 13):
+        costs = StageCosts(forward_s=(1.0,) * n, state_bytes=(4,) * n, tape_bytes=(4,) * n)
+        for k in range(1, n + 2):
+            plan = offload(costs, 10**6, spacing=k)
+            offloaded = [i for op, i in plan.actions if op == Op.OFFLOAD]
+            prefetched = [i for op, i in plan.actions if op == Op.PREFETCH]
+            freed = [i for op, i in plan.actions if op == Op.FREE_HOST]
+            assert sorted(offloaded) == sorted(prefetched) == sorted(freed), (n, k)
+            assert offloaded == list(range(0, n, k))[:-1]
+            sim = simulate(n, plan.actions, state_bytes=costs.state_bytes, tape_bytes=costs.tape_bytes)
+            assert sim.peak_host_bytes == 4 * len(offloaded)
+
+
+def test_auto_never_offloads_where_the_host_is_the_device() -> None:
+    """On a CPU worker an offloaded input is a second copy in the same memory, which the budget
+    does not count: ``auto`` must choose among the plans that keep within it."""
+    from wstream.client.plans import auto
+
+    n = 256
+    costs = StageCosts(forward_s=(1.0,) * n, state_bytes=(4,) * n, tape_bytes=(4,) * n, host_bandwidth=4.0)
+    assert auto(costs, 24).name == "auto(offload)"
+    same_memory = dataclasses.replace(costs, host_is_device=True)
+    assert same_memory.for_micro_batches(2).host_is_device
+    assert auto(same_memory, 24).name != "auto(offload)"
 
 
 def test_offload_prices_weight_fetches_and_fits_its_budget_on_random_chains() -> None:

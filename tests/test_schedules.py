@@ -134,6 +134,84 @@ def test_offload_schedule_trains_bit_identically(client: Client) -> None:
     assert all(torch.equal(got[k], want[k]) for k in want)
 
 
+def test_a_cpu_workers_profile_says_its_host_is_its_device_and_the_summary_counts_host_copies(client: Client) -> None:
+    """``auto`` leaves ``offload`` out on a CPU worker (tests/test_plans.py), because its profile
+    says host memory is the device's; an ``offload`` plan asked for by name still runs there, and
+    its summary names the host copies it keeps beside the budget."""
+    n = 16
+    job = client.create_job("cpu-host", chain(n, dropout=False), optimizer=AdamW(lr=1e-2), token="t", unit_bytes=None)
+    x, y = torch.randn(4, WIDTH), torch.randn(4, WIDTH)
+    with job.trainer(schedule="offload", memory_budget=8 * 4 * WIDTH * 4) as trainer:
+        trainer.step(x, y, torch.nn.functional.mse_loss)
+        assert trainer.planning.profile is not None and trainer.planning.profile.host_is_device
+        summary = trainer.plan_summary()
+    offloaded = sum(1 for op, _ in trainer.plan.actions if op.name == "OFFLOAD")
+    assert offloaded > 0 and summary["peak_host_bytes_planned"] > 0
+    assert summary["peak_host_bytes_planned"] <= offloaded * 4 * WIDTH * 4
+
+
+def test_the_profile_keeps_no_stage_output_or_tape_alive(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The profile measures each stage's tape by running it with autograd and never runs its
+    backward: the graph must die with the run. A pack hook that handed autograd the saved tensor
+    itself made a cycle through C++ (Tanh saves its output) that no collection frees, so every
+    stage's output and tape outlived the profile: a GPU's whole activation memory."""
+    import gc
+    import weakref
+
+    import wstream.client.stages as stages_module
+
+    outputs: list[weakref.ref[torch.Tensor]] = []
+    original = stages_module.StageRunner.call_with
+
+    def call_with(self: stages_module.StageRunner, params: dict, inputs: tuple) -> object:
+        out = original(self, params, inputs)
+        outputs.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(stages_module.StageRunner, "call_with", call_with)
+    job = client.create_job("profile-tapes", chain(6, dropout=False), optimizer=AdamW(lr=1e-2), token="t")
+    with job.trainer(schedule="optimal", memory_budget=10**6) as trainer:
+        trainer.step(torch.randn(4, WIDTH), torch.randn(4, WIDTH), torch.nn.functional.mse_loss)
+        gc.collect()
+        assert len(outputs) >= 6 and not any(ref() is not None for ref in outputs)
+
+
+def test_the_offloaded_first_input_is_not_kept_on_the_device_by_the_trainer(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """OFFLOAD 0 frees x_0 from the device until PREFETCH 0 (the plan's budget counts it so); the
+    input the trainer placed on the device (here: cast from float64, as a GPU worker copies a CPU
+    batch) must not outlive it in the trainer's own references."""
+    import gc
+    import weakref
+
+    import wstream.client.offload as offload_module
+    import wstream.client.trainer as trainer_module
+
+    placed: list[weakref.ref[torch.Tensor]] = []
+    original_place = trainer_module.place
+
+    def place(value: object, device: torch.device, dtype: torch.dtype | None = None) -> object:
+        out = original_place(value, device, dtype)
+        if isinstance(value, torch.Tensor) and value.dtype == torch.float64:
+            placed.append(weakref.ref(out))
+        return out
+
+    alive: list[bool] = []
+    original_to_device = offload_module.HostMover.to_device
+
+    def to_device(self: offload_module.HostMover, pending: offload_module.PendingMove) -> offload_module.PendingMove:
+        gc.collect()
+        alive.append(placed[-1]() is not None)
+        return original_to_device(self, pending)
+
+    monkeypatch.setattr(trainer_module, "place", place)
+    monkeypatch.setattr(offload_module.HostMover, "to_device", to_device)
+    job = client.create_job("x0-freed", chain(8, dropout=False), optimizer=AdamW(lr=1e-2), token="t", unit_bytes=None)
+    with job.trainer(schedule="offload", memory_budget=6 * 4 * WIDTH * 4) as trainer:
+        for _ in range(2):
+            trainer.step(torch.randn(4, WIDTH, dtype=torch.float64), torch.randn(4, WIDTH), torch.nn.functional.mse_loss)
+    assert placed and alive and not any(alive)
+
+
 def test_a_budget_no_plan_fits_is_refused_before_training_with_the_least_that_works(client: Client) -> None:
     job = client.create_job("tiny-budget", chain(8, dropout=False), optimizer=AdamW(lr=1e-2), token="t")
     from wstream.client.plans import PlanError

@@ -123,7 +123,7 @@ def min_peak(costs: StageCosts) -> Plan:
 def auto(costs: StageCosts, budget_bytes: int) -> Plan:
     """The fastest plan, by the cost model, among every planner's whose activation memory fits
     ``budget_bytes`` (checked exactly with :func:`simulate`), ``offload`` included when the costs
-    give a host bandwidth. Named ``auto(<chosen>)``."""
+    give a host bandwidth and the host is not the device. Named ``auto(<chosen>)``."""
     n = costs.n
     need = min_budget(costs)
     if budget_bytes < need:
@@ -131,7 +131,7 @@ def auto(costs: StageCosts, budget_bytes: int) -> Plan:
     candidates = [store_all(n), sqrt_segments(n), sqrt_segments(n, recursive=True), divide_and_conquer(n), min_peak(costs)]
     candidates += [revolve(n, k) for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64) if k < n]
     candidates.append(optimal(costs, budget_bytes))  # never refuses a budget >= need
-    if costs.host_bandwidth > 0:  # host memory is there too: its copies run beside compute
+    if costs.host_bandwidth > 0 and not costs.host_is_device:  # host memory is there too: its copies run beside compute
         try:
             candidates.append(offload(costs, budget_bytes))
         except PlanError:
@@ -182,7 +182,8 @@ def offload(
     """Asynchronous multistage checkpointing (after Kukreja, Hueckelheim and Gorman, 2018).
 
     Forward: one sweep that offloads every ``spacing``-th input to host memory (by default as
-    often as the transfer keeps up with compute: :func:`offload_spacing`). Backward: segment by
+    often as the transfer keeps up with compute: :func:`offload_spacing`), but the last segment's
+    start, which is reversed first and stays on the device. Backward: segment by
     segment from the last, the next segment's start is prefetched ahead while the current one is
     reversed in the device memory the budget leaves, by the dynamic program of :func:`optimal`
     (least recomputation time over nested schedules, weight fetches included; on equal stages it
@@ -223,12 +224,11 @@ def offload(
         return [(op, i + s0) for op, i in segments[key]]
 
     actions: list[Action] = []
-    for j, s0 in enumerate(starts):  # the forward sweep, offloading segment starts
-        actions.append((Op.OFFLOAD, s0))
-        if j + 1 < len(starts):
-            actions.extend((Op.ADVANCE, i) for i in range(s0, ends[j]))
     last = len(starts) - 1
-    actions.append((Op.SNAPSHOT, starts[last]))
+    for j, s0 in enumerate(starts[:last]):  # the forward sweep, offloading segment starts
+        actions.append((Op.OFFLOAD, s0))
+        actions.extend((Op.ADVANCE, i) for i in range(s0, ends[j]))
+    actions.append((Op.SNAPSHOT, starts[last]))  # reversed first: kept on the device, never offloaded
     with _deep_recursion(k):
         for j in range(last, -1, -1):
             s0, e0 = starts[j], ends[j]
@@ -237,7 +237,8 @@ def offload(
                 actions.append((Op.PREFETCH, starts[j - 1]))  # overlaps this segment's reversal
                 mem -= x[starts[j - 1]]
             actions += reverse(s0, e0, mem)  # mem >= the segment's need: checked above
-            actions.append((Op.FREE_HOST, s0))
+            if j < last:
+                actions.append((Op.FREE_HOST, s0))
             if j > 0:
                 actions.append((Op.RESTORE, starts[j - 1]))
     return checked_plan("offload", n, actions)

@@ -32,6 +32,9 @@ class StageCosts:
     bandwidth: float = 0.0
     host_bandwidth: float = 0.0
     """Bytes/s of copying a stage input to host memory and back (for ``offload``)."""
+    host_is_device: bool = False
+    """The worker computes in host memory (a CPU worker): an offloaded input is a second copy in
+    the same memory, beside the budget, so ``auto`` never chooses ``offload``."""
 
     def __post_init__(self) -> None:
         n = len(self.forward_s)
