@@ -125,7 +125,7 @@ def measure_profile(
     state_bytes: list[int] = []
     tape_bytes: list[int] = []
     current = as_boundary(inputs)
-    host_s = 0.0
+    host_s = tape_s = 0.0  # the host copies and the tape runs: not fetch time
     t_fetch = time.perf_counter()
     try:
         with executor.rng.forked():
@@ -138,7 +138,10 @@ def measure_profile(
                         out = runner(weights, current, base)
                     synchronize(device)
                     forward_s.append(time.perf_counter() - t0)
+                    t0 = time.perf_counter()
                     tape_bytes.append(_tape_bytes(runner, len(tape_bytes), weights, base, current))
+                    synchronize(device)
+                    tape_s += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 _to_device(current, torch.device("cpu"))
                 host_s += time.perf_counter() - t0
@@ -151,7 +154,7 @@ def measure_profile(
     elapsed = time.perf_counter() - t_fetch
     # a position's own weights: its stage's, or its part of a unit (NOTE [Transfer units])
     weight_bytes = tuple(stage_bytes[r.stage] * r.own_numel // max(r.spec.numel, 1) for r in runners)
-    fetch_s = max(elapsed - sum(forward_s) - host_s, 1e-9)
+    fetch_s = max(elapsed - sum(forward_s) - host_s - tape_s, 1e-9)
     bandwidth = 0.0 if zero_copy else sum(weight_bytes) / fetch_s
     return StageCosts(
         forward_s=tuple(forward_s),

@@ -176,6 +176,42 @@ def test_the_profile_keeps_no_stage_output_or_tape_alive(client: Client, monkeyp
         assert len(outputs) >= 6 and not any(ref() is not None for ref in outputs)
 
 
+def test_the_profile_does_not_count_its_tape_runs_as_weight_fetch_time(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fetch bandwidth a profile reports (which prices every recomputation's weight fetch)
+    is the step's time less what it measured apart: the forwards, the host copies, and the runs
+    with autograd that size each stage's tape. A clock that jumps 1000 s in each tape run shows
+    whether those are left out."""
+    import time as real_time
+
+    import wstream.client.profile as profile_module
+
+    class Clock:
+        offset = 0.0
+
+        def perf_counter(self) -> float:
+            return real_time.perf_counter() + self.offset
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real_time, name)
+
+    clock = Clock()
+    original = profile_module._tape_bytes
+
+    def slow_tape_bytes(*args: object) -> int:
+        clock.offset += 1000.0  # a tape run that takes 1000 s
+        return original(*args)
+
+    monkeypatch.setattr(profile_module, "time", clock)
+    monkeypatch.setattr(profile_module, "_tape_bytes", slow_tape_bytes)
+    job = client.create_job("profile-clock", chain(4, dropout=False), optimizer=AdamW(lr=1e-2), token="t", unit_bytes=None)
+    with job.trainer(zero_copy=False, schedule="optimal", memory_budget=10**6) as trainer:
+        trainer.step(torch.randn(4, WIDTH), torch.randn(4, WIDTH), torch.nn.functional.mse_loss)
+        costs = trainer.planning.profile
+    assert costs is not None
+    weights = sum(costs.weight_bytes)
+    assert costs.bandwidth > weights / 1000.0  # the fetches took well under the 4000 s of tape runs
+
+
 def test_the_offloaded_first_input_is_not_kept_on_the_device_by_the_trainer(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     """OFFLOAD 0 frees x_0 from the device until PREFETCH 0 (the plan's budget counts it so); the
     input the trainer placed on the device (here: cast from float64, as a GPU worker copies a CPU
