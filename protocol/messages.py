@@ -25,6 +25,8 @@ MAX_STAGES = 1_000_000
 MAX_PARAMS_PER_STAGE = 65_536
 MAX_UNITS = 1 << 20
 """The most server stages a ``JobOptions.units`` list may describe."""
+MAX_CHAIN_STAGES = 2**32
+"""The most chain stages a job's ``units`` may add up to (and so one entry may hold)."""
 MAX_DIMS = 8
 MAX_NUMEL = 2**40
 MAX_GRAD_SLOTS = 64
@@ -211,7 +213,7 @@ class JobOptions(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     param_groups: Annotated[list[GroupSpec], Meta(max_length=MAX_PARAM_GROUPS)] = []
     """Parameter groups: a parameter whose ``ParamSpec.group`` is k >= 1 is updated with
     ``param_groups[k - 1]``'s weight decay and learning-rate scale."""
-    units: Annotated[list[Annotated[int, Meta(ge=1)]], Meta(max_length=MAX_UNITS)] | None = None
+    units: Annotated[list[Annotated[int, Meta(ge=1, le=MAX_CHAIN_STAGES)]], Meta(max_length=MAX_UNITS)] | None = None
     """Coalesced stages (protocol 7): the server's stage j holds ``units[j]`` consecutive stages of
     the creator's chain, their parameters named ``"<chain stage>.<name>"`` (NOTE [Transfer units] in
     ``client/units.py``). None: one server stage per chain stage. Only the clients read it; the
@@ -220,6 +222,7 @@ class JobOptions(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.delay_after and not self.delayed_update:
             raise ValueError(f"delay_after={self.delay_after} means nothing without delayed_update=True")
+        check_units(self.units)
         if len(self.param_groups) > MAX_PARAM_GROUPS:
             raise ValueError(f"{len(self.param_groups)} parameter groups, more than the limit of {MAX_PARAM_GROUPS}")
         seen: set[str] = set()
@@ -227,6 +230,12 @@ class JobOptions(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
             if g.name in seen:
                 raise ValueError(f"parameter group names must be unique; {g.name!r} appears more than once")
             seen.add(g.name)
+
+
+def check_units(units: list[int] | None) -> None:
+    """A ``units`` list adds up to at most MAX_CHAIN_STAGES chain stages (replies carry the sum)."""
+    if units is not None and sum(units) > MAX_CHAIN_STAGES:
+        raise ValueError(f"units add up to {sum(units)} chain stages, more than the limit of {MAX_CHAIN_STAGES}")
 
 
 # ---- messages ----------------------------------------------------------------------------------
@@ -286,7 +295,7 @@ class AddStage(SessionMessage, tag="add_stage"):
 class Seal(SessionMessage, tag="seal"):
     """End creation: the job becomes ready for workers. Replied with ``attached``."""
 
-    units: Annotated[list[Annotated[int, Meta(ge=1)]], Meta(max_length=MAX_UNITS)] | None = None
+    units: Annotated[list[Annotated[int, Meta(ge=1, le=MAX_CHAIN_STAGES)]], Meta(max_length=MAX_UNITS)] | None = None
     """Protocol 7: the job's ``JobOptions.units``, known only once the chain is cut (a creator that
     streams its stages from a generator learns it at the end); it replaces the options' field."""
 

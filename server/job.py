@@ -138,6 +138,10 @@ class Job:
                 f"{len(self.base.stages)}: stage i of a job trains on top of stage i of its base"
             )
         units = self.options.units if units is None else units
+        try:
+            m.check_units(units)
+        except ValueError as exc:
+            raise LayoutError(f"job {self.name!r}: {exc}") from None
         if units is not None and len(units) != len(self.stages):
             raise LayoutError(
                 f"job {self.name!r} has {len(self.stages)} stages, but its options' units list {len(units)}: "

@@ -18,6 +18,7 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from wstream.protocol import encode
+from wstream.protocol import messages as m
 from wstream.protocol.curve import load_secret_certificate, uses_curve
 
 from .auth import start_authenticator
@@ -156,7 +157,12 @@ class Transport:
                 next_tick = now + tick_every_s
 
     def send(self, out: Outgoing) -> None:
-        parts: list[Any] = [out.identity, encode(out.message), *out.frames]
+        try:
+            parts: list[Any] = [out.identity, encode(out.message), *out.frames]
+        except Exception as exc:  # a bug in whatever built the reply: never fatal for the loop
+            log.exception("could not encode a %s reply", type(out.message).__name__)
+            what = f"internal server error: the {type(out.message).__name__} reply could not be encoded ({exc!r})"
+            parts = [out.identity, encode(m.Error(id=out.message.id, code="internal", message=ascii(what)[1:-1]))]
         try:
             self._sock.send_multipart(parts, copy=False, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or queue full: never fatal for the loop

@@ -252,3 +252,60 @@ def test_found_by_fuzzing_a_held_commit_is_answered_when_its_worker_leaves(serve
             assert by_id[rid]["op"] == "error" and by_id[rid]["code"] == "session_expired", held
     finally:
         peer.close()
+
+
+def test_found_by_review_units_past_what_msgpack_holds_are_refused_and_no_reply_can_end_the_loop(server: ServerProcess) -> None:
+    """A job whose ``units`` summed past 2**64 made every later ``status`` reply unencodable, and
+    the exception in the send ended the server for every job. Each entry and their sum are now
+    bounded (MAX_CHAIN_STAGES), and a reply that cannot be encoded becomes an internal error."""
+    from wstream.protocol.auth import secret_key, session_key
+    from wstream.protocol.messages import MAX_CHAIN_STAGES
+
+    peer = RawPeer(server.address)
+    try:
+        nonce, mine = peer.nonce(), os.urandom(32)
+        reply, _ = peer.request("create_job", name="big-units", token="t", nonce=nonce, client_nonce=mine,
+                                options={"units": [2**64 - 1, 2**64 - 1]})
+        assert reply["op"] == "error" and reply["code"] == "bad_message" and "units" in reply["message"], reply
+        nonce, mine = peer.nonce(), os.urandom(32)
+        reply, _ = peer.request("create_job", name="big-sum", token="t", nonce=nonce, client_nonce=mine, options={})
+        assert reply["op"] == "attached", reply
+        session = RawSession(peer, reply["session"], session_key(secret_key("t"), nonce, mine))
+        spec = {"name": "s", "numel": 16, "params": [["w", [16], 0]]}
+        for i in range(2):
+            assert session.request("add_stage", b"\0" * 64, index=i, spec=spec)[0]["op"] == "ok"
+        reply, _ = session.request("seal", units=[MAX_CHAIN_STAGES, MAX_CHAIN_STAGES])
+        assert reply["op"] == "error" and "units" in reply["message"] and str(MAX_CHAIN_STAGES) in reply["message"], reply
+        reply, _ = peer.request("status")
+        assert reply["op"] == "status_reply", reply
+    finally:
+        peer.close()
+
+
+def test_a_reply_that_cannot_be_encoded_is_answered_as_an_internal_error(tmp_path: Path) -> None:
+    """The transport's last line: whatever a handler builds, its send never ends the loop."""
+    import zmq
+
+    from wstream.protocol import messages as m
+    from wstream.server.config import ServerConfig
+    from wstream.server.outgoing import Outgoing
+    from wstream.server.transport import Transport
+
+    transport = Transport(ServerConfig(bind=[f"ipc://{tmp_path}/t.sock"], memory_limit=2**20))
+    ctx = zmq.Context()
+    peer = ctx.socket(zmq.DEALER)
+    peer.linger = 0
+    try:
+        peer.connect(transport.endpoints[0])
+        peer.send(b"hi")
+        assert transport._sock.poll(20_000)
+        identity = transport._sock.recv_multipart()[0]
+        transport.send(Outgoing(identity, m.Error(id=5, code="internal", message="\udcff")))  # not UTF-8 encodable
+        assert peer.poll(20_000)
+        reply = msgpack.unpackb(peer.recv_multipart()[0])
+        assert reply["op"] == "error" and reply["code"] == "internal" and reply["id"] == 5, reply
+        assert "could not be encoded" in reply["message"]
+    finally:
+        peer.close()
+        ctx.term()
+        transport.close()
