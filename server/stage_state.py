@@ -106,11 +106,13 @@ class StageState:
     waiting_pull: list[Deferred] = field(default_factory=list)
     waiting_push: list[DeferredPush] = field(default_factory=list)
     failed: str | None = None
+    """Why the stage's last update failed (a bug in wstream): it stays at its version for good,
+    so a fetch of a later version or a push is answered with this at once, not held."""
     pulled: tuple[int, weakref.ref[Any]] | None = None
     """The copy of the master that ``pull`` replies of one version share (its version and a weak
     reference: it lives while a reply's frames wait to be sent)."""
-    """Why the stage's last update failed (a bug in wstream): it stays at its version for good,
-    so a fetch of a later version or a push is answered with this at once, not held."""
+    served_copy: tuple[int, weakref.ref[Any]] | None = None
+    """The same for a reader's ``weights`` replies in data frames: a copy of one version."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held by the optimizer while it changes the stage and by a snapshot capturing it."""
     grad: torch.Tensor | None = None
@@ -199,10 +201,13 @@ class StageState:
         return version % 2
 
     def weights_reply(
-        self, version: int, identity: bytes, request_id: int, shm: bool, base: StageState | None, served: dict[tuple[str, str], int]
+        self, version: int, identity: bytes, request_id: int, shm: bool, base: StageState | None, served: dict[tuple[str, str], int],
+        *, copy: bool = False,
     ) -> Outgoing:
         """The ``weights`` of ``version`` (its slot; in data frames unless ``shm``), followed by the
-        base's stage when the job has a base; the bytes are counted in ``served``."""
+        base's stage when the job has a base; the bytes are counted in ``served``. ``copy``: the
+        frames are a copy of the version, not the slot itself (a reader's: NOTE [Versions and who
+        may read what] rule 8), one per version for all its replies still queued, as ``pull``'s."""
         k = self.slot_for(version)
         reply = m.Weights(
             id=request_id,
@@ -212,10 +217,19 @@ class StageState:
             base_offset=base.slot_offsets[0] if base is not None else None,
         )
         served["fetch", "shm" if shm else "frames"] += self.slots[k].nbytes
-        frames: list[object] = [] if shm else list(tensor_frames(self.slots[k]))
+        frames: list[object] = [] if shm else list(tensor_frames(self.slots[k])) if not copy else self._copied_frames(version, k)
         if base is not None and not shm:  # the base's stage follows the stage's own bytes
             frames += tensor_frames(base.slots[0])
         return Outgoing(identity, reply, frames)
+
+    def _copied_frames(self, version: int, k: int) -> list[object]:
+        """Data frames of a copy of slot ``k`` (holding ``version``), shared while any lives."""
+        owner = self.served_copy[1]() if self.served_copy is not None and self.served_copy[0] == version else None
+        if owner is None:
+            frames: list[object] = list(tensor_frames(self.slots[k].clone()))
+            self.served_copy = (version, weakref.ref(frames[0].obj))  # type: ignore[attr-defined]
+            return frames
+        return list(tensor_frames(torch.from_numpy(owner)))
 
     def master_reply(self, identity: bytes, request_id: int, served: dict[tuple[str, str], int]) -> Outgoing:
         """The ``master`` reply of ``pull``: a copy of the fp32 master, in data frames."""

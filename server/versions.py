@@ -36,6 +36,12 @@ here when they are done).
 #    may still read it in that step's backward. Its update only publishes the master, which never
 #    changes, so every slot it ever published holds the same bytes (an update that rewrites one
 #    rewrites the same bytes): a fetch of any step up to its version is served at once.
+# 8. Rule 2 does not hold for a reader either (``Join.reader``: it fetches and never pushes), so
+#    no commit waits for its reads: its data-frames replies are a copy of the version (one per
+#    version, shared by its replies still queued), never the slot, which the update to version
+#    t + 2 (t + 1 with one slot) rewrites whatever is still queued. A reader on shared memory
+#    reads the slot in place, as every worker does: it must be done with version t before then
+#    (a client's reader ranks are, running in lockstep with the rank that pushes).
 """
 
 from __future__ import annotations
@@ -103,11 +109,11 @@ class StageVersions:
         if st.failed is not None and t > st.version:  # a version it will never reach
             raise InternalError(st.failed)
         if t == st.version and (not st.updating or not st.single_slot):  # an update writes the other slot
-            return self.weights_reply(st, t, identity, msg.id, worker.shm)
+            return self.weights_reply(st, t, identity, msg.id, worker.shm, reader=worker.reader)
         if t <= st.version and not st.trained:  # NOTE rule 7: its weights never change
-            return self.weights_reply(st, t, identity, msg.id, worker.shm)
+            return self.weights_reply(st, t, identity, msg.id, worker.shm, reader=worker.reader)
         if self.job.options.delayed_update and t == st.version - 1 and not st.updating:  # NOTE rule 5
-            return self.weights_reply(st, t, identity, msg.id, worker.shm)
+            return self.weights_reply(st, t, identity, msg.id, worker.shm, reader=worker.reader)
         if t == st.version + 1:
             if worker.waiting >= MAX_WAITING_FETCHES:
                 raise StateError(
@@ -147,9 +153,13 @@ class StageVersions:
             return step
         return max(step - 1, self.base_step)
 
-    def weights_reply(self, st: StageState, version: int, identity: bytes, request_id: int, shm: bool) -> Outgoing:
+    def weights_reply(
+        self, st: StageState, version: int, identity: bytes, request_id: int, shm: bool, *, reader: bool = False
+    ) -> Outgoing:
         base = self.job.base.stages[st.index] if self.job.base is not None else None
-        return st.weights_reply(version, identity, request_id, shm, base, self.job.counters.served)
+        # NOTE rule 8: a reader's frames are a copy, unless the stage's weights never change (rule 7)
+        copy = reader and st.trained
+        return st.weights_reply(version, identity, request_id, shm, base, self.job.counters.served, copy=copy)
 
     def set_version(self, st: StageState, version: int) -> None:
         old = st.version
@@ -168,7 +178,7 @@ class StageVersions:
         st.waiting_fetch = []
         for d in waiting:
             if d.step == st.version:
-                out.append(self.weights_reply(st, d.step, d.identity, d.request_id, d.shm))
+                out.append(self.weights_reply(st, d.step, d.identity, d.request_id, d.shm, reader=d.worker is not None and d.worker.reader))
                 self.job.timeline.add(f"fetch {st.span} waited", "deferred", "deferred fetches", d.since_ns, time.monotonic_ns(), st.index, d.step)
                 if d.worker is not None:
                     d.worker.waiting -= 1

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgpack
 import pytest
@@ -309,3 +310,42 @@ def test_a_reply_that_cannot_be_encoded_is_answered_as_an_internal_error(tmp_pat
         peer.close()
         ctx.term()
         transport.close()
+
+
+def test_found_by_review_a_frames_reader_is_served_a_copy_not_the_live_slot(server: Any) -> None:
+    """NOTE [Versions and who may read what] rule 8: a reader pushes nothing, so no commit waits
+    for its reads (rule 2 does not hold for it). Its data-frames reply used to be a zero-copy view
+    of the published slot: still queued behind a slow reader when the update to version t + 2
+    rewrote the slot, it carried the next weights under a ``step t`` header. A reader's frames are
+    now a copy of the version (one per version, shared by its replies still queued); a pushing
+    worker's stay zero-copy (rule 2 covers them)."""
+    from wstream.protocol import messages as m
+
+    client = Client(server.address, timeout=30)
+    client.create_job("torn", [nn.Linear(64, 64)], optimizer=AdamW(), token="tok")
+    job = server.inprocess.server.jobs["torn"]
+    peer = RawPeer(server.address)
+    try:
+        reader = peer.attach("torn", "tok")
+        assert reader.request("join", shm=False, reader=True)[0]["op"] == "joined"
+        worker = peer.attach("torn", "tok")
+        assert worker.request("join", shm=False)[0]["op"] == "joined"
+        st = job.stages[0]
+        slot = st.slots[st.slot_for(0)]
+        slot_memory = range(slot.data_ptr(), slot.data_ptr() + slot.nbytes)
+        by_kind = {w.reader: w for w in job.workers.values()}
+        replies = {}
+        for is_reader, w in by_kind.items():
+            replies[is_reader] = job.versions.fetch(m.Fetch(stage=0, step=0, session=w.session), b"peer", w)
+        shared = {k: any(f.obj.__array_interface__["data"][0] in slot_memory for f in r.frames) for k, r in replies.items()}
+        assert shared == {True: False, False: True}, shared
+        want = b"".join(bytes(f) for f in replies[False].frames)
+        assert b"".join(bytes(f) for f in replies[True].frames) == want  # the same bytes, from a copy
+        again = job.versions.fetch(m.Fetch(stage=0, step=0, session=by_kind[True].session), b"peer", by_kind[True])
+        def address(frame: Any) -> int:
+            return frame.obj.__array_interface__["data"][0]
+
+        assert address(again.frames[0]) == address(replies[True].frames[0])  # one copy per version while its replies live
+    finally:
+        peer.close()
+        client.close()
