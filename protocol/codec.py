@@ -14,6 +14,7 @@ import msgspec
 
 from .errors import ProtocolError, UnknownOpError, VersionMismatchError
 from .messages import (
+    MAX_DATA_FRAMES,
     MAX_HEADER_BYTES,
     PROTOCOL_VERSION,
     REPLY_TYPES,
@@ -96,7 +97,8 @@ def check_frames(message: Message, frames: Sequence[object]) -> None:
     low, high = message.frames
     if not low <= len(frames) <= high:
         want = str(low) if low == high else f"{low} to {high}"
-        raise ProtocolError(f"{type(message).__name__} takes {want} data frame(s), got {len(frames)}")
+        more = " or more" if len(frames) > MAX_DATA_FRAMES else ""  # the transport keeps one past the most
+        raise ProtocolError(f"{type(message).__name__} takes {want} data frame(s), got {len(frames)}{more}")
     declared = getattr(message, "nframes", None)
     if declared is not None and declared != len(frames):
         raise ProtocolError(

@@ -19,6 +19,7 @@ from zmq.auth.thread import ThreadAuthenticator
 
 from wstream.protocol import encode
 from wstream.protocol import messages as m
+from wstream.protocol.messages import MAX_DATA_FRAMES, MAX_HEADER_BYTES
 from wstream.protocol.curve import load_secret_certificate, uses_curve
 
 from .auth import start_authenticator
@@ -49,6 +50,9 @@ class Transport:
         # peer (a worker's deferred fetches alone can be answered 1,024 at once).
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._sock.sndhwm = 65_536
+        # No frame may be longer than a header may be (data travels in CHUNK_BYTES frames): a peer
+        # that sends a longer one is disconnected before the server holds it.
+        self._sock.maxmsgsize = MAX_HEADER_BYTES
         self._authenticator: ThreadAuthenticator | None = None
         self.endpoints: list[str] = []
         self.curve_public_key: bytes | None = None
@@ -147,7 +151,7 @@ class Transport:
             if self._sock in events:
                 for _ in range(MAX_MESSAGES_PER_TURN):
                     try:
-                        frames = self._sock.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                        frames = self.receive_one()
                     except zmq.Again:
                         break
                     receive(frames[0].bytes, frames[1:])
@@ -155,6 +159,23 @@ class Transport:
             if now >= next_tick:
                 tick(now)
                 next_tick = now + tick_every_s
+
+    def receive_one(self) -> list[zmq.Frame]:
+        """The next message's frames (raises ``zmq.Again`` when none waits): the routing id, the
+        header and at most MAX_DATA_FRAMES + 1 data frames (one more than any op takes, so its
+        check refuses it); a peer's further frames are read and dropped, not kept."""
+        sock = self._sock
+        frames = [sock.recv(flags=zmq.NOBLOCK, copy=False)]
+        dropped = 0
+        while sock.get(zmq.RCVMORE):
+            frame = sock.recv(copy=False)
+            if len(frames) < MAX_DATA_FRAMES + 3:
+                frames.append(frame)
+            else:
+                dropped += 1
+        if dropped:
+            log.warning("a message of %d frames: %d dropped unread", len(frames) + dropped, dropped)
+        return frames
 
     def send(self, out: Outgoing) -> None:
         try:

@@ -349,3 +349,37 @@ def test_found_by_review_a_frames_reader_is_served_a_copy_not_the_live_slot(serv
     finally:
         peer.close()
         client.close()
+
+
+def test_found_by_review_a_peer_cannot_make_the_server_hold_a_huge_frame_or_a_million_frames(tmp_path: Path) -> None:
+    """A frame longer than a header may be (64 MiB) disconnects its peer before the server holds
+    it (a 300 MiB frame raised the server's memory by 350 MB), and a message's data frames past
+    the most any op takes are read and dropped, not kept (a million empty frames stalled the loop
+    and held 350 MB). Other peers are served as before."""
+    import zmq
+
+    from wstream.protocol.messages import MAX_DATA_FRAMES, MAX_HEADER_BYTES
+    from wstream.server.config import ServerConfig
+    from wstream.server.transport import Transport
+
+    transport = Transport(ServerConfig(bind=[f"ipc://{tmp_path}/t.sock"], memory_limit=2**20))
+    ctx = zmq.Context()
+    big, many, fine = (ctx.socket(zmq.DEALER) for _ in range(3))
+    try:
+        for sock in (big, many, fine):
+            sock.linger = 0
+            sock.connect(transport.endpoints[0])
+        big.send_multipart([b"header", bytes(MAX_HEADER_BYTES + 1)])
+        many.send_multipart([b"header", *([b""] * (MAX_DATA_FRAMES + 100))])
+        fine.send_multipart([b"header", b"data"])
+        got = []
+        while len(got) < 2 and transport._sock.poll(20_000):
+            got.append(transport.receive_one())
+        assert not transport._sock.poll(500)  # the huge frame never arrives
+        by_size = sorted(len(frames) for frames in got)
+        assert by_size == [3, MAX_DATA_FRAMES + 3], by_size  # id, header, data (at most one past the limit)
+    finally:
+        for sock in (big, many, fine):
+            sock.close()
+        ctx.term()
+        transport.close()
