@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--snapshot-buffer", type=size_arg, default=default_of("snapshot_buffer"), metavar="SIZE",
                    help="stage copies a snapshot may hold while the disk catches up (default 512MiB)")
     p.add_argument("--max-sessions-per-job", type=int, default=default_of("max_sessions_per_job"), metavar="N",
-                   help="non-worker sessions kept per job, oldest evicted beyond (default %(default)s)")
+                   help="non-worker sessions kept per job, oldest evicted beyond; also the most readers a job takes (default %(default)s)")
     p.add_argument("--max-pending-nonces", type=int, default=default_of("max_pending_nonces"), metavar="N",
                    help="handshake nonces outstanding at most (default %(default)s)")
     p.add_argument(

@@ -138,7 +138,8 @@ class ServerConfig:
 
     max_sessions_per_job: int = 1024
     """Non-worker sessions beyond this are evicted oldest first (bounds memory per job); admin
-    sessions are bounded by the same number."""
+    sessions are bounded by the same number, and so are a job's readers (a reader past it is
+    refused at ``join``: a reader holds no gradient ring for the memory account to count)."""
 
     admin_secret_file: str | None = None
     """File holding the admin secret (one line). With it, creating a job needs the admin secret

@@ -333,6 +333,12 @@ class Handlers:
     def _on_join(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
         assert isinstance(msg, m.Join)
         s, job = self.sessions.job_session(msg.session)
+        readers = sum(w.reader for w in job.workers.values())
+        if msg.reader and readers >= self.config.max_sessions_per_job:  # a reader holds no ring to count
+            raise StateError(
+                f"job {job.name!r} has {readers} readers already, the limit (--max-sessions-per-job): "
+                "let one leave first"
+            )
         try:
             w = job.join(s.id, msg)
         except SegmentSpaceError as exc:

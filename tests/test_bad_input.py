@@ -383,3 +383,23 @@ def test_found_by_review_a_peer_cannot_make_the_server_hold_a_huge_frame_or_a_mi
             sock.close()
         ctx.term()
         transport.close()
+
+
+def test_found_by_review_readers_are_counted_against_the_session_limit(tmp_path: Path) -> None:
+    """A reader holds no gradient ring, so the memory account never limited them and the session
+    cap skipped joined sessions: one token holder opened 3,000 readers. A reader past
+    ``--max-sessions-per-job`` is now refused, naming the limit; workers are not affected."""
+    from wstream.server.inprocess import InProcessServer
+
+    with InProcessServer(bind=[f"ipc://{tmp_path}/s.sock"], memory_limit=2**30, max_sessions_per_job=3) as srv:
+        with Client(srv.address, timeout=30) as client:
+            client.create_job("readers", [nn.Linear(4, 4)], optimizer=AdamW(), token="t")
+        peer = RawPeer(srv.address)
+        try:
+            for _ in range(3):
+                assert peer.attach("readers", "t").request("join", shm=True, reader=True)[0]["op"] == "joined"
+            reply, _ = peer.attach("readers", "t").request("join", shm=True, reader=True)
+            assert reply["op"] == "error" and "3 readers" in reply["message"] and "max-sessions-per-job" in reply["message"], reply
+            assert peer.attach("readers", "t").request("join", shm=True)[0]["op"] == "joined"  # a worker still joins
+        finally:
+            peer.close()
