@@ -14,7 +14,9 @@ their completion, and the open step discarded when a worker leaves in the middle
 #    then known, so clipping is exact (one factor for every stage, folded into the fused
 #    kernel's ``grad_scale`` with the mean over workers). A non-finite norm commits the step
 #    without an update (``skipped``: weights and optimizer state unchanged, as a loss scaler
-#    skips a step). The learning rate is the schedule's at step t.
+#    skips a step), and so does a learning rate that overflows (the schedule's factor at step t
+#    times the base lr, or a group's lr_scale times that). The learning rate is the schedule's at
+#    step t.
 # 3. At the commit every stage is marked updating and its update queued in the order the next
 #    step needs it (forward order; backward order for a delayed job), the held ``commit``
 #    requests are answered, and ``open_step`` becomes t + 1. The next step's forward overlaps
@@ -339,7 +341,8 @@ class StepCommit:
         spec = self.job.options.optimizer
         norm = math.sqrt(sum(st.sumsq[2] for st in self.job.stages if st.sumsq is not None and st.trained)) / workers
         lr = lr_at(spec.schedule, spec.lr, t)
-        skipped = not math.isfinite(norm)
+        top_lr = lr * max([1.0, *(g.lr_scale for g in self.job.options.param_groups)])  # group 0 and each group
+        skipped = not math.isfinite(norm) or not math.isfinite(top_lr)
         clip = 1.0
         if not skipped and spec.clip_grad_norm is not None:
             clip = min(1.0, spec.clip_grad_norm / (norm + 1e-6))  # torch.nn.utils.clip_grad_norm_
@@ -348,7 +351,8 @@ class StepCommit:
         self.last_commit = record
         if skipped:
             self.skipped_steps += 1
-            log.warning("job %r: step %d has a gradient norm of %s: no stage is updated", self.job.name, t, norm)
+            why = f"a gradient norm of {norm}" if not math.isfinite(norm) else f"a learning rate of {top_lr} (the base lr times the schedule's factor)"
+            log.warning("job %r: step %d has %s: no stage is updated", self.job.name, t, why)
         order = reversed(self.job.stages) if self.job.options.delayed_update else iter(self.job.stages)
         now = time.monotonic_ns()
         for st in order:

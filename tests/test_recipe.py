@@ -155,6 +155,27 @@ def test_a_step_with_a_non_finite_gradient_norm_changes_nothing(client: Client) 
     assert info.step == 1 and info.skipped_steps == 1
 
 
+def test_a_step_whose_learning_rate_overflows_changes_nothing(client: Client) -> None:
+    """lr and each schedule factor are finite, but their product (and a group's lr_scale) may not
+    be: such a step used to write inf/nan into every weight, and count as applied. It is skipped
+    like a non-finite gradient norm, and the server's log names the learning rate."""
+    from wstream.client import SGD, Piecewise
+
+    torch.manual_seed(0)
+    job = client.create_job("lr-inf", [nn.Linear(12, 5)], optimizer=SGD(lr=10.0, schedule=Piecewise(steps=[0, 1], factors=[1.0, 1e308])), token="t")
+    x, y = torch.randn(4, 12), torch.randn(4, 5)
+    with job.trainer() as trainer:
+        trainer.step(x, y, torch.nn.functional.mse_loss)  # lr 10: applied
+        applied = job.state_dict()
+        trainer.step(x, y, torch.nn.functional.mse_loss)  # lr 10 * 1e308 = inf
+        stats = trainer.stats()
+    after = job.state_dict()
+    assert all(torch.equal(applied[k], after[k]) for k in applied)
+    assert stats.skipped_steps == 1
+    info = {j.name: j for j in client.status().jobs}["lr-inf"]
+    assert info.step == 2 and info.skipped_steps == 1
+
+
 def test_bad_recipe_values_are_refused_with_the_field_named() -> None:
     with pytest.raises(ValueError, match="clip_grad_norm"):
         AdamW(clip_grad_norm=0.0)
