@@ -29,8 +29,13 @@ class Envelope(msgspec.Struct, frozen=True):
     """The fields every header has; other fields are ignored at this stage."""
 
     op: str
-    v: int = -1
+    v: int = -1  # _NO_VERSION
     id: int = 0
+
+
+_NO_VERSION = -1
+MAX_REQUEST_ID = 2**63 - 1
+"""``messages.RequestId``'s bound: an id past it is answered as 0."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -48,7 +53,8 @@ def encode(message: Message) -> bytes:
 def peek_id(header: bytes) -> int:
     """The request id of a header, or 0 where it cannot be read (used for error replies)."""
     try:
-        return max(0, int(_envelope.decode(header).id))
+        request_id = int(_envelope.decode(header).id)
+        return request_id if 0 <= request_id <= MAX_REQUEST_ID else 0  # an error reply must decode
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError):
         return 0
 
@@ -65,6 +71,8 @@ def _decode(header: bytes | memoryview, table: dict[str, type[Message]], side: s
     if env.op not in table:
         known = ", ".join(sorted(table))
         raise UnknownOpError(f"unknown {side} op {env.op!r}; known ops: {known}")
+    if env.v == _NO_VERSION:
+        raise VersionMismatchError(f"the {env.op!r} header has no protocol version 'v': this end speaks version {PROTOCOL_VERSION}")
     if env.v != PROTOCOL_VERSION:
         raise VersionMismatchError(
             f"protocol version {env.v} is not supported: this end speaks version {PROTOCOL_VERSION}; "
