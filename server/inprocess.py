@@ -16,6 +16,7 @@ Tests of transport faults, crashes, signals and shared memory across processes s
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import tempfile
@@ -39,10 +40,12 @@ class InProcessServer:
     def __init__(self, config: ServerConfig | None = None, **fields: Any) -> None:
         if config is not None and fields:
             raise ValueError("give a ServerConfig or its fields as keyword arguments, not both")
+        self._own_socket: str | None = None  # the ipc path it chose itself: removed at stop
         if config is None:
             if "bind" not in fields:
                 path = os.path.join(tempfile.gettempdir(), f"wstream-inprocess-{uuid.uuid4().hex[:12]}.sock")
                 fields["bind"] = [f"ipc://{path}"]
+                self._own_socket = path
             config = ServerConfig(**fields)
         self.server = Server(config)
         self._error: BaseException | None = None
@@ -68,6 +71,10 @@ class InProcessServer:
         self._thread.join(timeout)
         if self._thread.is_alive():
             raise TimeoutError(f"the in-process wstream-server at {self.address} did not stop within {timeout:g} s")
+        if self._own_socket is not None:  # a name nobody else uses: its socket and lock files go too
+            for leftover in (self._own_socket, self._own_socket + ".lock"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
         if self._error is not None:
             raise RuntimeError(f"the in-process wstream-server at {self.address} failed: {self._error!r}") from self._error
 
