@@ -230,9 +230,17 @@ def _roots(
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise TypeError(f"loss_fn must return a scalar tensor, got {type(loss).__name__}")
         value = float(loss.detach())
-        if not math.isfinite(value):
+        finite = math.isfinite(value)
+        # the ranks agree once per micro-batch (a loss-scaling retry of one rank recomputes the same loss)
+        if first and run.all_finite is not None and not run.all_finite(finite) and finite:
             raise FloatingPointError(
-                f"the loss of micro-batch {lane} is {value}: nothing of this step was sent (the job's "
+                f"the loss of micro-batch {lane} is not finite on another rank: no rank sends this step "
+                "(the job's weights are unchanged); check the data and the learning rate"
+            )
+        if not finite:
+            where = " on this rank" if run.all_finite is not None else ""
+            raise FloatingPointError(
+                f"the loss of micro-batch {lane} is {value}{where}: nothing of this step was sent (the job's "
                 "weights are unchanged); check the data and the learning rate"
             )
         weights = run.lane_weights  # an uneven split: each micro-batch's mean loss weighs its share of the batch

@@ -46,8 +46,8 @@ class Launch:
 
 def from_torchrun(*, init_process_group: bool = True, backend: str | None = None) -> Launch:
     """Read ``RANK``, ``LOCAL_RANK`` and ``WORLD_SIZE`` (set by ``torchrun``), and start the default
-    process group (gloo on CPU, NCCL with GPUs) unless it is running or not wanted. Outside
-    ``torchrun`` this is rank 0 of 1."""
+    process group (gloo on CPU, NCCL with GPUs) unless it is running or not wanted, also for a
+    single rank under ``torchrun``. Outside ``torchrun`` this is rank 0 of 1, with no group."""
     launch = Launch(
         rank=int(os.environ.get("RANK", "0")),
         local_rank=int(os.environ.get("LOCAL_RANK", "0")),
@@ -56,7 +56,9 @@ def from_torchrun(*, init_process_group: bool = True, backend: str | None = None
     if torch.cuda.is_available():  # NCCL and device-less CUDA calls use the current device: this
         torch.cuda.set_device(launch.local_rank)  # rank's, else every rank also creates a context on cuda:0
     dist = torch.distributed
-    if init_process_group and launch.world_size > 1 and not dist.is_initialized():
+    # under torchrun (TORCHELASTIC_RUN_ID) even one rank gets its group: reduce='allreduce' needs one
+    under_torchrun = "TORCHELASTIC_RUN_ID" in os.environ
+    if init_process_group and (launch.world_size > 1 or under_torchrun) and not dist.is_initialized():
         dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
     return launch
 
@@ -86,6 +88,14 @@ class AllReduceGradients:
         self.size = dist.get_world_size(group)
         self._max_numel = max_numel
         self._flat: torch.Tensor | None = None
+
+    def all_finite(self, finite: bool, device: torch.device) -> bool:
+        """Whether every rank's value is finite, ``finite`` being this rank's: a one-number
+        all-reduce, so that the ranks refuse a step together, at the same point of their
+        all-reduces (one rank alone raising would leave the others waiting in the next one)."""
+        flag = torch.tensor([1.0 if finite else 0.0], device=device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN, group=self.group)
+        return bool(flag.item() == 1.0)
 
     def mean(self, spec: StageSpec, grads: list[torch.Tensor | None], device: torch.device) -> torch.Tensor:
         """The mean over the ranks of this stage's push, flat fp32 (``push_layout(spec).numel``

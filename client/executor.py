@@ -97,7 +97,7 @@ class PlanExecutor(StageBackward):
         self.device = device
         self.rng = rng
         self.scaler = scaler
-        self._allreduce = allreduce
+        self.allreduce = allreduce  # ranks that all-reduce each stage's gradient (client/distributed.py)
         self.reader = allreduce is not None and allreduce.rank != 0  # a rank that pushes nothing
         self.tracer: Tracer | None = None  # set while ``Trainer.trace`` records a timeline
         self._mover: HostMover | None = None
@@ -372,11 +372,11 @@ class PlanExecutor(StageBackward):
         if not push_layout(runner.spec).numel:  # every parameter frozen, no buffer: the step commits without it
             return
         # a delayed job's (s, t) may reach the server before (s, t - 1) is applied: it holds it
-        if self._allreduce is None:
+        if self.allreduce is None:
             pusher.push(stage, run.step, runner.spec, grads)
         else:
             device = next((g.device for g in grads if g is not None), self.device)
-            mean = self._allreduce.mean(runner.spec, grads, device)
+            mean = self.allreduce.mean(runner.spec, grads, device)
             if not self.reader:
                 pusher.push(stage, run.step, flat_spec(runner.spec), [mean], borrowed=True)  # the next stage's mean reuses it
         run.pushed = True

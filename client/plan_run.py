@@ -26,7 +26,7 @@ class PlanRun:
         "current", "kept", "host", "arriving", "rng", "grad_out", "loss", "pushed", "peak_bytes", "last",
         "runner_at", "held", "grads", "_kept_bytes", "_arriving_bytes", "_current_bytes", "_current_kept",
         "k", "targets", "advanced", "scales", "step", "delayed", "buffers", "buffers_before", "buffers_start",
-        "tapes", "lane_weights",
+        "tapes", "lane_weights", "all_finite",
     )
 
     def __init__(
@@ -41,11 +41,14 @@ class PlanRun:
         step: int = 0,
         delayed: bool = False,
         lane_weights: list[float] | None = None,
+        all_finite: Callable[[bool], bool] | None = None,
     ) -> None:
         self.step = step  # the job's step this run trains
         self.delayed = delayed  # it may end before its updates (a delayed-update job past warm-up)
         self.k = k  # micro-batches: every state is k lanes packed (see ``join_lanes``)
         self.lane_weights = lane_weights  # each micro-batch's share (n_j / N) of an uneven split; None: 1/k each
+        # ranks that all-reduce: whether every rank's loss is finite, given this rank's (they raise together)
+        self.all_finite = all_finite
         self.scales = None if scale is None else [scale] * k  # each micro-batch's loss scale, if scaling
         self.advanced: set[int] = set()  # positions run forward this step (a rerun is a recomputation)
         self.targets = targets  # one per micro-batch

@@ -17,6 +17,7 @@ order, run the plan, wait for the updates, and on a lost connection reconnect an
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -392,6 +393,12 @@ class Trainer:
             except (ServerUnavailable, SessionExpiredError) as exc:
                 if self.options.transport.reconnect_s <= 0 or self.connection.closed:
                     raise
+                if self.executor.allreduce is not None:
+                    raise StateError(
+                        f"rank {self.executor.allreduce.rank} lost its connection ({exc}); with reduce='allreduce' the ranks "
+                        "all-reduce every stage in lockstep, so one rank cannot train a step again alone: restart every "
+                        "rank (torchrun does with --max-restarts) to resume from the job's step"
+                    ) from exc
                 self.connection.recover(exc)
                 self._step = self.connection.joined_step
             if self._step != step:
@@ -401,8 +408,11 @@ class Trainer:
     def _new_run(self, inputs: Any, runner_at: Callable[[int], StageRunner], **kw: Any) -> PlanRun:
         conn, scaler = self.connection, self.executor.scaler
         delayed = conn.delayed_update and self._step >= conn.delay_after  # may end before its updates
+        allreduce = self.executor.allreduce
+        all_finite = None if allreduce is None else functools.partial(allreduce.all_finite, device=self.device)
         return PlanRun(
-            inputs, runner_at, step=self._step, delayed=delayed, scale=None if scaler is None else scaler.scale, **kw
+            inputs, runner_at, step=self._step, delayed=delayed, scale=None if scaler is None else scaler.scale,
+            all_finite=all_finite, **kw
         )
 
     def _step_once(self, inputs: Any, targets: Any, loss_fn: LossFn, k: int) -> float:

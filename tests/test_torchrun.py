@@ -82,3 +82,96 @@ def test_allreduce_needs_a_process_group(client: Client) -> None:
         job.trainer(reduce="allreduce")
     with pytest.raises(ValueError, match="reduce must be"):
         job.trainer(reduce="nccl")
+
+
+@pytest.fixture
+def one_rank_group(tmp_path: Path):
+    """A gloo process group of one rank in this process (what ``from_torchrun`` makes)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_found_by_review_an_allreduce_rank_does_not_retry_a_step_alone(
+    client: Client, one_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``reduce="allreduce"`` every rank all-reduces each stage in lockstep. A rank that lost
+    its session used to reconnect and train the step again from its forward on its own: its next
+    all-reduce paired with another rank's next stage, mixed gradients were pushed, and the job hung
+    (defect seen with 2 ranks). It now raises, naming why, so that torchrun stops every rank."""
+    from wstream.client import SessionExpiredError, StateError
+    from wstream.client.push import GradientPusher
+
+    job = client.create_job("ar-lost", models.mixed(), optimizer=AdamW(), token="t")
+    queue_push = GradientPusher.push
+
+    def lose_the_session(pusher: GradientPusher, stage: int, step: int, *args: object, **kw: object) -> None:
+        if step == 1:
+            raise SessionExpiredError("injected: the server forgot this worker")
+        queue_push(pusher, stage, step, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(GradientPusher, "push", lose_the_session)
+    with job.trainer(reduce="allreduce", reconnect_s=30) as trainer:
+        trainer.step(*models.batch("mixed", 0), models.loss_fn)
+        with pytest.raises(StateError, match="allreduce.*restart every rank") as caught:
+            trainer.step(*models.batch("mixed", 1), models.loss_fn)
+        assert isinstance(caught.value.__cause__, SessionExpiredError)
+        assert trainer.reconnects == 0
+
+
+def test_found_by_review_allreduce_ranks_refuse_a_non_finite_loss_together(
+    client: Client, one_rank_group: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A non-finite loss on one rank only made that rank raise while the others waited in the
+    stage's all-reduce for ever. The ranks now agree on the loss's finiteness (a one-number
+    all-reduce), so every rank raises the same FloatingPointError at the same point."""
+    import torch.distributed as dist
+
+    agreed: list[float] = []
+    real_all_reduce = dist.all_reduce
+
+    def spy(tensor: torch.Tensor, *args: object, **kw: object) -> object:
+        if tensor.numel() == 1:
+            agreed.append(float(tensor))
+        return real_all_reduce(tensor, *args, **kw)
+
+    monkeypatch.setattr(dist, "all_reduce", spy)
+    job = client.create_job("ar-nan", models.mixed(), optimizer=AdamW(), token="t")
+    x, y = models.batch("mixed", 0)
+    with job.trainer(reduce="allreduce") as trainer:
+        trainer.step(x, y, models.loss_fn)
+        assert agreed == [1.0]  # this rank's loss was finite
+        with pytest.raises(FloatingPointError, match="on this rank"):
+            trainer.step(x * float("nan"), y, models.loss_fn)
+        assert agreed == [1.0, 0.0]
+
+
+def test_found_by_review_from_torchrun_starts_the_group_for_one_rank_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torchrun --nproc-per-node 1`` sets WORLD_SIZE=1: the same script that works with 2 ranks
+    failed with reduce='allreduce', telling the user to call ``from_torchrun()`` first."""
+    import socket
+
+    import torch.distributed as dist
+
+    from wstream.client.distributed import from_torchrun
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "TORCHELASTIC_RUN_ID": "review"}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    launch = from_torchrun()
+    try:
+        assert launch.world_size == 1 and dist.is_initialized() and dist.get_world_size() == 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # outside torchrun, one process needs no group
+    from_torchrun()
+    assert not dist.is_initialized()
