@@ -139,8 +139,8 @@ HELP: dict[str, str] = {
     "wstream_job_steps_per_second": f"Steps completed per second over the last {RATE_WINDOW_S} s.",
     "wstream_job_stages": "Stages of the chain the job was made from.",
     "wstream_job_units": "Server stages holding them (transfer units; the stage label of per-stage metrics counts these, chain_stages names the chain's stages each holds).",
-    "wstream_job_parameters": "Parameters of the job.",
-    "wstream_job_workers": "Workers training the job now.",
+    "wstream_job_parameters": "Elements of the job's stages: trained and frozen parameters and buffers.",
+    "wstream_job_workers": "Workers attached to the job now, readers (which fetch and never push) included.",
     "wstream_job_memory_bytes": (
         "Bytes the job holds, by kind: published (shared-memory weights workers read), private "
         "(optimizer state, the step's gradient accumulator, a separate fp32 master), gradients "
