@@ -1,6 +1,10 @@
 """GPU figure 4: DeepSpeed ZeRO-3 with parameters and optimizer offloaded to the CPU, on the GPT of
 bench/gpu_train.py (same sizes, bf16, a checkpoint per stage), against wstream's figures from the
 same run of gpu_train.py (``--compare``). Without DeepSpeed it says exactly why and measures nothing.
+The two figures come from two processes run one after the other on the same machine (DeepSpeed's
+engine and its process group do not share a process with a wstream trainer), not from one process
+as every other ratio in BENCHMARKS.md: read it as less robust against drift. Both time a step from
+the making of its batch to a synchronized end.
 
 DeepSpeed is not in the device machine's image and is not on the index as a prebuilt wheel; its CPU
 Adam is compiled just in time (nvcc and ninja are there). bench/gpu_prepare.sh --with-deepspeed
@@ -66,8 +70,8 @@ def run(cfg: GPTConfig, size: int, device: torch.device, steps: int, warmup: int
     torch.cuda.reset_peak_memory_stats(device)
     times = []
     for t in range(warmup + steps):
+        t0 = time.perf_counter()  # the batch's making is timed, as in gpu_train.py's steps
         x, y = batch(cfg, size, device, t)
-        t0 = time.perf_counter()
         loss = loss_fn(engine(x), y)
         engine.backward(loss)
         engine.step()

@@ -1,7 +1,9 @@
 """Stage-major micro-batches and the delayed update: weight traffic and step time against k.
 
 A chain of MLP blocks is trained with k micro-batches of a fixed size per step, k = 1, 2, 4, ...
-Three runs alternate step by step in this process (so drift of a shared machine hits all alike):
+Three runs alternate in blocks of ``--block`` steps in this process (so drift of a shared machine
+hits all alike); a wstream block is timed until its server has applied every update of it
+(``wait_updates``), so no side's optimizer work runs in another side's timed window:
 
 * plain PyTorch: ordinary gradient accumulation (micro-batch after micro-batch through the whole
   model, `torch.utils.checkpoint` on every stage, so the same recomputation as wstream's
@@ -13,7 +15,7 @@ Three runs alternate step by step in this process (so drift of a shared machine 
 Printed per k: weight bytes the worker copied per step (measured) next to what micro-batch-major
 streaming would copy (k times the k = 1 traffic), and the median step times with their ratios.
 
-    python bench/micro_batches.py [--stages 8] [--width 1024] [--micro-batch 16] [--ks 1,2,4,8,16] [--steps 5]
+    python bench/micro_batches.py [--stages 8] [--width 1024] [--micro-batch 16] [--ks 1,2,4,8,16] [--steps 6] [--block 3]
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def main() -> None:
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--ks", default="1,2,4,8,16")
-    p.add_argument("--steps", type=int, default=5)
-    args = parse_args(p, smoke=dict(stages=2, width=32, micro_batch=2, ks="1,2", steps=1))
+    p.add_argument("--steps", type=int, default=6, help="timed steps of each run (after one warm-up step)")
+    p.add_argument("--block", type=int, default=3, help="steps each run takes before the next run's turn")
+    args = parse_args(p, smoke=dict(stages=2, width=32, micro_batch=2, ks="1,2", steps=2, block=2))
     ks = [int(k) for k in args.ks.split(",")]
     print(f"machine: {machine()}")
     torch.manual_seed(0)
@@ -74,15 +77,20 @@ def main() -> None:
                     "sync": lambda x, y: t_sync.step(x, y, loss_fn, micro_batches=k),
                     "dpu": lambda x, y: t_dpu.step(x, y, loss_fn, micro_batches=k),
                 }
+                ends = {"plain": lambda: None, "sync": t_sync.wait_updates, "dpu": t_dpu.wait_updates}
                 times: dict[str, list[float]] = {name: [] for name in runs}
                 for name, run in runs.items():  # warm-up
                     run(*data[0])
+                    ends[name]()
                 before = t_sync.stats()
-                for x, y in data[1:]:
+                for start in range(1, len(data), args.block):
+                    block = data[start : start + args.block]
                     for name, run in runs.items():
                         t0 = time.perf_counter()
-                        run(x, y)
-                        times[name].append(time.perf_counter() - t0)
+                        for x, y in block:
+                            run(x, y)
+                        ends[name]()  # the block's updates are part of its time
+                        times[name].append((time.perf_counter() - t0) / len(block))
                 after = t_sync.stats()
                 fetched = (after.bytes_fetched - before.bytes_fetched) / (after.steps - before.steps)
                 med = {name: statistics.median(v) for name, v in times.items()}

@@ -4,7 +4,9 @@ Each chain is ``n`` stages of ``Linear(W, W) + GELU``. Plain PyTorch keeps only 
 (``torch.utils.checkpoint`` on every stage, so each stage is recomputed once in backward) and steps
 ``torch.optim.AdamW(fused=True)``; wstream streams every stage from a server subprocess on the same
 machine (shared memory) with its default settings and the ``store_all`` plan (the same
-recomputation: keep every stage input, recompute each stage once in backward). Both train the same
+recomputation: keep every stage input, recompute each stage once in backward; torch's checkpoint
+stops each recomputation early by default, where wstream tapes only stages of 4 Mi elements or
+more, so on these chains plain PyTorch recomputes a little less). Both train the same
 batches; the sides alternate after a warm-up step each, in blocks of ``--block`` steps (1: step by
 step), and each wstream block is timed until its updates are done: with blocks of one step every
 step pays its whole update after its backward; with longer blocks a step's updates overlap the
@@ -79,6 +81,7 @@ def measure(
     with job.trainer(schedule="store_all", cpu_threads=cpu_threads, grad_slots=grad_slots, step_ring=step_ring) as trainer:
         plain_step(*data[0])
         trainer.step(*data[0], loss_fn)
+        trainer.wait_updates()  # the warm-up's updates are not in plain's first timed block
         plain, streamed, everywhere = alternate(plain_step, trainer, data[1:], block, all_cores=True, handoff=handoff)
     job.drop()
     return statistics.median(plain), statistics.median(streamed), statistics.median(everywhere), statistics.median(handoff.seconds)
@@ -120,6 +123,10 @@ def alternate(
     a wstream block is timed until its updates are done."""
     plain, streamed, everywhere = [], [], []
     worker_threads = torch.get_num_threads()
+    if all_cores:  # plain PyTorch's warm-up at its other thread count (the callers warmed up the rest)
+        torch.set_num_threads(host_cores())
+        plain_step(*data[0])
+        torch.set_num_threads(worker_threads)
 
     def time_plain(batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
         t0 = time.perf_counter()

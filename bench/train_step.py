@@ -120,11 +120,15 @@ def main() -> None:
             )
             trainer = job.trainer(prefetch=args.prefetch, early_stop=early_stop)
             by_mode[mode] = (job, trainers.enter_context(trainer))
-        plain_step(*data[0])  # warm-up every side
+        worker_threads = torch.get_num_threads()
+        plain_step(*data[0])  # warm-up every side, plain PyTorch at both of its thread counts
+        torch.set_num_threads(host_cores())
+        plain_step(*data[0])
+        torch.set_num_threads(worker_threads)
         for _, trainer in by_mode.values():
             trainer.step(*data[0], loss_fn)
+            trainer.wait_updates()
         batches = data[1:]
-        worker_threads = torch.get_num_threads()
         for start in range(0, len(batches), args.block):
             block = batches[start : start + args.block]
             for threads, times in ((worker_threads, plain_times), (host_cores(), all_core_times)):
