@@ -191,8 +191,9 @@ class WorkerConnection:
                 )
             self.receive = ReceiveRing(2, stage_bytes, self.device)
         self.prefetcher = Prefetcher(self.sc, self.ring, copy_engine(self.device, "h2d"), self.receive)
-        self.stager = GradientStager(
-            self.device, max_numel, copy_engine(self.device, "d2h"), staged=staged, tracer=lambda: self.sc.tracer
+        self.stager = GradientStager(  # a reader pushes nothing: no staging buffers on its device
+            self.device, max_numel, copy_engine(self.device, "d2h"), staged=staged and not self.reader,
+            tracer=lambda: self.sc.tracer,
         )
         self.pusher = GradientPusher(self.sc, grad_views, shm=self.shm, stager=self.stager, step_ring=self.step_ring)
         self.heartbeat = HeartbeatThread(
