@@ -7,7 +7,7 @@ apart so that ``client.py`` holds only the ``Client`` and ``Job`` handles.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from torch import nn
@@ -40,23 +40,86 @@ def walk_chain(
     items: Iterable[nn.Module | Tied],
     add_stage: Callable[[int, nn.Module], StageSpec],
     base_stages: list[StageSpec] | None = None,
+    *,
+    skeletons: bool = True,
 ) -> tuple[list[StageSpec], Chain]:
     """Walk a job's ``stages`` in order: ``add_stage(i, module)`` lays out (and uploads) weight
     stage i and returns its spec; a :class:`Tied` item is checked against the stages before it
     (and, for a job on a frozen base, ``base_stages``: its frozen parameters are the base's).
-    Every module is moved to the meta device once handled, so one at a time is materialized."""
+    Every module is moved to the meta device once handled, so one at a time is materialized;
+    ``skeletons`` False leaves them as they are (a check of the chain before anything is
+    uploaded or compared: a refusal must not cost the caller its model)."""
     specs: list[StageSpec] = []
     chain: Chain = []
     seen = SharedWeights()
-    for item in items:
+    keep = skeleton_of if skeletons else (lambda module: module)
+    for position, item in enumerate(items):
+        check_item(position, item)
         if isinstance(item, Tied):
             check_tied(len(chain), item, specs, base_stages)
-            chain.append((item.stage, skeleton_of(item.module)))
+            chain.append((item.stage, keep(item.module)))
             continue
         seen.check(len(specs), item)
         specs.append(add_stage(len(specs), item))
-        chain.append((len(specs) - 1, skeleton_of(item)))
+        chain.append((len(specs) - 1, keep(item)))
     return specs, chain
+
+
+def check_before_upload(
+    stages: Sequence[nn.Module | Tied], groups: GroupAssigner, *, on_base: bool, materialized: bool = True
+) -> None:
+    """Every check ``create_job`` can make of a chain it is given as a sequence, made before the
+    job exists: a refusal then leaves the caller's modules as they were (the upload moves each to
+    the meta device). On a frozen base the layout needs the base's, so only the items are checked.
+    ``materialized`` False (``exist_ok``: meta skeletons may attach to the job) leaves the check
+    that the weights have data to the upload."""
+    if not stages:
+        raise ValueError("stages is empty: a job needs at least one stage")
+    if on_base:
+        for position, item in enumerate(stages):
+            check_item(position, item)
+            if materialized and not isinstance(item, Tied):
+                check_materialized(position, item, trainable_only=True)
+        return
+
+    def check(i: int, module: nn.Module) -> StageSpec:
+        if materialized:
+            check_materialized(i, module)
+        return spec_of(i, module, groups=groups)
+
+    walk_chain(stages, check, skeletons=False)
+    groups.check_all_used()
+
+
+def check_item(position: int, item: object) -> None:
+    """A chain's item is a module instance or a :class:`Tied` one."""
+    if isinstance(item, Tied):
+        return
+    if isinstance(item, type) and issubclass(item, nn.Module):
+        raise LayoutError(f"stage {position} is the class {item.__name__}, not a module: give an instance ({item.__name__}(...))")
+    if not isinstance(item, nn.Module):
+        raise LayoutError(f"stage {position} is a {type(item).__name__}, not a torch.nn.Module (or Tied(stage, module))")
+
+
+def check_materialized(position: int, module: nn.Module, *, trainable_only: bool = False) -> None:
+    """Weights to upload have data: a parameter on the meta device is a model built on meta, or
+    a module already given as an earlier stage (moved to meta once uploaded). ``trainable_only``
+    (a job on a frozen base): only the parameters with ``requires_grad`` are uploaded."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad] if trainable_only else [
+        *module.named_parameters(), *module.named_buffers()
+    ]
+    for name, p in named:
+        if p.is_meta:
+            raise LayoutError(
+                f"stage {position}'s {name!r} is on the meta device, with no data to upload: a module given "
+                "again after an earlier stage (share it as Tied(stage, module)), or a model built on meta "
+                "(materialize it first; meta skeletons are for attach_job)"
+            )
+
+
+def to_skeletons(chain: Chain) -> Chain:
+    """``chain`` (walked with ``skeletons=False``) with every module moved to the meta device."""
+    return [(stage, skeleton_of(module)) for stage, module in chain]
 
 
 class SharedWeights:

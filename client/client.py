@@ -42,7 +42,7 @@ from .channel import (
     client_nonce,
     curve_keys,
 )
-from .chain import layout_on, progress_bar, walk_chain
+from .chain import check_before_upload, check_materialized, layout_on, progress_bar, to_skeletons, walk_chain
 from .endpoint import Closeable, WorkerEndpoint
 from .env import job_token, server_address
 from .groups import GroupAssigner, ParamGroup, export_metadata
@@ -230,7 +230,8 @@ class Client:
         cutter = None if unit_bytes is None else UnitCutter(unit_bytes, itemsize)
         own = (lambda p: p.requires_grad) if base is not None else (lambda p: True)
         total = None
-        if isinstance(stages, Sequence):  # known up front: let the server refuse before uploading
+        if isinstance(stages, Sequence):  # known up front: check it, and let the server refuse, before uploading
+            check_before_upload(stages, groups, on_base=base is not None, materialized=not exist_ok)
             total = sum(p.numel() for s in stages if not isinstance(s, Tied) for p in s.parameters() if own(p))
         nonce, mine = challenge(self._chan), client_nonce()
         proof = base_proof(secret_key(base_token), base, nonce, mine) if base and base_token else None
@@ -267,6 +268,7 @@ class Client:
             added += 1
 
         def upload(i: int, module: nn.Module) -> StageSpec:
+            check_materialized(i, module, trainable_only=base is not None)
             spec = layout_on(created.base_stages if base is not None else None, i, module, groups)
             flat = flatten(module, spec)
             if cutter is None:
@@ -288,11 +290,16 @@ class Client:
                 units = cutter.counts
             groups.check_all_used()
             sealed, _ = self._chan.request(m.Seal(session=session, units=units), m.Attached, timeout_s=self.wait_timeout_s, held=True)
-        except BaseException:
+        except BaseException as exc:
             try:  # leave nothing half-made on the server
                 self._chan.request(m.DropJob(session=session), m.Ok, timeout_s=5.0)
             except WstreamError:
                 pass
+            if added and not isinstance(stages, Sequence):  # a generator's stages cannot be checked first
+                exc.add_note(
+                    f"create_job({name!r}): the stages uploaded before this were moved to the meta device as each went; "
+                    "build them again before retrying (a list of stages is checked whole before any upload)"
+                )
             raise
         finally:
             bar.close()
@@ -307,10 +314,7 @@ class Client:
         param_groups: Sequence[ParamGroup],
     ) -> Job:
         """``create_job(exist_ok=True)`` found the job: attach if it is the job asked for."""
-        job = self.attach_job(name, token=token, stages=stages, param_groups=param_groups)  # checks the layout
-        difference = options_difference(job.options, options)
-        if difference is not None:
-            raise LayoutError(f"job {name!r} exists with other options: {difference}")
+        job = self.attach_job(name, token=token, stages=stages, param_groups=param_groups, expect_options=options)
         log.info("job %r exists with this layout and these options: attached to it", name)
         return job
 
@@ -321,6 +325,7 @@ class Client:
         token: str | None = None,
         stages: Iterable[nn.Module | Tied] | None = None,
         param_groups: Sequence[ParamGroup] | None = None,
+        expect_options: m.JobOptions | None = None,
     ) -> Job:
         """Attach to an existing job. ``stages`` (modules, best built on the meta device, and the
         same :class:`Tied` positions the creator gave) are needed to train; they must have the
@@ -329,7 +334,9 @@ class Client:
         A worker trains with the job's parameter groups whatever it is given, so
         ``param_groups`` is optional: without it the layouts are compared ignoring the groups;
         with it (the creator's list) the groups' settings and each parameter's group must be the
-        job's too. ``token``: default ``$WSTREAM_TOKEN``."""
+        job's too. ``token``: default ``$WSTREAM_TOKEN``. ``expect_options``: the options the job
+        must have (``create_job(exist_ok=True)``). A refusal leaves ``stages`` as they were: they
+        are moved to the meta device only once they match."""
         token = job_token(token)
         attached, signer = attach_session(self._chan, name, token)
         self._keys.add(signer)
@@ -339,16 +346,22 @@ class Client:
                 f"the given param_groups are not job {name!r}'s: it has {attached.options.param_groups}, "
                 f"given {groups.specs}"
             )
+        if expect_options is not None:  # create_job(exist_ok=True): before the stages are touched
+            difference = options_difference(attached.options, expect_options)
+            if difference is not None:
+                raise LayoutError(f"job {name!r} exists with other options: {difference}")
         chain = None
         if stages is not None:
             on_base = attached.options.base is not None
             base_stages = list(attached.base_stages) if on_base else None
-            specs, chain = walk_chain(stages, lambda i, mod: layout_on(base_stages, i, mod, groups), base_stages)
+            # compared before any module is moved to the meta device: a refusal leaves the caller's model as it was
+            specs, chain = walk_chain(stages, lambda i, mod: layout_on(base_stages, i, mod, groups), base_stages, skeletons=False)
             theirs = chain_layout(attached.stages, attached.options.units)  # with units: stage by stage
             theirs = theirs if groups is not None else [without_groups(s) for s in theirs]
             mismatch = describe_mismatch(theirs, specs)
             if mismatch is not None:
                 raise LayoutError(f"the given stages do not match job {name!r}: {mismatch}")
+            chain = to_skeletons(chain)
         return Job(self, attached, token, chain, signer)
 
     def status(self) -> m.StatusReply:

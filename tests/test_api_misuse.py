@@ -1,0 +1,77 @@
+"""The client API under misuse (found by review): each mistake is refused by name, before the
+server's state changes, and the caller loses nothing (its model keeps its weights)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from wstream.client import AdamW, Client, LayoutError, SGD, StateError, Tied
+
+
+def on_device(stages: list[nn.Module]) -> list[str]:
+    return [next(s.parameters()).device.type for s in stages]
+
+
+def test_a_refused_create_job_leaves_the_callers_model_as_it_was(client: Client) -> None:
+    stages = [nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4).double()]
+    want = [s.weight.detach().clone() for s in stages]
+    with pytest.raises(LayoutError, match="float"):
+        client.create_job("refused", stages, optimizer=SGD(), token="t")
+    assert on_device(stages) == ["cpu", "cpu", "cpu"] and all(torch.equal(s.weight, w.to(s.weight.dtype)) for s, w in zip(stages, want))
+    assert client.status().jobs == []
+    stages[2].float()  # what the error says to do
+    job = client.create_job("refused", stages, optimizer=SGD(), token="t")
+    assert torch.equal(job.state_dict()["0.weight"], want[0])
+
+
+def test_a_refused_attach_or_exist_ok_leaves_the_callers_model_as_it_was(client: Client) -> None:
+    client.create_job("there", [nn.Linear(4, 4), nn.Linear(4, 4)], optimizer=AdamW(), token="t")
+    mine = [nn.Linear(4, 4), nn.Linear(4, 4)]
+    with pytest.raises(LayoutError, match="other options"):
+        client.create_job("there", mine, optimizer=SGD(), token="t", exist_ok=True)
+    assert on_device(mine) == ["cpu", "cpu"]
+    three = [nn.Linear(4, 4) for _ in range(3)]
+    with pytest.raises(LayoutError, match="do not match"):
+        client.attach_job("there", token="t", stages=three)
+    assert on_device(three) == ["cpu", "cpu", "cpu"]
+    job = client.attach_job("there", token="t", stages=mine)  # matching: now they are the job's skeletons
+    assert on_device(mine) == ["meta", "meta"] and job.num_stages == 2
+
+
+def test_a_module_given_twice_or_built_on_meta_is_refused_by_name(client: Client) -> None:
+    layer = nn.Linear(4, 4)
+    with pytest.raises(LayoutError, match=r"Tied\(0"):
+        client.create_job("twice", [layer, layer], optimizer=SGD(), token="t")
+    with pytest.raises(LayoutError, match="Tied"):  # a generator cannot be checked first: caught at upload
+        client.create_job("twice-gen", (s for s in [layer, layer]), optimizer=SGD(), token="t")
+    with torch.device("meta"):
+        built = [nn.Linear(4, 4)]
+    with pytest.raises(LayoutError, match="meta device.*materialize"):
+        client.create_job("meta", built, optimizer=SGD(), token="t")
+    assert client.status().jobs == []
+
+
+@pytest.mark.parametrize(
+    ("items", "words"),
+    [
+        ([nn.Linear(2, 2), None], "stage 1 is a NoneType"),
+        ([nn.Linear], "stage 0 is the class Linear.*instance"),
+        ([1, 2], "stage 0 is a int"),
+    ],
+)
+def test_items_that_are_not_modules_are_refused_by_position(client: Client, items: list, words: str) -> None:
+    with pytest.raises(LayoutError, match=words):
+        client.create_job("items", items, optimizer=SGD(), token="t")
+    with pytest.raises(LayoutError, match=words):
+        client.create_job("items", iter(items), optimizer=SGD(), token="t")
+    assert client.status().jobs == []
+
+
+def test_an_empty_chain_is_refused_before_anything_is_sent(client: Client) -> None:
+    with pytest.raises(ValueError, match="stages is empty"):
+        client.create_job("empty", [], optimizer=SGD(), token="t")
+    assert client.status().jobs == []
