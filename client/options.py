@@ -15,16 +15,35 @@ gradients are scaled; ``Parallelism`` how data-parallel ranks combine their grad
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from wstream.protocol import parse_size
+from wstream.protocol.messages import MAX_GRAD_SLOTS
 
 from .loss_scale import LossScale
 from .plans import Plan, StageCosts
 from .plans.registry import check as check_schedule
 from .plans.registry import resolve as resolve_schedule
+
+
+def _check_type(group: str, name: str, value: Any, kinds: tuple[type, ...], *, optional: bool = False) -> None:
+    """``value`` is one of ``kinds`` (None too when ``optional``); a bool is not taken for a number
+    (``shm="no"`` turned shared memory on, ``prefetch=1.5`` failed deep in a thread)."""
+    if value is None and optional:
+        return
+    numeric = bool not in kinds and isinstance(value, bool)
+    if numeric or not isinstance(value, kinds):
+        want = " or ".join(k.__name__ for k in kinds) + (" or None" if optional else "")
+        raise TypeError(f"{group}.{name} must be {want}, got {value!r}")
+
+
+def _check_real(group: str, name: str, value: Any, *, low: float) -> None:
+    _check_type(group, name, value, (int, float))
+    if not math.isfinite(value) or value < low:
+        raise ValueError(f"{group}.{name} must be a finite number >= {low:g}, got {value!r}")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -58,6 +77,10 @@ class Checkpointing:
     operation's time); True: every stage the plan allows; False: never."""
 
     def __post_init__(self) -> None:
+        _check_type("Checkpointing", "schedule", self.schedule, (str,))
+        _check_type("Checkpointing", "slots", self.slots, (int,), optional=True)
+        _check_type("Checkpointing", "preserve_rng", self.preserve_rng, (bool,))
+        _check_type("Checkpointing", "early_stop", self.early_stop, (bool,), optional=True)
         if self.memory_budget is not None:
             object.__setattr__(self, "memory_budget", parse_size(self.memory_budget))
         check_schedule(self.schedule, slots=self.slots, budget_bytes=self.memory_budget)  # type: ignore[arg-type]
@@ -108,6 +131,14 @@ class Transport:
     another host is left alone."""
 
     def __post_init__(self) -> None:
+        for name in ("prefetch", "cpu_threads"):
+            _check_type("Transport", name, getattr(self, name), (int,), optional=True)
+        for name in ("shm", "zero_copy", "step_ring"):
+            _check_type("Transport", name, getattr(self, name), (bool,), optional=True)
+        _check_type("Transport", "grad_slots", self.grad_slots, (int,))
+        if not 1 <= self.grad_slots <= MAX_GRAD_SLOTS:
+            raise ValueError(f"Transport.grad_slots must be 1..{MAX_GRAD_SLOTS}, got {self.grad_slots}")
+        _check_real("Transport", "reconnect_s", self.reconnect_s, low=0.0)
         if self.prefetch is not None and self.weight_budget is not None:
             raise ValueError("give prefetch= or weight_budget= (the ring's depth follows from the budget), not both")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -133,6 +164,9 @@ class Precision:
     ``True``/a ``LossScale(...)`` scales any job; ``False`` never. Unlike GradScaler no step is
     skipped: a stage whose gradient overflows runs again at a lower scale."""
 
+    def __post_init__(self) -> None:
+        _check_type("Precision", "loss_scale", self.loss_scale, (LossScale, bool), optional=True)
+
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class Parallelism:
@@ -148,6 +182,9 @@ class Parallelism:
     ``wstream.client.distributed``."""
 
     def __post_init__(self) -> None:
+        _check_type("Parallelism", "world_size", self.world_size, (int,))
+        if self.world_size < 1:
+            raise ValueError(f"Parallelism.world_size must be >= 1, got {self.world_size}")
         if self.reduce not in ("server", "allreduce"):
             raise ValueError(f"reduce must be 'server' or 'allreduce', got {self.reduce!r}")
         if self.reduce == "allreduce" and self.world_size != 1:

@@ -81,16 +81,20 @@ class Trainer:
         self.connection = conn = WorkerConnection(
             endpoint, device, options.transport, world_size=parallel.world_size, reader=reader
         )
-        self.executor = PlanExecutor(
-            runners,
-            conn,
-            device=device,
-            rng=StageRng(device, options.checkpointing.preserve_rng),
-            scaler=scaler_for(conn.compute_dtype, options.precision.loss_scale, endpoint.job),
-            allreduce=allreduce,
-            early_stop=options.checkpointing.early_stop,
-        )
-        self.planning = Planning(plan, from_profile, self.executor.stages_of)
+        try:  # joined: whatever fails from here leaves the job again (a worker left joined would be waited for)
+            self.executor = PlanExecutor(
+                runners,
+                conn,
+                device=device,
+                rng=StageRng(device, options.checkpointing.preserve_rng),
+                scaler=scaler_for(conn.compute_dtype, options.precision.loss_scale, endpoint.job),
+                allreduce=allreduce,
+                early_stop=options.checkpointing.early_stop,
+            )
+            self.planning = Planning(plan, from_profile, self.executor.stages_of)
+        except BaseException:
+            conn.shut_down()
+            raise
         self._step = conn.joined_step
         self._steps_done = 0
         self._peak_boundary = 0

@@ -75,3 +75,43 @@ def test_an_empty_chain_is_refused_before_anything_is_sent(client: Client) -> No
     with pytest.raises(ValueError, match="stages is empty"):
         client.create_job("empty", [], optimizer=SGD(), token="t")
     assert client.status().jobs == []
+
+
+def test_a_trainer_that_fails_after_joining_leaves_the_job(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer whose construction failed after it joined stayed a live, heart-beating worker,
+    and every later step of the job waited for its gradients (up to wait_timeout)."""
+    import wstream.client.trainer as trainer_module
+
+    job = client.create_job("left", [nn.Linear(4, 4), nn.Linear(4, 4)], optimizer=SGD(), token="t")
+
+    def broken(*args: object, **kw: object) -> None:
+        raise RuntimeError("injected: the executor could not be made")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer_module, "PlanExecutor", broken)
+        with pytest.raises(RuntimeError, match="injected"):
+            job.trainer()
+    assert [j.workers for j in client.status().jobs] == [[]]
+    with job.trainer() as trainer:  # trains alone: nobody else is waited for
+        trainer.step(torch.randn(2, 4), torch.randn(2, 4), torch.nn.functional.mse_loss)
+
+
+@pytest.mark.parametrize(
+    ("options", "words"),
+    [
+        ({"shm": "no"}, "shm must be bool or None"),
+        ({"prefetch": 1.5}, "prefetch must be int or None"),
+        ({"grad_slots": 0}, "grad_slots must be 1..64"),
+        ({"reconnect_s": -5}, "reconnect_s must be a finite number >= 0"),
+        ({"world_size": 0}, "world_size must be >= 1"),
+        ({"loss_scale": "yes"}, "loss_scale must be LossScale or bool or None"),
+        ({"preserve_rng": "yes"}, "preserve_rng must be bool"),
+    ],
+)
+def test_trainer_options_of_the_wrong_type_or_range_are_refused_before_joining(
+    client: Client, options: dict, words: str
+) -> None:
+    job = client.create_job("opts", [nn.Linear(4, 4)], optimizer=SGD(), token="t")
+    with pytest.raises((TypeError, ValueError), match=words):
+        job.trainer(**options)
+    assert [j.workers for j in client.status().jobs] == [[]]
