@@ -93,6 +93,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -163,7 +164,9 @@ class StepCommit:
     and the gradient slots held until an update reads them (NOTE [Held gradient slots])."""
 
     def __init__(self, job: CommitJob, versions: StageVersions) -> None:
-        self.job = job
+        # a weak reference: the job holds this part, and a cycle back would keep a dropped job's tensors
+        # and mappings alive until Python's cyclic collector ran (the account released them at the drop)
+        self._job = weakref.ref(job)
         self.versions = versions  # the job's: an update done flips its stage's version there
         self.open_step = 0  # the step whose gradients are being gathered
         self.attempt = 0  # bumped at every commit and discard: a gather of an older attempt adds nothing
@@ -176,6 +179,12 @@ class StepCommit:
         self.last_commit: CommitRecord | None = None  # the newest (one reference: the metrics thread reads it)
         self.skipped_steps = 0
         self.discarded_steps = 0
+
+    @property
+    def job(self) -> CommitJob:
+        job = self._job()
+        assert job is not None, "a part of a job that is gone was used: a bug in wstream"
+        return job
 
     # ---- gradients of the open step ------------------------------------------------------------
     def push(self, msg: m.Push, frames: list[Any], identity: bytes, worker: Worker, submit: Submit) -> list[Outgoing]:

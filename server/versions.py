@@ -47,6 +47,7 @@ here when they are done).
 from __future__ import annotations
 
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
@@ -91,10 +92,18 @@ class StageVersions:
     (NOTE [Versions and who may read what])."""
 
     def __init__(self, job: ReadJob) -> None:
-        self.job = job
+        # a weak reference: the job holds this part, and a cycle back would keep a dropped job's tensors
+        # and mappings alive until Python's cyclic collector ran (the account released them at the drop)
+        self._job = weakref.ref(job)
         self.counts: Counter[int] = Counter()  # stage version -> how many stages are at it
         self.base_step = 0  # delayed updates read max(t - 1, base_step): see NOTE rule 5
         self.waiting_step: list[Deferred] = []  # await_step requests (NOTE rule 6)
+
+    @property
+    def job(self) -> ReadJob:
+        job = self._job()
+        assert job is not None, "a part of a job that is gone was used: a bug in wstream"
+        return job
 
     @property
     def step(self) -> int:

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -161,3 +162,25 @@ def test_an_in_process_server_removes_the_socket_files_it_named_itself() -> None
         path = srv.address.removeprefix("ipc://")
         assert os.path.exists(path)
     assert not os.path.exists(path) and not os.path.exists(path + ".lock")
+
+
+def test_a_dropped_job_is_freed_at_once_not_by_a_later_garbage_collection(server: Any, client: Any) -> None:
+    """Found by review: the job's parts pointed back at it (a reference cycle), so a dropped job's
+    tensors and mappings lived on until Python's cyclic collector ran, while the memory account
+    had already released them: create/drop cycles took the server past its limit (566 MiB held
+    with a 160 MiB limit). Without any collection, the job must be gone when the drop returns."""
+    import gc
+    import weakref
+
+    from torch import nn
+
+    job = client.create_job("freed", [nn.Linear(8, 8), nn.Linear(8, 8)], optimizer=AdamW(), token="t")
+    with job.trainer() as trainer:
+        trainer.step(torch.randn(2, 8), torch.randn(2, 8), torch.nn.functional.mse_loss)
+    on_server = weakref.ref(server.inprocess.server.jobs["freed"])
+    gc.disable()
+    try:
+        client.drop_job("freed", token="t")
+        assert on_server() is None
+    finally:
+        gc.enable()
