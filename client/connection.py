@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from wstream.protocol import LayoutError, ServerUnavailable, SessionExpiredError, StateError, WstreamError
+from wstream.protocol import LayoutError, ServerUnavailable, SessionExpiredError, StateError, UnknownJobError, WstreamError
 from wstream.protocol import messages as m
 from wstream.protocol.layout import describe_mismatch
 from wstream.protocol.shm import map_segment
@@ -67,6 +67,7 @@ class WorkerConnection:
         self.registrations: list[HostRegistration] = []
         self.receive: ReceiveRing | None = None
         self.worker_id = -1  # not joined yet
+        self.incarnation = b""  # the job's identity (Attached.incarnation), from the first attach
         self.chan = endpoint.channel()
         try:
             self._connect_or_undo()
@@ -93,6 +94,12 @@ class WorkerConnection:
         ep, transport = self.endpoint, self.transport
         shm, zero_copy = transport.shm, transport.zero_copy
         attached, signer = attach_session(self.chan, ep.job, ep.token)
+        if self.incarnation and attached.incarnation != self.incarnation:
+            raise UnknownJobError(
+                f"job {ep.job!r} was dropped and created again since this worker joined it: its step belongs to "
+                "the old job, and the new one is not trained from here (make a new trainer for it)"
+            )
+        self.incarnation = attached.incarnation
         self._check_layout(attached)
         self.session = attached.session
         self.chan.signer = signer

@@ -15,7 +15,7 @@ from msgspec import Meta, Struct
 
 from .lr_schedules import Constant, Schedule
 
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 """Carried in every header; a server answers any other value with ``version_mismatch``.
 docs/protocol.md lists what changed in each version."""
 
@@ -495,6 +495,10 @@ class Attached(Message, tag="attached"):
     server_pid: int = 0
     """The server's process id: a worker in the same process (an in-process server) shares its
     thread pool and changes nothing."""
+    incarnation: Annotated[bytes, Meta(max_length=64)] = b""
+    """Protocol 9: the job's identity, made at its creation and kept across server restarts: a
+    job dropped and created again under its name has another, and a worker of the old one that
+    reconnects is refused instead of training the new one."""
 
 
 class Joined(Message, tag="joined"):

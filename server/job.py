@@ -48,6 +48,7 @@ class Job:
 
     def __init__(self, record: JobRecord, memory: MemoryAccount, total_numel: int | None = None) -> None:
         self.name = record.name
+        self.incarnation = record.incarnation  # JobRecord.incarnation
         self.key = JobKey(record.name, record.verifier)  # checks attach and base proofs
         self.options = options = record.options
         self.base: Job | None = None  # set by the server when it creates or restores this job
@@ -114,7 +115,7 @@ class Job:
         return [(st.lock, st.capture) for st in self.stages]
 
     def record(self) -> JobRecord:
-        return JobRecord(self.name, self.key.vk, self.options, [s.spec for s in self.stages])
+        return JobRecord(self.name, self.key.vk, self.options, [s.spec for s in self.stages], self.incarnation)
 
     # ---- creation --------------------------------------------------------------------------------
     def add_stage(self, msg: m.AddStage, frames: list[Any]) -> None:

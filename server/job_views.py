@@ -35,6 +35,7 @@ def attached_reply(job: Job, session: bytes, lease_s: float, request_id: int) ->
         lease_s=lease_s,
         compute_threads=torch.get_num_threads(),
         server_pid=os.getpid(),
+        incarnation=job.incarnation,
         **_base_fields(job),
     )
 

@@ -111,6 +111,9 @@ class JobRecord:
     proofs but cannot make one, so a copy of the store does not open the job."""
     options: m.JobOptions
     specs: list[m.StageSpec]
+    incarnation: bytes = field(default_factory=lambda: os.urandom(16))
+    """Made at creation and kept across restarts (``Attached.incarnation``): a job dropped and
+    created again under its name has another, so a worker of the old one cannot join the new."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -118,6 +121,7 @@ class JobRecord:
             "token_verifier": self.verifier.hex(),
             "options": msgspec.to_builtins(self.options),
             "stages": [msgspec.to_builtins(s) for s in self.specs],
+            "incarnation": self.incarnation.hex(),
         }
 
     @classmethod
@@ -134,6 +138,8 @@ class JobRecord:
             verifier=vk,
             options=msgspec.convert(options, m.JobOptions),
             specs=[msgspec.convert(s, m.StageSpec) for s in d["stages"]],
+            # a manifest from before protocol 9 has none: a new one (workers of before the restart had none either)
+            incarnation=bytes.fromhex(d["incarnation"]) if "incarnation" in d else os.urandom(16),
         )
 
 

@@ -184,3 +184,29 @@ def test_a_dropped_job_is_freed_at_once_not_by_a_later_garbage_collection(server
         assert on_server() is None
     finally:
         gc.enable()
+
+
+def test_a_worker_of_a_dropped_job_does_not_train_the_job_created_again_under_its_name(client: Client) -> None:
+    """Found by review: a worker whose job was dropped and created again (same name, token and
+    layout) reconnected to the new job and trained it with its own step's gradients (the new
+    job's weights were 0.2 off a run of its own). ``Attached.incarnation`` now tells the two apart."""
+    from torch import nn
+
+    from wstream.client import UnknownJobError
+
+    def stages() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.Linear(4, 4), nn.Linear(4, 4)]
+
+    old = client.create_job("again", stages(), optimizer=AdamW(), token="t")
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    with old.trainer(reconnect_s=30) as trainer:
+        trainer.step(x, y, torch.nn.functional.mse_loss)
+        client.drop_job("again", token="t")
+        new = client.create_job("again", stages(), optimizer=AdamW(), token="t")
+        before = new.state_dict()
+        with pytest.raises(UnknownJobError, match="dropped and created again"):
+            trainer.step(x, y, torch.nn.functional.mse_loss)
+    after = new.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    assert {j.name: j.step for j in client.status().jobs} == {"again": 0}

@@ -419,3 +419,18 @@ def test_a_save_waiting_for_a_consistent_step_is_answered_at_shutdown(held) -> N
     stopping.join(30)
     (reply,) = held.wire.replies[waiting]
     assert isinstance(reply, m.Error) and "shutting down" in reply.message, reply
+
+
+def test_a_jobs_incarnation_is_kept_in_its_snapshot_record() -> None:
+    """``Attached.incarnation`` survives a restart (a worker reconnecting after one is not taken for
+    a worker of a dropped job), and a manifest from before protocol 9 gets one of its own."""
+    from wstream.protocol import messages as m
+    from wstream.server.snapshot import JobRecord
+
+    record = JobRecord("j", b"v" * 32, m.JobOptions(), [])
+    again = JobRecord.from_json(record.to_json())
+    assert again.incarnation == record.incarnation and len(record.incarnation) == 16
+    assert JobRecord("j", b"v" * 32, m.JobOptions(), []).incarnation != record.incarnation
+    old = record.to_json()
+    del old["incarnation"]
+    assert len(JobRecord.from_json(old).incarnation) == 16
