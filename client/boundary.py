@@ -48,6 +48,28 @@ def boundary_bytes(b: Boundary) -> int:
     return sum(t.nbytes for t in b if isinstance(t, torch.Tensor))
 
 
+def batch_size(value: Any) -> int | None:
+    """The size of dim 0 of the first batched tensor in ``value`` (a tensor, or a tuple or list)."""
+    items = list(value) if isinstance(value, (tuple, list)) else [value]
+    return next((t.shape[0] for t in items if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+
+
+def check_micro_batches(inputs: Any, targets: Any, k: int) -> None:
+    """``k`` is a whole number of micro-batches, and inputs and targets are cut alike: with
+    different batch sizes each micro-batch's outputs would meet another share of the targets
+    (a loss that broadcasts trains on that silently)."""
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"micro_batches must be an int, got {k!r}")
+    if k == 1:
+        return
+    n_in, n_out = batch_size(inputs), batch_size(targets)
+    if n_in is not None and n_out is not None and n_in != n_out:
+        raise ValueError(
+            f"inputs have a batch of {n_in} and targets of {n_out}: with micro_batches={k} both are cut along dim 0 "
+            "into the same micro-batches, so they must have the same batch size"
+        )
+
+
 def split_micro_batches(value: Any, k: int, *, what: str) -> list[Any]:
     """``value`` cut into ``k`` micro-batches along dim 0 of every tensor in it.
 

@@ -29,7 +29,7 @@ import torch
 from wstream.protocol import ServerUnavailable, SessionExpiredError, StateError, WstreamError
 from wstream.protocol import messages as m
 
-from .boundary import as_boundary, join_lanes, lane_weights, output_boundary, place, split_micro_batches
+from .boundary import as_boundary, check_micro_batches, join_lanes, lane_weights, output_boundary, place, split_micro_batches
 from .connection import WorkerConnection
 from .distributed import AllReduceGradients
 from .endpoint import WorkerEndpoint
@@ -420,6 +420,7 @@ class Trainer:
         )
 
     def _step_once(self, inputs: Any, targets: Any, loss_fn: LossFn, k: int) -> float:
+        check_micro_batches(inputs, targets, k)
         inputs, targets = place(inputs, self.device, self.compute_dtype), place(targets, self.device)
         lanes = split_micro_batches(inputs, k, what="inputs")
         lane_targets = split_micro_batches(targets, k, what="targets")

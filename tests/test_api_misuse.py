@@ -115,3 +115,17 @@ def test_trainer_options_of_the_wrong_type_or_range_are_refused_before_joining(
     with pytest.raises((TypeError, ValueError), match=words):
         job.trainer(**options)
     assert [j.workers for j in client.status().jobs] == [[]]
+
+
+def test_micro_batches_of_inputs_and_targets_of_different_batch_sizes_are_refused(client: Client) -> None:
+    """Inputs of 8 rows and targets of 2 trained silently with micro_batches=2 (each micro-batch's
+    4 outputs broadcast against 1 target row); a float count failed inside tensor_split."""
+    job = client.create_job("mb", [nn.Linear(4, 4)], optimizer=SGD(), token="t")
+    before = job.state_dict()
+    with job.trainer() as trainer:
+        with pytest.raises(ValueError, match="batch of 8 and targets of 2"):
+            trainer.step(torch.randn(8, 4), torch.randn(2, 4), torch.nn.functional.mse_loss, micro_batches=2)
+        with pytest.raises(TypeError, match="micro_batches must be an int"):
+            trainer.step(torch.randn(8, 4), torch.randn(8, 4), torch.nn.functional.mse_loss, micro_batches=2.0)  # type: ignore[arg-type]
+        assert all(torch.equal(v, job.state_dict()[k]) for k, v in before.items())
+        trainer.step(torch.randn(8, 4), torch.randn(8, 4), torch.nn.functional.mse_loss, micro_batches=2)  # still trains
