@@ -47,7 +47,7 @@ from .endpoint import Closeable, WorkerEndpoint
 from .env import job_token, server_address
 from .groups import GroupAssigner, ParamGroup, export_metadata
 from .job_options import job_options, options_difference
-from .job_handle import Job, stage_tensors, wait_for_step
+from .job_handle import Job, pull_consistent, stage_tensors, wait_for_step
 from .stages import Tied, flatten
 from .units import AUTO_UNIT_BYTES, UnitCutter, chain_layout
 
@@ -439,17 +439,23 @@ class Client:
         from safetensors.torch import save_file
 
         layout = self._admin_request(lambda sid: m.Describe(session=sid, job=name), m.Layout)
-        out: dict[str, torch.Tensor] = {}
         total = sum(numel_of(p.shape) for s in layout.stages for p in s.params)
+        steps: list[int] = []
         with progress_bar(progress, total, f"pulling {name}") as bar:
-            for i, spec in enumerate(layout.stages):
+
+            def pull(i: int) -> tuple[int, dict[str, torch.Tensor]]:
                 assert self._admin is not None
-                _, data = self._chan.request(m.Pull(session=self._admin.session, stage=i, job=name), m.Master)
-                tensors = stage_tensors(spec, data)  # with units, named "<stage>.<param>" already
-                out.update(tensors if layout.units is not None else {f"{i}.{k}": t for k, t in tensors.items()})
-                bar.update(sum(numel_of(p.shape) for p in spec.params))
+                reply, data = self._chan.request(m.Pull(session=self._admin.session, stage=i, job=name), m.Master)
+                bar.update(sum(numel_of(p.shape) for p in layout.stages[i].params))
+                steps.append(reply.version)
+                return reply.version, stage_tensors(layout.stages[i], data)
+
+            stages = pull_consistent(pull, len(layout.stages), name)
+        out: dict[str, torch.Tensor] = {}
+        for i, tensors in enumerate(stages):  # with units, named "<stage>.<param>" already
+            out.update(tensors if layout.units is not None else {f"{i}.{k}": t for k, t in tensors.items()})
         save_file(out, os.fspath(path), metadata=export_metadata(name, chain_layout(layout.stages, layout.units)))
-        return layout.step
+        return max(steps)
 
     def shutdown(self) -> None:
         """Stop the server cleanly (as SIGTERM does: jobs are snapshotted where it has a store).

@@ -148,12 +148,17 @@ class Job:
         ``{"<stage>.<param>": tensor}`` (pulled from the server).
 
         ``progress``: a progress bar on stderr (None: only when stderr is a terminal)."""
-        out: dict[str, torch.Tensor] = {}
         with progress_bar(progress, self.num_params, f"pulling {self.name}") as bar:
-            for j, spec in enumerate(self.unit_specs):
-                tensors = self._pull(j)  # with units, named "<stage>.<param>" already
-                out.update(tensors if self.units is not None else {f"{j}.{name}": t for name, t in tensors.items()})
-                bar.update(sum(numel_of(p.shape) for p in spec.params))
+
+            def pull(j: int) -> tuple[int, dict[str, torch.Tensor]]:
+                version, tensors = self._pull_versioned(j)
+                bar.update(sum(numel_of(p.shape) for p in self.unit_specs[j].params))
+                return version, tensors
+
+            stages = pull_consistent(pull, len(self.unit_specs), self.name)
+        out: dict[str, torch.Tensor] = {}
+        for j, tensors in enumerate(stages):  # with units, named "<stage>.<param>" already
+            out.update(tensors if self.units is not None else {f"{j}.{name}": t for name, t in tensors.items()})
         return out
 
     def pull_stage(self, stage: int) -> dict[str, torch.Tensor]:
@@ -167,9 +172,12 @@ class Job:
         return {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
 
     def _pull(self, server_stage: int) -> dict[str, torch.Tensor]:
+        return self._pull_versioned(server_stage)[1]
+
+    def _pull_versioned(self, server_stage: int) -> tuple[int, dict[str, torch.Tensor]]:
         spec = self.unit_specs[server_stage]
-        _, data = self.client._chan.request(m.Pull(session=self.session, stage=server_stage), m.Master)
-        return stage_tensors(spec, data)
+        reply, data = self.client._chan.request(m.Pull(session=self.session, stage=server_stage), m.Master)
+        return reply.version, stage_tensors(spec, data)
 
     def wait_step(self, step: int, timeout: float | None = None) -> int:
         """Wait until every stage holds the weights after ``step`` steps (the updates of the steps
@@ -216,6 +224,32 @@ class Job:
         A server with an admin secret refuses this (``AuthError``): use ``Client.drop_job`` with
         ``admin_secret``."""
         self.client._chan.request(m.DropJob(session=self.session), m.Ok)
+
+
+CONSISTENT_PULL_ROUNDS = 10
+
+
+def pull_consistent(
+    pull: Callable[[int], tuple[int, dict[str, torch.Tensor]]], stages: int, job: str
+) -> list[dict[str, torch.Tensor]]:
+    """Every stage's tensors of one step: ``pull(j)`` gives stage j's (version, tensors), and a
+    stage pulled at an older version than another is pulled again (its update was still to come;
+    a pull waits for an update under way), until all agree. A job that keeps training faster
+    than it is read is refused after a few rounds, rather than mixing steps."""
+    got = [pull(j) for j in range(stages)]
+    for _ in range(CONSISTENT_PULL_ROUNDS):
+        newest = max(v for v, _ in got)
+        stale = [j for j, (v, _) in enumerate(got) if v != newest]
+        if not stale:
+            return [tensors for _, tensors in got]
+        for j in stale:
+            got[j] = pull(j)
+    versions = sorted({v for v, _ in got})
+    raise StateError(
+        f"job {job!r} kept training while its weights were read (its stages were at steps {versions} after "
+        f"{CONSISTENT_PULL_ROUNDS} rounds): read them between steps (after the trainer's step returns and "
+        "wait_updates()), or save() a snapshot, which is of one step"
+    )
 
 
 def stage_tensors(spec: StageSpec, data: list[Any]) -> dict[str, torch.Tensor]:

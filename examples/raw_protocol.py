@@ -1,7 +1,7 @@
 """The wire protocol by hand: plain pyzmq and msgpack, no wstream code on this side of the socket.
 
 A job is created with the wstream client (the only use of the library here); then a DEALER socket
-speaks protocol 8 directly (``protocol/README.md``): ``status``; ``hello`` for a nonce; ``attach``
+speaks protocol 9 directly (``protocol/README.md``): ``status``; ``hello`` for a nonce; ``attach``
 with a proof of the job's token, computed with ``hmac``/``hashlib``; and a bad message, which gets
 an ``error`` reply while the server goes on.
 
@@ -21,7 +21,7 @@ from torch import nn
 
 from wstream.client import Client, local_server
 
-VERSION = 8
+VERSION = 9
 ATTACH_LABEL = b"wstream/attach/5\0"  # the labels of the keys and proofs date from protocol 5
 
 

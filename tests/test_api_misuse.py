@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from wstream.client import AdamW, Client, LayoutError, SGD, StateError, Tied
+from wstream.client import SGD, AdamW, Client, LayoutError, StateError
 
 
 def on_device(stages: list[nn.Module]) -> list[str]:
@@ -129,3 +129,68 @@ def test_micro_batches_of_inputs_and_targets_of_different_batch_sizes_are_refuse
             trainer.step(torch.randn(8, 4), torch.randn(8, 4), torch.nn.functional.mse_loss, micro_batches=2.0)  # type: ignore[arg-type]
         assert all(torch.equal(v, job.state_dict()[k]) for k, v in before.items())
         trainer.step(torch.randn(8, 4), torch.randn(8, 4), torch.nn.functional.mse_loss, micro_batches=2)  # still trains
+
+
+def test_a_state_dict_read_while_the_job_trains_is_of_one_step() -> None:
+    """Found by review: ``state_dict``/``export`` pulled stage after stage while a trainer stepped,
+    and 18 of 32 reads mixed steps (stages at [0, 0, 1, 1, 1, 1]). A stage read at an older step
+    than another is read again (its update was still to come) until all agree."""
+    from wstream.client.job_handle import CONSISTENT_PULL_ROUNDS, pull_consistent
+
+    at = [1, 0, 1, 0]  # stages 1 and 3 are read before their update of step 0 -> 1
+    calls: list[int] = []
+
+    def pull(j: int) -> tuple[int, dict[str, torch.Tensor]]:
+        calls.append(j)
+        version = at[j]
+        at[j] = 1
+        return version, {"w": torch.full((1,), float(version))}
+
+    got = pull_consistent(pull, 4, "j")
+    assert calls == [0, 1, 2, 3, 1, 3] and all(t["w"].item() == 1.0 for t in got)
+
+    ahead = iter(range(10**6))  # a job that trains faster than it is read
+
+    def racing(j: int) -> tuple[int, dict[str, torch.Tensor]]:
+        return next(ahead), {}
+
+    with pytest.raises(StateError, match=f"kept training while its weights were read.*{CONSISTENT_PULL_ROUNDS} rounds"):
+        pull_consistent(racing, 3, "j")
+
+
+def test_state_dicts_read_from_another_thread_during_training_hold_one_step_each(client: Client) -> None:
+    """Six one-weight stages that start equal and get the same gradient each step (the loss
+    -out / out.detach() gives every w_i the gradient -1 / w_i): every stage holds the same value at
+    every step (to rounding), so a read that mixed steps would hold two values."""
+    stages = [nn.Linear(1, 1, bias=False) for _ in range(6)]
+    for s in stages:
+        nn.init.ones_(s.weight)
+    job = client.create_job("live", stages, optimizer=SGD(lr=0.1), token="t", unit_bytes=None)
+    stop = threading.Event()
+    seen: list[set[float]] = []
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            with Client(client.address, timeout=30) as reader:
+                handle = reader.attach_job("live", token="t")
+                while not stop.is_set():
+                    seen.append({t.item() for t in handle.state_dict().values()})
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    def loss_fn(out: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+        return -(out / out.detach()).sum()
+
+    thread = threading.Thread(target=read)
+    with job.trainer() as trainer:
+        thread.start()
+        try:
+            for _ in range(30):
+                trainer.step(torch.ones(1, 1), torch.zeros(1, 1), loss_fn)
+        finally:
+            stop.set()
+            thread.join(60)
+    assert not errors, errors
+    mixed = [v for v in seen if max(v) - min(v) > 1e-4]  # a step moves every weight by >= 0.03; rounding by 1e-7
+    assert len(seen) > 1 and not mixed, mixed[:3]
