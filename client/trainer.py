@@ -20,9 +20,10 @@ import contextlib
 import functools
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import torch
 
@@ -63,6 +64,28 @@ class Resynced(Exception):
         self.step = step
 
 
+_P = ParamSpec("_P")
+
+
+def _exclusive(method: Callable[Concatenate[Trainer, _P], _T]) -> Callable[Concatenate[Trainer, _P], _T]:
+    """One call of a trainer at a time: a second, from another thread or from inside ``loss_fn``,
+    is refused at once (two interleaved steps broke the prefetch order and the step count)."""
+
+    @functools.wraps(method)
+    def exclusive(self: Trainer, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        if not self._busy.acquire(blocking=False):
+            raise StateError(
+                f"this trainer is busy with another call: {method.__name__}() came from another thread or from "
+                "inside loss_fn; a trainer serves one call at a time (one trainer per thread)"
+            )
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._busy.release()
+
+    return exclusive
+
+
 class Trainer:
     """Trains a job's stages as one data-parallel worker. Create with ``job.trainer(...)``."""
 
@@ -72,6 +95,7 @@ class Trainer:
         self.options = options
         self.device = device
         self.job_name = endpoint.job
+        self._busy = threading.Lock()  # held by the call running (``_exclusive``)
         plan, from_profile = options.checkpointing.planner(len(runners))
         if plan is not None and plan.n != len(runners):
             raise ValueError(f"the plan is for {plan.n} positions, the job's chain has {len(runners)}")
@@ -159,6 +183,7 @@ class Trainer:
         return self.connection.reconnects
 
     # ---- public ------------------------------------------------------------------------------------
+    @_exclusive
     def step(self, inputs: Any, targets: Any, loss_fn: LossFn, *, micro_batches: int = 1) -> float:
         """One optimizer step on ``inputs``/``targets``; returns the loss as a float.
 
@@ -207,19 +232,24 @@ class Trainer:
     def _set_tracer(self, tracer: Tracer | None) -> None:
         self._tracer = self.executor.tracer = self.connection.sc.tracer = tracer
 
+    @_exclusive
     def flush(self) -> None:
         """Wait until the server has taken every gradient this worker sent and its steps
         committed. Only a job with ``delayed_update`` has any outstanding between steps;
         ``close()`` flushes too. The updates may still run: :meth:`wait_updates` waits for them."""
+        self._drain()
+
+    def _drain(self) -> None:
         if not self.connection.closed:
             self.connection.pusher.drain()
 
+    @_exclusive
     def wait_updates(self, timeout: float | None = None) -> int:
         """Wait until the server has applied the updates of every step this worker trained (the
         job's weights are those after :attr:`step_index` steps: ``await_step``, which moves no
         weights); returns the job's step. ``timeout``: seconds (default: the client's
         ``wait_timeout``); with several workers it waits for theirs too."""
-        self.flush()
+        self._drain()
         conn = self.connection
         reply, _ = conn.chan.request(
             m.AwaitStep(session=conn.session, step=self._step), m.StepReached,
@@ -267,6 +297,7 @@ class Trainer:
             self._abort_step(False, recoverable=self.options.transport.reconnect_s > 0)
             raise
 
+    @_exclusive
     def step_loop(
         self,
         inputs: Any,
@@ -317,6 +348,7 @@ class Trainer:
         self._end_run(run)
         return run.loss
 
+    @_exclusive
     def forward(self, inputs: Any, *, train: bool = False) -> Any:
         """Run the chain forward on ``inputs`` with the job's current weights and return the last
         position's output (e.g. logits), without gradients and without an update: evaluation or

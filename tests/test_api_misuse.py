@@ -194,3 +194,44 @@ def test_state_dicts_read_from_another_thread_during_training_hold_one_step_each
     assert not errors, errors
     mixed = [v for v in seen if max(v) - min(v) > 1e-4]  # a step moves every weight by >= 0.03; rounding by 1e-7
     assert len(seen) > 1 and not mixed, mixed[:3]
+
+
+def test_a_trainer_refuses_a_second_call_while_one_runs(client: Client) -> None:
+    """Found by review: two threads stepping one trainer (or a step from inside loss_fn) failed
+    with "prefetch order broken (a bug in wstream)" and left the step count off the job's. The
+    second call is now refused at once, by name, and the trainer goes on."""
+    job = client.create_job("busy", [nn.Linear(4, 4), nn.Linear(4, 4)], optimizer=SGD(), token="t")
+    x, y = torch.randn(2, 4), torch.randn(2, 4)
+    inside, release = threading.Event(), threading.Event()
+    refused: list[BaseException] = []
+
+    with job.trainer() as trainer:
+
+        def slow_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            inside.set()
+            release.wait(30)
+            return torch.nn.functional.mse_loss(out, target)
+
+        def other() -> None:
+            inside.wait(30)
+            try:
+                trainer.step(x, y, torch.nn.functional.mse_loss)
+            except StateError as exc:
+                refused.append(exc)
+            finally:
+                release.set()
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        trainer.step(x, y, slow_loss)
+        thread.join(30)
+        assert len(refused) == 1 and "busy with another call: step()" in str(refused[0])
+
+        def reentrant_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            trainer.forward(x)
+            return torch.nn.functional.mse_loss(out, target)
+
+        with pytest.raises(StateError, match=r"forward\(\) came from another thread or from inside loss_fn"):
+            trainer.step(x, y, reentrant_loss)
+        trainer.step(x, y, torch.nn.functional.mse_loss)  # still trains
+        assert trainer.step_index == 2 == trainer.wait_updates()
