@@ -27,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 import msgspec
 import zmq
 
-from wstream.protocol import AuthError, ServerUnavailable, WaitTimeoutError, decode_reply, encode, error_from_code
+from wstream.protocol import AuthError, ServerUnavailable, StateError, WaitTimeoutError, decode_reply, encode, error_from_code
 from wstream.protocol import messages as m
 from wstream.protocol.auth import SessionSigner, admin_proof, attach_proof, secret_key, session_key
 from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY, ClientKeys, KeySource, client_keys, uses_curve
@@ -110,8 +110,10 @@ class Channel:
             raise
         self._next_id = 1
         self._broken: str | None = None
+        self._closed: str | None = None  # why, once closed
 
-    def close(self) -> None:
+    def close(self, why: str = "this connection to the server is closed") -> None:
+        self._closed = why
         self._sock.close(linger=0)
 
     @property
@@ -120,6 +122,8 @@ class Channel:
         return self._sock
 
     def _check(self) -> None:
+        if self._closed is not None:
+            raise StateError(self._closed)
         if self._broken is not None:
             raise ServerUnavailable(self._broken)
 
@@ -289,3 +293,18 @@ def admin_session(chan: Channel, secret: str) -> SessionSigner:
         m.AdminAttach(nonce=nonce, client_nonce=mine, proof=admin_proof(key, nonce, mine)), m.AdminAttached
     )
     return SessionSigner(reply.session, session_key(key, nonce, mine))
+
+
+class SharedChannel(Channel):
+    """A channel several threads may use (a ``Client``'s, which its ``Job`` handles share): one
+    request at a time, each waiting for its own reply."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+
+    def request(
+        self, msg: m.Message, reply_type: type[R], frames: Sequence[object] = (), **kwargs: Any
+    ) -> tuple[R, list[zmq.Frame]]:
+        with self._lock:
+            return super().request(msg, reply_type, frames, **kwargs)

@@ -35,6 +35,7 @@ from wstream.protocol.curve import ClientKeys, KeySource, uses_curve
 from .channel import (
     Channel,
     Keyring,
+    SharedChannel,
     Signer,
     admin_session,
     attach_session,
@@ -97,6 +98,9 @@ class Client:
     authorizes clients by key (``--curve-authorized-keys``); default ``$WSTREAM_CLIENT_KEY``, else a
     temporary keypair. Keys apply to ``tcp://`` addresses; for ``ipc://``, which is never encrypted,
     they are not read.
+
+    A client and its :class:`Job` handles may be used from several threads (their requests go
+    one at a time); a trainer serves one thread (a second call while one runs is refused).
     """
 
     def __init__(
@@ -125,8 +129,8 @@ class Client:
         """This client's CURVE keys (every socket it and its trainers open uses them), or None."""
         self.ctx: zmq.Context[Any] = zmq.Context()
         self._keys = Keyring()
-        try:
-            self._chan = self.channel(signer=self._keys)
+        try:  # shared by this client's methods and its Job handles, from any thread
+            self._chan: Channel = SharedChannel(self.ctx, address, timeout_s=timeout, signer=self._keys, curve=self.curve)
         except BaseException:  # an address ZeroMQ cannot use ("foo://x"): no context left behind
             self.ctx.term()
             raise
@@ -481,7 +485,7 @@ class Client:
         self._closed = True
         for trainer in list(self._trainers):
             trainer.close()
-        self._chan.close()
+        self._chan.close("this Client is closed: make a new one")
         self.ctx.destroy(linger=0)  # closes any socket still open instead of waiting on it
 
     def __enter__(self) -> Client:

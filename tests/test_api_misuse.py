@@ -235,3 +235,32 @@ def test_a_trainer_refuses_a_second_call_while_one_runs(client: Client) -> None:
             trainer.step(x, y, reentrant_loss)
         trainer.step(x, y, torch.nn.functional.mse_loss)  # still trains
         assert trainer.step_index == 2 == trainer.wait_updates()
+
+
+def test_a_closed_client_says_so_and_one_client_serves_several_threads(server: object) -> None:
+    """Found by review: a closed Client (and its Job handles) raised ZMQError 'Socket operation on
+    non-socket'; two threads using one Client mixed their replies, then every call failed."""
+    address = server.address  # type: ignore[attr-defined]
+    client = Client(address, timeout=30)
+    job = client.create_job("threads", [nn.Linear(4, 4) for _ in range(4)], optimizer=SGD(), token="t", unit_bytes=None)
+    errors: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            for _ in range(20):
+                assert len(job.state_dict()) == 8
+                assert client.status().jobs[0].name == "threads"
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors[:1]
+    client.close()
+    with pytest.raises(StateError, match="this Client is closed"):
+        client.status()
+    with pytest.raises(StateError, match="this Client is closed"):
+        job.state_dict()
