@@ -223,13 +223,19 @@ class Client:
             raise ValueError("base= and base_token= go together")
         if unit_bytes == "auto":
             unit_bytes = None if base is not None or options.frozen else AUTO_UNIT_BYTES
-        elif isinstance(unit_bytes, str):  # a size, as memory_budget takes one ("64MiB")
-            try:
-                unit_bytes = parse_size(unit_bytes)
-            except ValueError as exc:
-                raise ValueError(f"unit_bytes: {exc}; or 'auto', or None") from None
-        elif unit_bytes is not None and base is not None:
-            raise ValueError("unit_bytes cannot be used with base=: stage i of a job on a base trains on its base's stage i")
+        elif unit_bytes is not None:
+            if isinstance(unit_bytes, str):  # a size, as memory_budget takes one ("64MiB")
+                try:
+                    unit_bytes = parse_size(unit_bytes)
+                except ValueError as exc:
+                    raise ValueError(f"unit_bytes: {exc}; or 'auto', or None") from None
+            if isinstance(unit_bytes, bool) or not isinstance(unit_bytes, int) or unit_bytes < 1:
+                raise ValueError(f"unit_bytes must be 'auto', None, or a size of at least 1 byte, got {unit_bytes!r}")
+            if base is not None or options.frozen:  # DESIGN.md "Transfer units": bases and jobs on them are not cut
+                raise ValueError(
+                    "unit_bytes cannot be used with base= or frozen=True: stage i of a job on a frozen base trains on "
+                    "the base's stage i, so neither is cut into transfer units"
+                )
         itemsize = torch.empty((), dtype=getattr(torch, options.dtype)).element_size()
         cutter = None if unit_bytes is None else UnitCutter(unit_bytes, itemsize)
         own = (lambda p: p.requires_grad) if base is not None else (lambda p: True)

@@ -165,6 +165,8 @@ class Job:
         """Stage ``stage``'s current fp32 weights, ``{param: tensor}``: one stage in memory at a
         time, for exports of models larger than this process's memory. With units, its unit is
         pulled whole and cut (``state_dict`` pulls each unit once)."""
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < self.num_stages:
+            raise IndexError(f"job {self.name!r} has stages 0..{self.num_stages - 1}, not {stage!r}")
         if self.units is None:
             return self._pull(stage)
         prefix = f"{stage}."

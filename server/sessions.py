@@ -60,13 +60,14 @@ class SessionTable:
 
     def open(self, job: Job | None, key: bytes) -> bytes:
         """A session of ``job`` (None: an admin session) whose requests are signed with ``key``; the
-        oldest session of the job that is not a worker's is closed when there are too many."""
+        session of the job that is not a worker's and was heard of longest ago is closed when there
+        are too many (not the oldest made: a handle in use all along must outlive idle ones)."""
         sid = secrets.token_bytes(16)
         self.all[sid] = Session(sid, job, key)
         self._last_seen[sid] = time.monotonic()
         plain = [s for s in self.all.values() if s.job is job and s.worker is None]
         if len(plain) > self.max_per_job:
-            self.end(min(plain, key=lambda s: s.created).id)  # evicted: too many sessions
+            self.end(min(plain, key=lambda s: self._last_seen[s.id]).id)  # evicted: too many sessions
         return sid
 
     def known(self, sid: bytes) -> Session:

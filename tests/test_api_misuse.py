@@ -264,3 +264,41 @@ def test_a_closed_client_says_so_and_one_client_serves_several_threads(server: o
         client.status()
     with pytest.raises(StateError, match="this Client is closed"):
         job.state_dict()
+
+
+def test_pull_stage_checks_its_index_and_unit_bytes_its_value(client: Client) -> None:
+    """Found by review: pull_stage(-1) returned {} with units (a bare IndexError past the end);
+    unit_bytes=True cut every stage apart (True is 1 byte), and an explicit size cut a frozen base,
+    whose jobs then failed naming a parameter 'not in the base'."""
+    job = client.create_job("idx", [nn.Linear(2, 2), nn.Linear(2, 2)], optimizer=SGD(), token="t")
+    for bad in (-1, 2, 1.0):
+        with pytest.raises(IndexError, match=r"stages 0\.\.1"):
+            job.pull_stage(bad)  # type: ignore[arg-type]
+    assert set(job.pull_stage(1)) == {"weight", "bias"}
+    for bad in (True, 1.5, 0):
+        with pytest.raises(ValueError, match="unit_bytes must be"):
+            client.create_job("ub", [nn.Linear(2, 2)], optimizer=SGD(), token="t", unit_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="frozen=True"):
+        client.create_job("base", [nn.Linear(2, 2)], token="t", frozen=True, unit_bytes="4KiB")
+    assert [j.name for j in client.status().jobs] == ["idx"]
+
+
+def test_the_session_evicted_past_the_limit_is_the_one_idle_longest(tmp_path: object) -> None:
+    """Found by review: past --max-sessions-per-job the oldest-made session was closed, even one in
+    use all along, while helpers that open a session per call had left idle ones behind."""
+    from rawwire import RawPeer
+    from wstream.server.inprocess import InProcessServer
+
+    with InProcessServer(bind=[f"ipc://{tmp_path}/s.sock"], memory_limit=2**30, max_sessions_per_job=2) as srv:
+        with Client(srv.address, timeout=30) as client:
+            job = client.create_job("busy", [nn.Linear(2, 2)], optimizer=SGD(), token="t")  # its session: the oldest
+            peer = RawPeer(srv.address)
+            try:
+                idle = peer.attach("busy", "t")
+                job.state_dict()  # the job's handle is used after the idle one was made
+                peer.attach("busy", "t")  # one too many: the idle one goes
+                assert set(job.state_dict()) == {"0.weight", "0.bias"}
+                reply, _ = idle.request("heartbeat")
+                assert reply["code"] == "session_expired", reply
+            finally:
+                peer.close()
