@@ -111,7 +111,7 @@ class JobRecord:
     proofs but cannot make one, so a copy of the store does not open the job."""
     options: m.JobOptions
     specs: list[m.StageSpec]
-    incarnation: bytes = field(default_factory=lambda: os.urandom(16))
+    incarnation: bytes = field(default_factory=lambda: os.urandom(32))
     """Made at creation and kept across restarts (``Attached.incarnation``): a job dropped and
     created again under its name has another, so a worker of the old one cannot join the new."""
 
@@ -139,7 +139,7 @@ class JobRecord:
             options=msgspec.convert(options, m.JobOptions),
             specs=[msgspec.convert(s, m.StageSpec) for s in d["stages"]],
             # a manifest from before protocol 9 has none: a new one (workers of before the restart had none either)
-            incarnation=bytes.fromhex(d["incarnation"]) if "incarnation" in d else os.urandom(16),
+            incarnation=bytes.fromhex(d["incarnation"]) if "incarnation" in d else os.urandom(32),
         )
 
 

@@ -429,8 +429,8 @@ def test_a_jobs_incarnation_is_kept_in_its_snapshot_record() -> None:
 
     record = JobRecord("j", b"v" * 32, m.JobOptions(), [])
     again = JobRecord.from_json(record.to_json())
-    assert again.incarnation == record.incarnation and len(record.incarnation) == 16
+    assert again.incarnation == record.incarnation and len(record.incarnation) == 32
     assert JobRecord("j", b"v" * 32, m.JobOptions(), []).incarnation != record.incarnation
     old = record.to_json()
     del old["incarnation"]
-    assert len(JobRecord.from_json(old).incarnation) == 16
+    assert len(JobRecord.from_json(old).incarnation) == 32
