@@ -152,7 +152,10 @@ class Handlers:
             self.end_session(sid, f"silent for more than its {lease:g} s lease")
         limit = self.config.creation_timeout_s
         for job in [j for j in self.jobs.values() if not j.sealed and now - j.last_activity > limit]:
-            self.drop(job, f"dropped: still unsealed after {limit:g} s without a new stage")
+            try:
+                self.drop(job, f"dropped: still unsealed after {limit:g} s without a new stage")
+            except StateError as exc:  # the store refused: tried again at the next tick
+                log.warning("%s", exc)
 
     # ---- the job table -------------------------------------------------------------------------
     def end_session(self, sid: bytes, reason: str) -> None:
@@ -169,11 +172,12 @@ class Handlers:
             self.snapshots.maybe_snapshot(job)
 
     def drop(self, job: Job, reason: str) -> None:
-        """Remove ``job``: its sessions, snapshots and memory; requests waiting on it get errors."""
-        self.sessions.end_all_of(job)
-        del self.jobs[job.name]
+        """Remove ``job``: its sessions, snapshots and memory; requests waiting on it get errors.
+        Its snapshots go first: a store that refuses leaves the job as it was (``StateError``)."""
         gone = UnknownJobError(f"job {job.name!r} was {reason}")
         self.snapshots.forget(job, gone)
+        self.sessions.end_all_of(job)
+        del self.jobs[job.name]
         job.refuse_waiters(lambda identity, request_id: self.outbox.error(identity, request_id, gone))
         job.close()
         log.info("job %r %s; %d bytes free", job.name, reason, self.memory.free)

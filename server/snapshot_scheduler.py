@@ -160,7 +160,9 @@ class SnapshotScheduler:
         if job.snapshot is snap:
             job.snapshot = None
         seconds = time.monotonic() - snap.started
-        if error is not None:
+        if error is not None and snap.cancelled:  # its job was dropped under it: the files went with the job
+            log.info("snapshot of job %r at step %d stopped: the job was dropped (%r)", job.name, snap.step, error)
+        elif error is not None:
             job.counters.snapshot_failures += 1
             log.error("snapshot of job %r at step %d failed: %r", job.name, snap.step, error)
             job.record_changed = True  # what it held is not on disk: the next one must hold it
@@ -179,7 +181,18 @@ class SnapshotScheduler:
                 self.outbox.send(Outgoing(w.identity, w.reply(snap.step, path)))
 
     def forget(self, job: Job, gone: WstreamError) -> None:
-        """``job`` is dropped: stop its snapshot, answer its waiters with ``gone``, delete its files."""
+        """``job`` is dropped: take its files out of the store, stop its snapshot, answer its waiters
+        with ``gone``, delete the files. A store that refuses the first refuses the drop, with the
+        job as it was (:class:`StateError`): else a restart would bring the dropped job back."""
+        gone_dir = None
+        if self.store is not None:  # out of the store before the drop is answered; deleted after any write in progress
+            try:
+                gone_dir = self.store.take_out(job.name)
+            except OSError as exc:
+                raise StateError(
+                    f"job {job.name!r} was not dropped: its snapshots could not be taken out of the store ({exc!r}); "
+                    "it is as it was"
+                ) from None
         waiters = self._waiters.pop(job.name, [])
         if job.snapshot is not None:  # its waiters too: a cancelled write ends with no one to answer
             job.snapshot.cancel()
@@ -187,10 +200,8 @@ class SnapshotScheduler:
             job.snapshot.waiters = []
         for w in waiters:
             self.outbox.error(w.identity, w.request_id, gone)
-        if self.store is not None:  # out of the store before the drop is answered; deleted after any write in progress
-            gone_dir = self.store.take_out(job.name)
-            if gone_dir is not None:
-                self._writer.submit(shutil.rmtree, gone_dir, True)
+        if gone_dir is not None:
+            self._writer.submit(shutil.rmtree, gone_dir, True)
 
     # ---- shutdown ------------------------------------------------------------------------------
     def shutdown(self) -> None:

@@ -434,3 +434,33 @@ def test_a_jobs_incarnation_is_kept_in_its_snapshot_record() -> None:
     old = record.to_json()
     del old["incarnation"]
     assert len(JobRecord.from_json(old).incarnation) == 32
+
+
+def test_a_drop_the_store_refuses_leaves_the_job_as_it_was(tmp_path: Path, monkeypatch: "pytest.MonkeyPatch") -> None:
+    """Found by review: a drop whose rename in the store failed (a store remounted read-only) had
+    already taken the job out of the table and ended its sessions, and never freed its memory or
+    segment; the name could be created again while the old job's files would come back at the
+    next restart. The store goes first now: refused, the job is untouched and still trains."""
+    import pytest
+    from torch import nn
+
+    from wstream.client import SGD, StateError
+    from wstream.server.inprocess import InProcessServer
+    from wstream.server.snapshot import SnapshotStore
+
+    def refuse(self: SnapshotStore, name: str) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    with InProcessServer(bind=[f"ipc://{tmp_path}/s.sock"], store=str(tmp_path / "store"), memory_limit=2**28) as srv:
+        with Client(srv.address, timeout=30) as client:
+            job = client.create_job("kept", [nn.Linear(4, 4)], optimizer=SGD(), token="t")
+            used = client.status().memory_used
+            monkeypatch.setattr(SnapshotStore, "take_out", refuse)
+            with pytest.raises(StateError, match="was not dropped.*as it was"):
+                client.drop_job("kept", token="t")
+            assert [j.name for j in client.status().jobs] == ["kept"] and client.status().memory_used == used
+            with job.trainer() as trainer:
+                trainer.step(torch.randn(2, 4), torch.randn(2, 4), torch.nn.functional.mse_loss)
+            monkeypatch.undo()
+            client.drop_job("kept", token="t")
+            assert client.status().jobs == [] and client.status().memory_used == 0
