@@ -65,29 +65,19 @@ def walk_chain(
     return specs, chain
 
 
-def check_before_upload(
-    stages: Sequence[nn.Module | Tied], groups: GroupAssigner, *, on_base: bool, materialized: bool = True
-) -> None:
+def check_before_upload(stages: Sequence[nn.Module | Tied], groups: GroupAssigner, *, on_base: bool) -> None:
     """Every check ``create_job`` can make of a chain it is given as a sequence, made before the
     job exists: a refusal then leaves the caller's modules as they were (the upload moves each to
     the meta device). On a frozen base the layout needs the base's, so only the items are checked.
-    ``materialized`` False (``exist_ok``: meta skeletons may attach to the job) leaves the check
-    that the weights have data to the upload."""
+    Weights on the meta device pass here (a model built on meta is sized for admission, and may
+    attach under ``exist_ok``); the upload refuses them (:func:`check_materialized`)."""
     if not stages:
         raise ValueError("stages is empty: a job needs at least one stage")
     if on_base:
         for position, item in enumerate(stages):
             check_item(position, item)
-            if materialized and not isinstance(item, Tied):
-                check_materialized(position, item, trainable_only=True)
         return
-
-    def check(i: int, module: nn.Module) -> StageSpec:
-        if materialized:
-            check_materialized(i, module)
-        return spec_of(i, module, groups=groups)
-
-    walk_chain(stages, check, skeletons=False)
+    walk_chain(stages, lambda i, module: spec_of(i, module, groups=groups), skeletons=False)
     groups.check_all_used()
 
 

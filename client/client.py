@@ -241,7 +241,7 @@ class Client:
         own = (lambda p: p.requires_grad) if base is not None else (lambda p: True)
         total = None
         if isinstance(stages, Sequence):  # known up front: check it, and let the server refuse, before uploading
-            check_before_upload(stages, groups, on_base=base is not None, materialized=not exist_ok)
+            check_before_upload(stages, groups, on_base=base is not None)
             total = sum(p.numel() for s in stages if not isinstance(s, Tied) for p in s.parameters() if own(p))
         nonce, mine = challenge(self._chan), client_nonce()
         proof = base_proof(secret_key(base_token), base, nonce, mine) if base and base_token else None
