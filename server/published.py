@@ -85,6 +85,7 @@ class PublishedStages:
             memory.release(SEGMENT_START)
             raise
         self.nbytes = 0  # bytes in use
+        self._expected = expected  # the segment grows no further than this (but for what a stage needs)
         self._capacity = SEGMENT_START
         self._mapping = map_segment(self.path, self._capacity)
 
@@ -134,7 +135,11 @@ class PublishedStages:
         state = 0 if self.frozen else state_nbytes(self.optimizer_spec, spec)
         pub, priv = stage_bytes(numel, state, self.compute_dtype, self.double_buffer, grad_numel=grad_numel)
         offset = self.nbytes
-        capacity = self._capacity if offset + pub <= self._capacity else grown_capacity(self._capacity, offset + pub)
+        capacity = self._capacity
+        if offset + pub > capacity:  # a job that said its size reserves no room beyond it
+            capacity = grown_capacity(capacity, offset + pub)
+            if self._expected is not None:
+                capacity = max(offset + pub, min(capacity, self._expected))
         slack = capacity - offset - pub
         what = f"job {self.name!r} stage {index}"
         self.memory.check(pub + priv + max(0, slack - self.slack), what)

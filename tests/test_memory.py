@@ -138,3 +138,24 @@ def test_a_gradient_ring_that_cannot_be_mapped_leaves_no_reservation_and_no_segm
         table._ring(2**20)
     assert account.used == 0
     assert set(segment_paths(os.getpid())) == before
+
+
+def test_a_job_that_said_its_size_and_fits_is_not_refused_for_the_segments_growth(tmp_path: Path) -> None:
+    """Found by review: the published segment still grew by doubling (then +25%), and the room it
+    reserved ahead counted against the limit, so a job that had said its size and fitted was
+    refused mid-upload, the error blaming one stage. With the size known, the segment grows no
+    further than the job needs."""
+    from torch import nn
+
+    from wstream.client import SGD, Client
+    from wstream.server.inprocess import InProcessServer
+
+    def stages() -> list[nn.Module]:
+        return [nn.Linear(512, 512) for _ in range(16)]
+
+    with InProcessServer(bind=[f"ipc://{tmp_path}/a.sock"], memory_limit=2**31) as big, Client(big.address) as c:
+        c.create_job("fits", stages(), optimizer=SGD(), token="t", unit_bytes=None)
+        needs = c.status().memory_used
+    with InProcessServer(bind=[f"ipc://{tmp_path}/b.sock"], memory_limit=needs + 2**20) as tight, Client(tight.address) as c:
+        c.create_job("fits", stages(), optimizer=SGD(), token="t", unit_bytes=None)
+        assert c.status().memory_used == needs
