@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -108,7 +108,7 @@ class StageBackward:
         params, leaves = runner.bound_leaves(weights)
         inputs = grad_inputs_of(run.current[1], i, wanted=self._wants_input_grad(i))
         run.drop_current()
-        with self.rng.around(run.rng, i, 0), torch.enable_grad():
+        with self.rng.around(run.rng, i, 0), torch.enable_grad(), in_place_on_input(i):
             out = runner.call_own(params, inputs)
         roots, root_grads = _roots(run, out, None if i == run.last else run.grad_out, loss_fn, 0)
         grad_inputs = _differentiable(inputs)
@@ -195,7 +195,7 @@ class StageBackward:
             while True:
                 inputs = grad_inputs_of(lane, i, wanted=self._wants_input_grad(i))
                 buffers = self._buffers(run, runner, weights, i, j, real=first and i not in run.advanced)
-                with self.rng.around(run.rng, i, j), torch.enable_grad():
+                with self.rng.around(run.rng, i, j), torch.enable_grad(), in_place_on_input(i):
                     out = runner.call_with(params if buffers is None else {**params, **buffers}, inputs)
                 grad_inputs = _differentiable(inputs)
                 roots, root_grads = _roots(run, out, lane_grad_out, loss_fn, j, first=first)
@@ -280,6 +280,23 @@ def _inner_checkpoint(exc: RuntimeError) -> bool:
     ``autograd.grad`` (reentrant)."""
     text = str(exc)
     return ("device meta" in text and "expected device" in text) or "torch.utils.checkpoint is incompatible with .grad()" in text
+
+
+@contextlib.contextmanager
+def in_place_on_input(i: int) -> Iterator[None]:
+    """Name the position whose stage changes its own input in place (its first op an in-place
+    ``ReLU(inplace=True)``, say): the input is a kept stage boundary here, recomputed from and
+    differentiated, so torch refuses, naming no stage."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "leaf Variable that requires grad is being used in an in-place operation" not in str(exc):
+            raise
+        raise RuntimeError(
+            f"position {i}'s stage changes its input in place (e.g. a first op with inplace=True, or x += ...): the "
+            "input of a stage is a kept boundary that wstream recomputes from and differentiates; make that op "
+            "out of place (inplace=False, x = x + ...)"
+        ) from exc
 
 
 def grad_inputs_of(inputs: Boundary, i: int, *, wanted: bool = True) -> Boundary:

@@ -302,3 +302,14 @@ def test_the_session_evicted_past_the_limit_is_the_one_idle_longest(tmp_path: ob
                 assert reply["code"] == "session_expired", reply
             finally:
                 peer.close()
+
+
+def test_a_stage_that_changes_its_input_in_place_is_named(client: Client) -> None:
+    """Found by review: a stage whose first op is ReLU(inplace=True) trains in plain PyTorch and
+    failed in every wstream schedule with torch's 'a leaf Variable that requires grad is being used
+    in an in-place operation', naming no stage."""
+    stages = [nn.Linear(4, 4), nn.Sequential(nn.ReLU(inplace=True), nn.Linear(4, 4))]
+    job = client.create_job("inplace", stages, optimizer=SGD(), token="t")
+    with job.trainer() as trainer:
+        with pytest.raises(RuntimeError, match=r"position 1's stage changes its input in place.*inplace=False"):
+            trainer.step(torch.randn(2, 4), torch.randn(2, 4), torch.nn.functional.mse_loss)
