@@ -86,7 +86,7 @@ class StageBackward:
         except RuntimeError as exc:
             if _inner_checkpoint(exc):
                 raise RuntimeError(
-                    f"the backward of position {i} (stage {stage}) re-ran part of the stage outside its run: "
+                    f"the backward of position {i} (in weight stage {stage}) re-ran part of the stage outside its run: "
                     "does its forward call torch.utils.checkpoint? wstream checkpoints stages itself (the "
                     "schedule) on weights bound only while the stage runs; remove the inner checkpoint"
                 ) from exc

@@ -254,9 +254,10 @@ def ring_capacity(budget: int, max_stage_bytes: int, stages: int) -> int:
     fits = budget // max(max_stage_bytes, 1)
     if fits < MIN_RING:
         raise ValueError(
-            f"weight_budget {format_bytes(budget)} ({budget} bytes) holds {fits} of the largest stage "
-            f"({format_bytes(max_stage_bytes)}, {max_stage_bytes} bytes in the compute dtype); the weight ring "
-            f"needs at least {MIN_RING}: give weight_budget >= {MIN_RING * max_stage_bytes} bytes"
+            f"weight_budget {format_bytes(budget)} ({budget} bytes) holds {fits} of the largest weight stage "
+            f"({format_bytes(max_stage_bytes)}, {max_stage_bytes} bytes in the compute dtype; a transfer unit of "
+            f"several chain stages where the job has them); the weight ring needs at least {MIN_RING}: give "
+            f"weight_budget >= {MIN_RING * max_stage_bytes} bytes, or create the job with a smaller unit_bytes"
         )
     return max(MIN_RING, min(fits, stages))
 

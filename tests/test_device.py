@@ -82,6 +82,9 @@ def test_trainer_refuses_a_weight_budget_that_cannot_hold_two_stages(client: Cli
         job.trainer(zero_copy=False, weight_budget=2 * largest - 1)
     with pytest.raises(ValueError, match="not both"):
         job.trainer(prefetch=1, weight_budget="1GiB")
+    units = client.create_job("units", [nn.Linear(64, 64) for _ in range(40)], optimizer=AdamW(), token="t")  # one unit
+    with pytest.raises(ValueError, match="a transfer unit of several chain stages.*smaller unit_bytes"):
+        units.trainer(zero_copy=False, weight_budget="64KiB")
     with job.trainer(weight_budget=2 * largest) as trainer:  # the job is still usable
         trainer.step(*models.batch("mixed", 0), models.loss_fn)
 
