@@ -91,6 +91,22 @@ class DeferredPush:
     worker: Worker
 
 
+SharedCopy = tuple[int, "weakref.ref[Any]"]
+"""A copy of one version of a tensor that replies share: (version, weak reference to its bytes)."""
+
+
+def shared_copy_frames(cached: SharedCopy | None, version: int, source: torch.Tensor) -> tuple[list[object], SharedCopy]:
+    """Data frames of a copy of ``source`` (holding ``version``): the ``cached`` copy while a reply
+    still queued keeps it alive and it is of that version, else a new one. The frames keep the
+    copy's bytes (a NumPy array) alive while they wait to be sent: that is what is shared."""
+    if cached is not None and cached[0] == version:
+        owner = cached[1]()
+        if owner is not None:
+            return list(tensor_frames(torch.from_numpy(owner))), cached
+    frames: list[object] = list(tensor_frames(source.clone()))
+    return frames, (version, weakref.ref(frames[0].obj))  # type: ignore[attr-defined]
+
+
 @dataclass(slots=True)
 class StageState:
     index: int
@@ -108,10 +124,10 @@ class StageState:
     failed: str | None = None
     """Why the stage's last update failed (a bug in wstream): it stays at its version for good,
     so a fetch of a later version or a push is answered with this at once, not held."""
-    pulled: tuple[int, weakref.ref[Any]] | None = None
+    pulled: SharedCopy | None = None
     """The copy of the master that ``pull`` replies of one version share (its version and a weak
     reference: it lives while a reply's frames wait to be sent)."""
-    served_copy: tuple[int, weakref.ref[Any]] | None = None
+    served_copy: SharedCopy | None = None
     """The same for a reader's ``weights`` replies in data frames: a copy of one version."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held by the optimizer while it changes the stage and by a snapshot capturing it."""
@@ -217,31 +233,21 @@ class StageState:
             base_offset=base.slot_offsets[0] if base is not None else None,
         )
         served["fetch", "shm" if shm else "frames"] += self.slots[k].nbytes
-        frames: list[object] = [] if shm else list(tensor_frames(self.slots[k])) if not copy else self._copied_frames(version, k)
+        frames: list[object] = []
+        if not shm:
+            if copy:
+                frames, self.served_copy = shared_copy_frames(self.served_copy, version, self.slots[k])
+            else:
+                frames = list(tensor_frames(self.slots[k]))
         if base is not None and not shm:  # the base's stage follows the stage's own bytes
             frames += tensor_frames(base.slots[0])
         return Outgoing(identity, reply, frames)
 
-    def _copied_frames(self, version: int, k: int) -> list[object]:
-        """Data frames of a copy of slot ``k`` (holding ``version``), shared while any lives."""
-        owner = self.served_copy[1]() if self.served_copy is not None and self.served_copy[0] == version else None
-        if owner is None:
-            frames: list[object] = list(tensor_frames(self.slots[k].clone()))
-            self.served_copy = (version, weakref.ref(frames[0].obj))  # type: ignore[attr-defined]
-            return frames
-        return list(tensor_frames(torch.from_numpy(owner)))
-
     def master_reply(self, identity: bytes, request_id: int, served: dict[tuple[str, str], int]) -> Outgoing:
         """The ``master`` reply of ``pull``: a copy of the fp32 master, in data frames."""
         # the master changes in place with the next update: a copy, one per version for all the
-        # replies still waiting to be sent (a peer that pulls without reading held one each). The
-        # frames keep the copy's bytes (a NumPy array) alive while they wait: it is what is shared.
-        owner = self.pulled[1]() if self.pulled is not None and self.pulled[0] == self.version else None
-        if owner is None:
-            frames = list(tensor_frames(self.master.clone()))
-            self.pulled = (self.version, weakref.ref(frames[0].obj))
-        else:
-            frames = list(tensor_frames(torch.from_numpy(owner)))
+        # replies still waiting to be sent (a peer that pulls without reading held one each)
+        frames, self.pulled = shared_copy_frames(self.pulled, self.version, self.master)
         served["pull", "frames"] += self.master.nbytes
         return Outgoing(identity, m.Master(id=request_id, stage=self.index, version=self.version), frames)
 
