@@ -108,8 +108,7 @@ def split_micro_batches(value: Any, k: int, *, what: str) -> list[Any]:
 def lane_weights(value: Any, k: int) -> list[float] | None:
     """Each micro-batch's share of the batch (n_j / N) where :func:`split_micro_batches` splits
     ``value`` unevenly; None where the k shares are equal (each 1/k)."""
-    items = list(value) if isinstance(value, (tuple, list)) else [value]
-    batch = next((t.shape[0] for t in items if isinstance(t, torch.Tensor) and t.dim() > 0), None)
+    batch = batch_size(value)
     if k == 1 or batch is None or batch % k == 0:
         return None
     return [(batch // k + (1 if j < batch % k else 0)) / batch for j in range(k)]  # torch.tensor_split's sizes

@@ -48,7 +48,7 @@ from .endpoint import Closeable, WorkerEndpoint
 from .env import job_token, server_address
 from .groups import GroupAssigner, ParamGroup, export_metadata
 from .job_options import job_options, options_difference
-from .job_handle import Job, pull_consistent, stage_tensors, wait_for_step
+from .job_handle import Job, named_state, pull_consistent, stage_tensors, wait_for_step
 from .stages import Tied, flatten
 from .units import AUTO_UNIT_BYTES, UnitCutter, chain_layout
 
@@ -450,22 +450,18 @@ class Client:
 
         layout = self._admin_request(lambda sid: m.Describe(session=sid, job=name), m.Layout)
         total = sum(numel_of(p.shape) for s in layout.stages for p in s.params)
-        steps: list[int] = []
         with progress_bar(progress, total, f"pulling {name}") as bar:
 
             def pull(i: int) -> tuple[int, dict[str, torch.Tensor]]:
                 assert self._admin is not None
                 reply, data = self._chan.request(m.Pull(session=self._admin.session, stage=i, job=name), m.Master)
                 bar.update(sum(numel_of(p.shape) for p in layout.stages[i].params))
-                steps.append(reply.version)
                 return reply.version, stage_tensors(layout.stages[i], data)
 
-            stages = pull_consistent(pull, len(layout.stages), name)
-        out: dict[str, torch.Tensor] = {}
-        for i, tensors in enumerate(stages):  # with units, named "<stage>.<param>" already
-            out.update(tensors if layout.units is not None else {f"{i}.{k}": t for k, t in tensors.items()})
+            step, stages = pull_consistent(pull, len(layout.stages), name)
+        out = named_state(stages, units=layout.units is not None)
         save_file(out, os.fspath(path), metadata=export_metadata(name, chain_layout(layout.stages, layout.units)))
-        return max(steps)
+        return step
 
     def shutdown(self) -> None:
         """Stop the server cleanly (as SIGTERM does: jobs are snapshotted where it has a store).

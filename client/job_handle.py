@@ -155,11 +155,8 @@ class Job:
                 bar.update(sum(numel_of(p.shape) for p in self.unit_specs[j].params))
                 return version, tensors
 
-            stages = pull_consistent(pull, len(self.unit_specs), self.name)
-        out: dict[str, torch.Tensor] = {}
-        for j, tensors in enumerate(stages):  # with units, named "<stage>.<param>" already
-            out.update(tensors if self.units is not None else {f"{j}.{name}": t for name, t in tensors.items()})
-        return out
+            _, stages = pull_consistent(pull, len(self.unit_specs), self.name)
+        return named_state(stages, units=self.units is not None)
 
     def pull_stage(self, stage: int) -> dict[str, torch.Tensor]:
         """Stage ``stage``'s current fp32 weights, ``{param: tensor}``: one stage in memory at a
@@ -233,17 +230,18 @@ CONSISTENT_PULL_ROUNDS = 10
 
 def pull_consistent(
     pull: Callable[[int], tuple[int, dict[str, torch.Tensor]]], stages: int, job: str
-) -> list[dict[str, torch.Tensor]]:
-    """Every stage's tensors of one step: ``pull(j)`` gives stage j's (version, tensors), and a
-    stage pulled at an older version than another is pulled again (its update was still to come;
-    a pull waits for an update under way), until all agree. A job that keeps training faster
-    than it is read is refused after a few rounds, rather than mixing steps."""
+) -> tuple[int, list[dict[str, torch.Tensor]]]:
+    """The step every stage was read at, and each stage's tensors of it: ``pull(j)`` gives stage
+    j's (version, tensors), and a stage pulled at an older version than another is pulled again
+    (its update was still to come; a pull waits for an update under way), until all agree. A job
+    that keeps training faster than it is read is refused after a few rounds, rather than mixing
+    steps."""
     got = [pull(j) for j in range(stages)]
     for _ in range(CONSISTENT_PULL_ROUNDS):
         newest = max(v for v, _ in got)
         stale = [j for j, (v, _) in enumerate(got) if v != newest]
         if not stale:
-            return [tensors for _, tensors in got]
+            return newest, [tensors for _, tensors in got]
         for j in stale:
             got[j] = pull(j)
     versions = sorted({v for v, _ in got})
@@ -252,6 +250,15 @@ def pull_consistent(
         f"{CONSISTENT_PULL_ROUNDS} rounds): read them between steps (after the trainer's step returns and "
         "wait_updates()), or save() a snapshot, which is of one step"
     )
+
+
+def named_state(stages: list[dict[str, torch.Tensor]], *, units: bool) -> dict[str, torch.Tensor]:
+    """Server stages' tensors as one ``{"<stage>.<param>": tensor}`` dict; with ``units`` each
+    unit's are named so already."""
+    out: dict[str, torch.Tensor] = {}
+    for j, tensors in enumerate(stages):
+        out.update(tensors if units else {f"{j}.{name}": t for name, t in tensors.items()})
+    return out
 
 
 def stage_tensors(spec: StageSpec, data: list[Any]) -> dict[str, torch.Tensor]:
