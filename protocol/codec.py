@@ -16,6 +16,7 @@ from .errors import ProtocolError, UnknownOpError, VersionMismatchError
 from .messages import (
     MAX_DATA_FRAMES,
     MAX_HEADER_BYTES,
+    MAX_REQUEST_ID,
     PROTOCOL_VERSION,
     REPLY_TYPES,
     REQUEST_TYPES,
@@ -25,17 +26,16 @@ from .messages import (
 M = TypeVar("M", bound=Message)
 
 
+_NO_VERSION = -1
+"""``Envelope.v`` of a header that carries none."""
+
+
 class Envelope(msgspec.Struct, frozen=True):
     """The fields every header has; other fields are ignored at this stage."""
 
     op: str
-    v: int = -1  # _NO_VERSION
+    v: int = _NO_VERSION
     id: int = 0
-
-
-_NO_VERSION = -1
-MAX_REQUEST_ID = 2**63 - 1
-"""``messages.RequestId``'s bound: an id past it is answered as 0."""
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -54,7 +54,7 @@ def peek_id(header: bytes) -> int:
     """The request id of a header, or 0 where it cannot be read (used for error replies)."""
     try:
         request_id = int(_envelope.decode(header).id)
-        return request_id if 0 <= request_id <= MAX_REQUEST_ID else 0  # an error reply must decode
+        return request_id if 0 <= request_id <= MAX_REQUEST_ID else 0  # past RequestId's bound no reply decodes
     except (msgspec.DecodeError, ValueError, TypeError, OverflowError, RecursionError):
         return 0
 

@@ -56,7 +56,8 @@ unsigned request with ``auth_failed``)."""
 Seq = Annotated[int, Meta(ge=0, le=2**63 - 1)]
 """Per-session message counter of a signed request (> 0 on the wire; 0 only before signing)."""
 FrameCount = Annotated[int, Meta(ge=0, le=1 << 16)]
-RequestId = Annotated[int, Meta(ge=0, le=2**63 - 1)]
+MAX_REQUEST_ID = 2**63 - 1
+RequestId = Annotated[int, Meta(ge=0, le=MAX_REQUEST_ID)]
 Step = Annotated[int, Meta(ge=0, le=MAX_STEP)]
 StageIndex = Annotated[int, Meta(ge=0, lt=MAX_STAGES)]
 Numel = Annotated[int, Meta(ge=0, le=MAX_NUMEL)]
@@ -187,6 +188,10 @@ class GroupSpec(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
         _check_finite(where + "lr_scale", self.lr_scale, low=0.0)
 
 
+Units = Annotated[list[Annotated[int, Meta(ge=1, le=MAX_CHAIN_STAGES)]], Meta(max_length=MAX_UNITS)]
+"""A ``units`` list (``JobOptions.units``, ``Seal.units``): chain stages per server stage."""
+
+
 class JobOptions(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How a job trains, fixed when it is created. Declared here once: ``create_job`` sends it,
     ``attached`` returns it, a snapshot's manifest stores it, and the ``Job`` objects of the
@@ -213,7 +218,7 @@ class JobOptions(Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     param_groups: Annotated[list[GroupSpec], Meta(max_length=MAX_PARAM_GROUPS)] = []
     """Parameter groups: a parameter whose ``ParamSpec.group`` is k >= 1 is updated with
     ``param_groups[k - 1]``'s weight decay and learning-rate scale."""
-    units: Annotated[list[Annotated[int, Meta(ge=1, le=MAX_CHAIN_STAGES)]], Meta(max_length=MAX_UNITS)] | None = None
+    units: Units | None = None
     """Coalesced stages (protocol 7): the server's stage j holds ``units[j]`` consecutive stages of
     the creator's chain, their parameters named ``"<chain stage>.<name>"`` (NOTE [Transfer units] in
     ``client/units.py``). None: one server stage per chain stage. Only the clients read it; the
@@ -295,7 +300,7 @@ class AddStage(SessionMessage, tag="add_stage"):
 class Seal(SessionMessage, tag="seal"):
     """End creation: the job becomes ready for workers. Replied with ``attached``."""
 
-    units: Annotated[list[Annotated[int, Meta(ge=1, le=MAX_CHAIN_STAGES)]], Meta(max_length=MAX_UNITS)] | None = None
+    units: Units | None = None
     """Protocol 7: the job's ``JobOptions.units``, known only once the chain is cut (a creator that
     streams its stages from a generator learns it at the end); it replaces the options' field."""
 
