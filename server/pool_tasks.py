@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, Union
 
@@ -130,10 +131,22 @@ class UpdateTask:
     source: torch.Tensor | None = None
     """The step's gradient (then the buffers) when it is read in place from a held slot; None:
     the stage's accumulator ``grad``."""
+    resubmit: Callable[[UpdateTask], None] | None = None
+    """How a parked update goes back to the pool (the loop's ``submit``; NOTE [Consistent
+    snapshots] rule 3 in snapshot.py): None, an update that cannot be parked."""
+    parked: bool = False
+    """The last ``run`` did nothing: it waits for room in a snapshot's buffer, and is not done."""
     seconds: float = 0.0
     submitted_ns: int = field(default_factory=time.monotonic_ns)
     started_ns: int = 0
     thread: str = ""
+
+    def _resume(self) -> None:
+        assert self.resubmit is not None, "an update without resubmit was parked (a bug in wstream)"
+        try:
+            self.resubmit(self)
+        except RuntimeError:  # the pool has shut down (the server is stopping): dropped as a queued update is
+            pass
 
     def run(self) -> UpdateTask:
         self.started_ns = time.monotonic_ns()
@@ -141,8 +154,11 @@ class UpdateTask:
         t0 = time.perf_counter()
         st = self.stage
         snap = self.job.snapshot
-        if snap is not None and snap.step == st.version:  # NOTE [Consistent snapshots], rule 2
-            snap.capture_before_update(st.index, st.lock, st.capture, st.state_nbytes)
+        self.parked = False
+        if snap is not None and snap.step == st.version:  # NOTE [Consistent snapshots], rules 2 and 3
+            if not snap.capture_before_update(st.index, st.lock, st.capture, st.state_nbytes, self._resume):
+                self.parked = True  # the pool thread goes on to other tasks; this one comes back
+                return self
         with st.lock:
             target = st.slots[st.slot_for(st.version + 1)]
             publish = None if target is st.master else target

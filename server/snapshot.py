@@ -14,9 +14,13 @@ Layout under the server's ``--store`` directory::
 #    updates them (last first), or by the update t -> t+1 itself, which captures first if the
 #    writer has not reached the stage yet. Both run under the stage's lock, so a capture never
 #    sees half an update.
-# 3. Captures made by updates wait for room when more than ``buffer_bytes`` of clones are waiting
-#    to be written (outside the stage lock, so the writer can always go on): the extra memory of a
-#    snapshot is bounded, and training slows to disk speed only when the disk cannot keep up.
+# 3. An update whose capture finds more than ``buffer_bytes`` of clones waiting to be written is
+#    *parked* instead (``capture_before_update`` returns False, nothing changed): the extra memory
+#    of a snapshot is bounded, and training slows to disk speed only when the disk cannot keep up.
+#    A parked update gives its pool thread back at once, so one job's slow disk never stalls
+#    another job's tasks (a waiting update used to hold the pool's only thread); it is resumed
+#    (submitted again) by whoever makes room: the writer releasing a clone, the writer capturing
+#    that very stage itself, the end of the write (``close``) or its cancellation.
 # 4. Files are written to a temporary directory, each fsynced; the manifest (with every file's
 #    sha256) last; then the directory is renamed into place and its parent fsynced. A crash at
 #    any moment leaves either the complete new snapshot or none of it.
@@ -166,47 +170,81 @@ class Snapshot:
     done: set[int] = field(default_factory=set)  # stages captured (by either side)
     clone_bytes: int = 0
     cancelled: bool = False
+    closed: bool = False  # the write is over (``close``)
+    parked: dict[int, tuple[int, Callable[[], None]]] = field(default_factory=dict)
+    """Updates waiting for room in the buffer (rule 3): stage index -> (bytes it will clone, resume)."""
     cond: threading.Condition = field(default_factory=threading.Condition)
     path: Path | None = None
     bytes_written: int = 0
 
     def capture_before_update(self, index: int, lock: threading.Lock, capture: Callable[[], dict[str, torch.Tensor]],
-                              nbytes: int) -> None:
-        """Called by the update of ``index`` from version ``step``: capture first (rule 2)."""
-        with self.cond:
-            if index in self.done:
-                return
-            while self.clone_bytes + nbytes > self.buffer_bytes and self.clone_bytes > 0 and not self.cancelled:
-                self.cond.wait(timeout=1.0)  # rule 3: outside the stage lock
+                              nbytes: int, resume: Callable[[], None]) -> bool:
+        """Called by the update of ``index`` from version ``step``: capture first (rule 2). False:
+        no room (rule 3), the update must not run now; ``resume`` is called once there is."""
         with lock, self.cond:
-            if index in self.done or self.cancelled:
-                return
+            if index in self.done or self.cancelled or self.closed:
+                return True
+            if self.clone_bytes + nbytes > self.buffer_bytes and self.clone_bytes > 0:
+                self.parked[index] = (nbytes, resume)
+                return False
             self.captured[index] = capture()
             self.done.add(index)
             self.clone_bytes += nbytes
+            return True
 
     def take(self, index: int, lock: threading.Lock, capture: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """The writer's turn for ``index``: the clone an update made, or a capture now."""
         with lock, self.cond:
             if index in self.captured:
-                tensors = self.captured.pop(index)
-                return tensors
+                return self.captured.pop(index)
             self.done.add(index)
-            return capture()
+            tensors = capture()
+            resumed = self._resumable()  # the update of ``index``, if parked, has nothing to capture now
+        for resume in resumed:
+            resume()
+        return tensors
 
     def release(self, tensors: dict[str, torch.Tensor], from_update: bool) -> None:
         if not from_update:
             return
         with self.cond:
             self.clone_bytes -= sum(t.numel() * t.element_size() for t in tensors.values())
+            resumed = self._resumable()
             self.cond.notify_all()
+        for resume in resumed:
+            resume()
+
+    def close(self) -> None:
+        """The write is over (written or failed): updates capture nothing more, the parked go on."""
+        with self.cond:
+            self.closed = True
+            resumed = self._resumable()
+        for resume in resumed:
+            resume()
 
     def cancel(self) -> None:
         with self.cond:
             self.cancelled = True
             self.captured.clear()
             self.clone_bytes = 0
+            resumed = self._resumable()
             self.cond.notify_all()
+        for resume in resumed:
+            resume()
+
+    def _resumable(self) -> list[Callable[[], None]]:
+        """Under ``cond``: take out the parked updates that can go on now (rule 3), oldest first.
+        The room is shared out as an estimate: one that finds none after all is parked again."""
+        room, empty = self.buffer_bytes - self.clone_bytes, self.clone_bytes == 0
+        out = []
+        for index, (nbytes, resume) in list(self.parked.items()):
+            if not (index in self.done or self.cancelled or self.closed):
+                if not empty and nbytes > room:
+                    continue
+                room, empty = room - nbytes, False
+            del self.parked[index]
+            out.append(resume)
+        return out
 
 
 LOCK_FILE = ".wstream-server.lock"

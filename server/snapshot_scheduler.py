@@ -143,6 +143,8 @@ class SnapshotScheduler:
             path = str(written) if written is not None else None
         except BaseException as exc:  # reported on the loop thread
             error = exc
+        finally:
+            snap.close()  # parked updates go on (NOTE [Consistent snapshots] rule 3)
         self.written.post((job, snap, path, error))
 
     def drain(self) -> None:

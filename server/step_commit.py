@@ -371,6 +371,7 @@ class StepCommit:
             source = st.held.source if st.held is not None else None
             submit(UpdateTask(
                 self.job, st, grad_scale=workers / clip, lr=lr, apply=not skipped, workers=workers, source=source, submitted_ns=now,
+                resubmit=submit,
             ))
         self.open_step = t + 1
         self.attempt += 1  # the accumulators start again for the next step

@@ -25,6 +25,8 @@ class UpdatePool:
         fut.add_done_callback(lambda f, t=task: self._finished(t, f))
 
     def _finished(self, task: PoolTask, fut: Future[PoolTask]) -> None:
+        if getattr(task, "parked", False) and not fut.cancelled() and fut.exception() is None:
+            return  # not done: it is submitted again when it can go on (NOTE [Consistent snapshots] rule 3)
         self.done.post((task, None if fut.cancelled() else fut.exception()))
 
     def fileno(self) -> int:

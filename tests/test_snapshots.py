@@ -464,3 +464,112 @@ def test_a_drop_the_store_refuses_leaves_the_job_as_it_was(tmp_path: Path, monke
             monkeypatch.undo()
             client.drop_job("kept", token="t")
             assert client.status().jobs == [] and client.status().memory_used == 0
+
+
+def test_one_jobs_snapshot_backpressure_does_not_stall_another_jobs_updates(tmp_path: Path, monkeypatch) -> None:
+    """Found by review: an update that had to capture its stage for a snapshot whose buffer was
+    full waited on the optimizer pool's thread (one by default) until the writer made room, so a
+    slow disk under one job stopped every other job's updates (1.8 s stalls measured). The update
+    now steps aside until there is room, and the pool runs the other jobs' tasks meanwhile."""
+    import threading
+
+    from wstream.server.inprocess import InProcessServer
+    from wstream.server.snapshot import SnapshotStore
+
+    gate, entered = threading.Event(), threading.Event()
+    write = SnapshotStore.write
+
+    def slow_write(self: SnapshotStore, snap, stages):  # type: ignore[no-untyped-def]
+        if snap.record.name == "busy" and snap.step == 1:
+            entered.set()
+            gate.wait(60)  # a disk that cannot keep up: nothing captured is written yet
+        return write(self, snap, stages)
+
+    monkeypatch.setattr(SnapshotStore, "write", slow_write)
+    # a one-byte buffer: one update's capture fills it, the next update of the step has to wait for room
+    srv = InProcessServer(bind=[f"ipc://{tmp_path / 's.sock'}"], memory_limit=2**30, store=str(tmp_path / "store"),
+                          snapshot_buffer=1, optimizer_workers=1)
+    errors: list[BaseException] = []
+
+    def run(target, *args) -> threading.Thread:  # type: ignore[no-untyped-def]
+        def body() -> None:
+            try:
+                target(*args)
+            except BaseException as exc:  # noqa: BLE001 (reported below)
+                errors.append(exc)
+        thread = threading.Thread(target=body, daemon=True)
+        thread.start()
+        return thread
+
+    def save(name: str) -> None:
+        with Client(srv.address, timeout=60) as other:
+            other.attach_job(name, token="t").save()
+
+    try:
+        with Client(srv.address, timeout=60) as c:
+            stages = models.mixed()
+            start = copy.deepcopy(stages)
+            c.create_job("busy", stages, optimizer=AdamW(lr=LR, weight_decay=WD), token="t", unit_bytes=None)
+            c.create_job("other", models.mixed(), optimizer=AdamW(lr=LR), token="t", unit_bytes=None)
+            train(srv.address, "busy", 1)
+            saving = run(save, "busy")
+            assert entered.wait(60)
+            busy = run(train, srv.address, "busy", 2)  # its first updates fill the buffer; the next ones wait
+            deadline = time.monotonic() + 60
+            while srv.server.jobs["busy"].stages[0].version < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            other = run(train, srv.address, "other", 3)
+            other.join(60)
+            assert not other.is_alive(), "another job's snapshot buffer stalled this job's updates"
+            assert not errors, errors
+            busy_versions = [st.version for st in srv.server.jobs["busy"].stages]
+            assert busy_versions[-1] == 1, f"the busy job's update did not wait for room: {busy_versions}"
+            gate.set()
+            busy.join(60)
+            saving.join(60)
+            assert not busy.is_alive() and not saving.is_alive() and not errors, errors
+            assert [st.version for st in srv.server.jobs["busy"].stages] == [3] * len(busy_versions)
+    finally:
+        gate.set()
+        srv.stop()
+    step, weights = snapshot_weights(tmp_path / "store" / "job-busy" / "step-000000000001")  # the saved one
+    assert step == 1
+    assert_weights_equal(weights, reference_train(start, adamw, "mixed", 1), atol=1e-6)
+
+
+def test_a_parked_update_is_resumed_by_every_way_room_is_made() -> None:
+    """NOTE [Consistent snapshots] rule 3: an update parked for room goes on when the writer
+    releases a clone, captures the stage itself, ends the write (even a failed one) or is cancelled;
+    never twice, and never while the buffer is still full."""
+    import threading
+
+    from wstream.protocol import messages as m
+    from wstream.server.snapshot import JobRecord, Snapshot
+
+    def snapshot() -> Snapshot:
+        return Snapshot(JobRecord("j", b"v" * 32, m.JobOptions(), []), step=0, buffer_bytes=8, reason="test")
+
+    lock = threading.Lock()
+    resumed: list[int] = []
+
+    def capture() -> dict[str, torch.Tensor]:
+        return {"w": torch.zeros(4)}  # 16 bytes: one fills the 8-byte buffer
+
+    snap = snapshot()
+    assert snap.capture_before_update(0, lock, capture, 16, lambda: resumed.append(0))  # an empty buffer takes any one
+    assert not snap.capture_before_update(1, lock, capture, 16, lambda: resumed.append(1))
+    assert not snap.capture_before_update(2, lock, capture, 16, lambda: resumed.append(2))
+    assert resumed == []
+    snap.release(snap.take(0, lock, capture), from_update=True)  # the buffer empties: the oldest goes on
+    assert resumed == [1]
+    assert snap.capture_before_update(1, lock, capture, 16, lambda: resumed.append(1))
+    snap.take(2, lock, capture)  # the writer captures stage 2 itself: its update has nothing to wait for
+    assert resumed == [1, 2] and snap.capture_before_update(2, lock, capture, 16, lambda: resumed.append(-1))
+
+    for end in (Snapshot.close, Snapshot.cancel):
+        snap, resumed = snapshot(), []
+        assert snap.capture_before_update(0, lock, capture, 16, lambda: resumed.append(0))
+        assert not snap.capture_before_update(1, lock, capture, 16, lambda: resumed.append(1))
+        end(snap)  # a write that ended (written or failed) or was cancelled parks no one
+        assert resumed == [1] and snap.capture_before_update(1, lock, capture, 16, lambda: resumed.append(-1))
+        assert 1 not in snap.captured
