@@ -452,10 +452,14 @@ class Client:
         total = sum(numel_of(p.shape) for s in layout.stages for p in s.params)
         with progress_bar(progress, total, f"pulling {name}") as bar:
 
+            counted: set[int] = set()  # a stage read again is not counted again
+
             def pull(i: int) -> tuple[int, dict[str, torch.Tensor]]:
                 assert self._admin is not None
                 reply, data = self._chan.request(m.Pull(session=self._admin.session, stage=i, job=name), m.Master)
-                bar.update(sum(numel_of(p.shape) for p in layout.stages[i].params))
+                if i not in counted:
+                    counted.add(i)
+                    bar.update(sum(numel_of(p.shape) for p in layout.stages[i].params))
                 return reply.version, stage_tensors(layout.stages[i], data)
 
             step, stages = pull_consistent(pull, len(layout.stages), name)

@@ -66,7 +66,7 @@ from wstream.protocol.layout import numel_of
 
 from .chain import progress_bar
 from .client import Client
-from .job_handle import Job
+from .job_handle import Job, read_in_one_step
 from .hf_layout import FAMILIES, Layout, default_attn_implementation, layout_of
 from .hf_layout import UnsupportedModel  # noqa: F401 - re-exported for users
 from .hf_masks import block_causal_mask  # noqa: F401 - re-exported for users
@@ -364,7 +364,7 @@ class PulledStages(Protocol):
     def num_stages(self) -> int: ...
     @property
     def num_params(self) -> int: ...
-    def pull_stage(self, stage: int) -> dict[str, torch.Tensor]: ...
+    def pull_stage_versioned(self, stage: int) -> tuple[Any, dict[str, torch.Tensor]]: ...
 
 
 def export_pretrained(
@@ -385,7 +385,8 @@ def export_pretrained(
     written once complete, so memory holds about a shard and a stage. Tied weights are written
     once, as ``save_pretrained`` does. ``dtype``: of the written tensors (the master is fp32);
     the config records it (``dtype``), replacing the source's, so that ``from_pretrained`` loads
-    the tensors as written.
+    the tensors as written. Every tensor written is of one step of the job: read while it trains,
+    the export starts again when the job moves on (``StateError`` if it keeps moving on).
     """
     out = Path(folder)
     stale = sorted(p.name for p in out.glob("model*.safetensors*"))
@@ -401,12 +402,28 @@ def export_pretrained(
     with progress_bar(progress, job.num_params, f"exporting {job.name}") as bar:
         pending: dict[str, torch.Tensor] = {}
         shard = 0
-        for stage in range(job.num_stages):
-            pending.update((name, _written(t, dtype)) for name, t in job.pull_stage(stage).items())
+
+        def use(stage: int, tensors: dict[str, torch.Tensor]) -> None:
+            nonlocal shard
+            pending.update((name, _written(t, dtype)) for name, t in tensors.items())
             bar.update(job.specs[stage].numel)
             while shard < len(shards) and shards[shard].keys() <= pending.keys():
                 save_file({k: pending.pop(k).contiguous() for k in shards[shard]}, out / files[shard], metadata={"format": "pt"})
                 shard += 1
+
+        def start_over() -> None:  # the job moved on under the export: nothing of the older step is kept
+            nonlocal shard
+            for name in files[:shard]:
+                (out / name).unlink(missing_ok=True)
+            pending.clear()
+            shard = 0
+            bar.reset()
+
+        try:
+            read_in_one_step(job.pull_stage_versioned, range(job.num_stages), job.name, use, start_over)
+        except BaseException:
+            start_over()  # no weights of a failed export are left to be taken for a whole one
+            raise
     if len(shards) > 1:
         weight_map = {name: files[k] for k, names in enumerate(shards) for name in names}
         total = sum(_nbytes(p, dtype.itemsize) for s in job.specs for p in s.params)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
@@ -149,10 +149,13 @@ class Job:
 
         ``progress``: a progress bar on stderr (None: only when stderr is a terminal)."""
         with progress_bar(progress, self.num_params, f"pulling {self.name}") as bar:
+            counted: set[int] = set()  # a stage read again is not counted again
 
             def pull(j: int) -> tuple[int, dict[str, torch.Tensor]]:
                 version, tensors = self._pull_versioned(j)
-                bar.update(sum(numel_of(p.shape) for p in self.unit_specs[j].params))
+                if j not in counted:
+                    counted.add(j)
+                    bar.update(sum(numel_of(p.shape) for p in self.unit_specs[j].params))
                 return version, tensors
 
             _, stages = pull_consistent(pull, len(self.unit_specs), self.name)
@@ -161,17 +164,21 @@ class Job:
     def pull_stage(self, stage: int) -> dict[str, torch.Tensor]:
         """Stage ``stage``'s current fp32 weights, ``{param: tensor}``: one stage in memory at a
         time, for exports of models larger than this process's memory. With units, its unit is
-        pulled whole and cut (``state_dict`` pulls each unit once)."""
+        pulled whole and cut (``state_dict`` pulls each unit once). Stages pulled one by one while
+        the job trains may be of different steps: :meth:`pull_stage_versioned` says which."""
+        return self.pull_stage_versioned(stage)[1]
+
+    def pull_stage_versioned(self, stage: int) -> tuple[int, dict[str, torch.Tensor]]:
+        """``(step, weights)``: :meth:`pull_stage`'s weights and the step they are of (the number
+        of updates applied to the stage), so that a reader can make sure all it read is of one
+        step (:func:`read_in_one_step`)."""
         if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < self.num_stages:
             raise IndexError(f"job {self.name!r} has stages 0..{self.num_stages - 1}, not {stage!r}")
         if self.units is None:
-            return self._pull(stage)
+            return self._pull_versioned(stage)
         prefix = f"{stage}."
-        tensors = self._pull(self.units.unit_of[stage])
-        return {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
-
-    def _pull(self, server_stage: int) -> dict[str, torch.Tensor]:
-        return self._pull_versioned(server_stage)[1]
+        version, tensors = self._pull_versioned(self.units.unit_of[stage])
+        return version, {name[len(prefix) :]: t for name, t in tensors.items() if name.startswith(prefix)}
 
     def _pull_versioned(self, server_stage: int) -> tuple[int, dict[str, torch.Tensor]]:
         spec = self.unit_specs[server_stage]
@@ -226,6 +233,7 @@ class Job:
 
 
 CONSISTENT_PULL_ROUNDS = 10
+T = TypeVar("T")
 
 
 def pull_consistent(
@@ -249,6 +257,44 @@ def pull_consistent(
         f"job {job!r} kept training while its weights were read (its stages were at steps {versions} after "
         f"{CONSISTENT_PULL_ROUNDS} rounds): read them between steps (after the trainer's step returns and "
         "wait_updates()), or save() a snapshot, which is of one step"
+    )
+
+
+RESTARTS = 3
+"""How often :func:`read_in_one_step` starts again when the job moves on under it."""
+
+
+def read_in_one_step(
+    pull: Callable[[int], tuple[Any, T]],
+    stages: Sequence[int],
+    job: str,
+    use: Callable[[int, T], None],
+    start_over: Callable[[], None],
+) -> Any:
+    """Read ``stages`` in order and hand each to ``use`` as it comes (a streaming export holds one
+    at a time), all of one step; returns that step. ``pull(j)`` gives stage j's (version, value).
+    A stage at an older step than those before it is pulled again (its update was still to come;
+    a pull waits for an update under way); one at a newer step means the job moved on under the
+    reader: ``start_over`` discards what was used, and the read begins again, at most
+    :data:`RESTARTS` times (:func:`pull_consistent` can re-read what it holds instead)."""
+    for _ in range(1 + RESTARTS):
+        step: Any = None
+        for j in stages:
+            for _ in range(CONSISTENT_PULL_ROUNDS):
+                version, value = pull(j)
+                if step is None or not version < step:
+                    break
+            if step is None:
+                step = version
+            if version != step:
+                break
+            use(j, value)
+        else:
+            return step
+        start_over()
+    raise StateError(
+        f"job {job!r} kept training while its weights were read (read again {RESTARTS} times): read them "
+        "between steps (after the trainer's step returns and wait_updates()), or save() a snapshot, which is of one step"
     )
 
 

@@ -52,7 +52,7 @@ from torch.nn import functional as F
 
 from wstream.protocol import LayoutError, StageSpec
 
-from .job_handle import Job
+from .job_handle import Job, pull_consistent
 from .stages import Tied
 
 ADAPTER = "default"
@@ -312,13 +312,12 @@ def export_adapter(
         fan_in_fan_out = base_config is not None and _conv1d_family(base_config)
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
+    adapted = [stage for stage in range(job.num_stages) if any(is_adapter(p.name) for p in job.specs[stage].params)]
+    _, pulled = pull_consistent(lambda k: job.pull_stage_versioned(adapted[k]), len(adapted), job.name)  # of one step
     tensors: dict[str, torch.Tensor] = {}
-    for stage in range(job.num_stages):
-        if any(is_adapter(p.name) for p in job.specs[stage].params):
-            # only the adapters: a job made without ``base=`` holds its frozen weights too
-            tensors.update(
-                (peft_name(model_name(name)), t.contiguous()) for name, t in job.pull_stage(stage).items() if is_adapter(name)
-            )
+    for stage_tensors in pulled:
+        # only the adapters: a job made without ``base=`` holds its frozen weights too
+        tensors.update((peft_name(model_name(name)), t.contiguous()) for name, t in stage_tensors.items() if is_adapter(name))
     save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",
@@ -340,7 +339,7 @@ def export_adapter(
 
 class MergedStages:
     """The base's stages with the adapters of ``job`` merged in, pulled one stage at a time: what
-    ``export_pretrained`` reads (``name``, ``specs``, ``num_stages``, ``num_params``, ``pull_stage``)."""
+    ``export_pretrained`` reads (``name``, ``specs``, ``num_stages``, ``num_params``, ``pull_stage_versioned``)."""
 
     def __init__(self, job: Job, base: Job, lora: Lora, *, fan_in_fan_out: bool) -> None:
         if job.num_stages != base.num_stages:
@@ -351,18 +350,17 @@ class MergedStages:
         self.num_params = base.num_params
         self._job, self._base, self._scaling, self._transpose = job, base, lora.scaling, fan_in_fan_out
 
-    def pull_stage(self, stage: int) -> dict[str, torch.Tensor]:
-        weights = self._base.pull_stage(stage)
-        if not self._job.specs[stage].params:
-            return weights
-        adapters = self._job.pull_stage(stage)
+    def pull_stage_versioned(self, stage: int) -> tuple[tuple[int, int], dict[str, torch.Tensor]]:
+        """The merged weights of ``stage`` and the steps they are of: (the adapters', the base's)."""
+        base_step, weights = self._base.pull_stage_versioned(stage)
+        step, adapters = self._job.pull_stage_versioned(stage)  # (a stage without adapters has a step too)
         for name, a in adapters.items():
             if not name.endswith(f".lora_A.{ADAPTER}.weight"):
                 continue
             path = name.removesuffix(f".lora_A.{ADAPTER}.weight")
             delta = (adapters[f"{path}.lora_B.{ADAPTER}.weight"] @ a) * self._scaling  # out x in
             weights[f"{path}.weight"] += delta.T if self._transpose else delta  # Conv1D's weight is in x out
-        return weights
+        return (step, base_step), weights
 
 
 def export_merged(

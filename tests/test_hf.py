@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from wstream.client import AdamW, Client, LayoutError, Tied  # noqa: E402
+from wstream.client import AdamW, Client, LayoutError, StateError, Tied  # noqa: E402
 from wstream.protocol.layout import numel_of  # noqa: E402
 from wstream.client import hf  # noqa: E402
 from wstream.client.hf import (  # noqa: E402
@@ -318,3 +318,52 @@ def test_offline_a_hub_id_that_is_not_cached_is_refused_without_asking_the_hub(
     save_model("gpt2", tmp_path / "tiny")
     job = create_job_from_pretrained(client, "offline", "tiny", token="t")
     assert attach_job_from_pretrained(client, "offline", "./tiny", token="t").specs == job.specs
+
+
+class _Racing:
+    """A job read while it trains, replayed deterministically: ``lag`` stages are first read one
+    step behind (their update still to come), then as they are; with ``ahead`` the job moves on
+    one step under the reader at stage 2 (its weights all +1 from then on), ``forever`` times."""
+
+    def __init__(self, job: Any, *, lag: set[int] = frozenset(), ahead: int = 0) -> None:  # type: ignore[assignment]
+        self._job, self._lag, self._ahead = job, set(lag), ahead
+        self.name, self.specs, self.num_stages, self.num_params = job.name, job.specs, job.num_stages, job.num_params
+        self.step = 1
+
+    def pull_stage_versioned(self, stage: int) -> tuple[int, dict[str, torch.Tensor]]:
+        if stage == 2 and self._ahead:
+            self._ahead -= 1
+            self.step += 1
+        weights = self._job.pull_stage(stage)
+        if stage in self._lag:
+            self._lag.discard(stage)
+            return self.step - 1, {k: torch.zeros_like(t) for k, t in weights.items()}
+        return self.step, {k: t + (self.step - 1) for k, t in weights.items()}
+
+    def pull_stage(self, stage: int) -> dict[str, torch.Tensor]:  # what exports read before they checked steps
+        return self.pull_stage_versioned(stage)[1]
+
+
+def test_an_export_read_while_the_job_trains_is_of_one_step(client: Client, tmp_path: Path) -> None:
+    """Found by review: ``export_pretrained`` (and LoRA's exports) read stage after stage through
+    ``pull_stage`` and wrote what came, so an export made while a trainer stepped mixed steps.
+    A stage behind the others is read again; a job that moved on under the export starts it again
+    (the shards already written are replaced); one that keeps moving on is refused, and leaves no
+    weights behind to be taken for a whole export."""
+    folder = save_model("gpt2", tmp_path / "model")
+    job = create_job_from_pretrained(client, "race", folder, token="t", optimizer=AdamW(lr=1e-2))
+    want = weights_by_name(job.state_dict())
+
+    def exported(racing: _Racing, name: str) -> dict[str, torch.Tensor]:
+        out = export_pretrained(racing, tmp_path / name, folder, max_shard_size="20KB")
+        state = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="sdpa").state_dict()
+        return {k: v for k, v in state.items() if k in want}
+
+    got = exported(_Racing(job, lag={1, 3}), "lagging")  # read again until they catch up
+    assert largest_difference(want, got) == 0.0
+    racing = _Racing(job, lag={4}, ahead=1)  # stages 0, 1 written at step 1, then the job is at step 2
+    got = exported(racing, "ahead")
+    assert racing.step == 2 and largest_difference({k: v + 1 for k, v in want.items()}, got) == 0.0
+    with pytest.raises(StateError, match="kept training while its weights were read"):
+        export_pretrained(_Racing(job, ahead=10**6), tmp_path / "never", folder, max_shard_size="20KB")
+    assert not list((tmp_path / "never").glob("model*.safetensors*"))

@@ -277,3 +277,36 @@ def test_an_adapter_on_a_renamed_head_is_exported_under_the_models_name(client: 
     got = {n.removeprefix(PEFT_PREFIX): p for n, p in model.named_parameters() if ".lora_" in n}
     assert torch.equal(got["lm_head.lora_B.default.weight"], job.pull_stage(job.num_stages - 1)["embed_out.lora_B.default.weight"])
     job.drop()
+
+
+def test_adapter_and_merged_exports_read_while_the_job_trains_are_of_one_step(client: Client, tmp_path: Path) -> None:
+    """Found by review: both exports read stage after stage through ``pull_stage`` and wrote what
+    came, mixing steps while a trainer stepped. A stage behind the others (here read first as
+    zeros, one step back) is read again until it catches up (the adapters' pull is of the
+    adapter stages only; the merged one's of every stage, from the base and the adapter job)."""
+    from safetensors.torch import load_file
+    from test_hf import _Racing
+
+    folder = save_model("gpt2", tmp_path / "model")
+    create_job_from_pretrained(client, "base", folder, token="b", frozen=True)
+    lora = Lora(targets=TARGETS["gpt2"], rank=4, alpha=8.0)
+    job = client.create_job(
+        "lora", list(add_lora(stages_from_pretrained(folder, weights=False), lora)), token="t", base="base", base_token="b",
+        optimizer=AdamW(lr=1e-2),
+    )
+    with job.trainer() as trainer:
+        trainer.step(batch(0), batch(0), causal_lm_loss)  # lora_B moves off zero
+    adapted = [i for i, s in enumerate(job.specs) if s.params]
+    base = client.attach_job("base", token="b")
+    with torch.no_grad():
+        want = load_file(export_adapter(job, tmp_path / "adapter", lora) / "adapter_model.safetensors")
+        got = load_file(export_adapter(_Racing(job, lag={adapted[-1]}), tmp_path / "adapter-racing", lora) / "adapter_model.safetensors")
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+        assert any(k.endswith("lora_B.weight") and want[k].abs().max() > 0 for k in want)
+        merged = [
+            transformers.AutoModelForCausalLM.from_pretrained(
+                export_merged(j, base, tmp_path / name, folder, lora), attn_implementation="sdpa"
+            ).state_dict()
+            for j, name in ((job, "merged"), (_Racing(job, lag={adapted[0]}), "merged-racing"))
+        ]
+        assert all(torch.equal(merged[0][k], merged[1][k]) for k in merged[0])
