@@ -141,13 +141,18 @@ class PlanRun:
         self.peak_bytes = max(self.peak_bytes, live)
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 class GradientSum:
     """Gradients summed slot by slot, as accumulation into ``.grad`` sums them. The first gradient
     of a slot is kept as autograd returned it, and the second is added *out of place*: autograd
     may return one tensor for several uses (in ``x + w`` with ``w`` of ``x``'s shape, the gradient
     of ``w`` is the very tensor passed down as ``x``'s), so adding into it would change a gradient
     still to be used. The sum is then this object's own tensor, and later gradients are added to it
-    in place (torch's AccumulateGrad likewise copies a gradient it does not own)."""
+    in place (torch's AccumulateGrad likewise copies a gradient it does not own). A 16-bit
+    gradient is summed in fp32, as the server's sums, the all-reduce and the loss-scaled path are
+    (fp32-master mixed precision): summed in bf16, 32 micro-batches doubled its rounding error."""
 
     __slots__ = ("values", "_owned")
 
@@ -164,7 +169,7 @@ class GradientSum:
         elif self._owned[k]:
             acc.add_(g)
         else:
-            self.values[k] = acc + g
+            self.values[k] = acc.float() + g if acc.dtype in LOW_PRECISION else acc + g
             self._owned[k] = True
 
     def add_all(self, grads: Sequence[torch.Tensor | None]) -> None:

@@ -93,3 +93,93 @@ def test_the_server_refuses_float64_on_the_wire(server: ServerThread) -> None:
         assert reply["op"] == "ok", reply
     finally:
         peer.close()
+
+
+
+def _rel(u: torch.Tensor, v: torch.Tensor) -> float:
+    return ((u - v).norm() / v.norm()).item()
+
+
+def test_bfloat16_gradients_are_summed_in_float32_across_micro_batches(client: Client) -> None:
+    """Found by review: a bf16 job summed its micro-batches' gradients in bf16, doubling the
+    gradient's rounding error at 32 micro-batches, while the server's sums, the all-reduce and the
+    loss-scaled fp16 path all sum in fp32 (as fp32-master mixed precision does). The applied
+    gradient (SGD, lr 1) is now the fp32 sum of the micro-batches' bf16 gradients."""
+    from wstream.client import SGD
+
+    def stages() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.Sequential(nn.Linear(16, 64), nn.Tanh()), nn.Sequential(nn.Linear(64, 64), nn.Tanh()), nn.Linear(64, 4)]
+
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(256, 16, generator=g), torch.randn(256, 4, generator=g)
+    k = 32
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return ((out.float() - target) ** 2).mean()
+
+    def reference(acc: torch.dtype) -> torch.Tensor:
+        model = nn.Sequential(*stages()).to(torch.bfloat16)
+        total = [torch.zeros_like(p, dtype=acc) for p in model.parameters()]
+        for xj, yj in zip(x.chunk(k), y.chunk(k)):
+            grads = torch.autograd.grad(loss_fn(model(xj.to(torch.bfloat16)), yj) / k, list(model.parameters()))
+            for a, gj in zip(total, grads):
+                a.add_(gj.to(acc))
+        return torch.cat([t.float().flatten() for t in total])
+
+    model = nn.Sequential(*stages())
+    start = torch.cat([p.detach().flatten() for p in model.parameters()])
+    job = client.create_job("bf16-sum", stages(), optimizer=SGD(lr=1.0), token="t", dtype="bfloat16", unit_bytes=None)
+    with job.trainer() as trainer:
+        trainer.step(x, y, loss_fn, micro_batches=k)
+    state = job.state_dict()
+    applied = start - torch.cat([state[name].flatten() for name, _ in model.named_parameters()])
+    fp32_sum, bf16_sum = reference(torch.float32), reference(torch.bfloat16)
+    assert _rel(bf16_sum, fp32_sum) > 1e-4  # the two sums differ measurably
+    assert _rel(applied, fp32_sum) < 1e-6, (_rel(applied, fp32_sum), _rel(applied, bf16_sum))
+
+
+def test_bfloat16_gradients_are_summed_in_float32_across_a_loops_applications(client: Client) -> None:
+    """As above, for one stage applied 64 times (``step_loop``): its gradient is the fp32 sum of
+    the applications' bf16 gradients (each application a copy of the weights, in the reference)."""
+    import copy
+
+    from wstream.client import SGD
+
+    n = 64
+
+    def body() -> nn.Module:
+        torch.manual_seed(0)
+        lin = nn.Linear(16, 16)
+        with torch.no_grad():
+            lin.weight.mul_(0.5)
+        return nn.Sequential(lin, nn.Tanh())
+
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 16, generator=g), torch.randn(8, 16, generator=g) * 0.1
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(out.float(), target)
+
+    def reference(acc: torch.dtype) -> torch.Tensor:
+        copies = [copy.deepcopy(body()).to(torch.bfloat16) for _ in range(n)]
+        h = x.to(torch.bfloat16)
+        for c in copies:
+            h = c(h)
+        grads = torch.autograd.grad(loss_fn(h, y), [p for c in copies for p in c.parameters()])
+        per = len(list(body().parameters()))
+        total = [torch.zeros_like(grads[i], dtype=acc) for i in range(per)]
+        for j in range(n):
+            for i in range(per):
+                total[i].add_(grads[i + per * j].to(acc))
+        return torch.cat([t.float().flatten() for t in total])
+
+    start = torch.cat([p.detach().flatten() for p in body().parameters()])
+    job = client.create_job("bf16-loop", [body()], optimizer=SGD(lr=1.0), token="t", dtype="bfloat16")
+    with job.trainer() as trainer:
+        trainer.step_loop(x, y, loss_fn, halt=lambda h: False, max_steps=n)
+    state = job.state_dict()
+    applied = start - torch.cat([state[name].flatten() for name in ("0.0.weight", "0.0.bias")])
+    fp32_sum, bf16_sum = reference(torch.float32), reference(torch.bfloat16)
+    assert _rel(bf16_sum, fp32_sum) > 1e-4
+    assert _rel(applied, fp32_sum) < 1e-6, (_rel(applied, fp32_sum), _rel(applied, bf16_sum))
