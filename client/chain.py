@@ -10,12 +10,13 @@ import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from wstream.protocol import LayoutError, StageSpec
 
 from .groups import GroupAssigner
-from .stages import Tied, check_tied, frozen_params, skeleton_of, spec_of
+from .stages import Tied, check_integer_buffers, check_tied, frozen_params, skeleton_of, spec_of
 
 Chain = list[tuple[int, nn.Module]]
 """A job's chain: per position, its weight stage and meta skeleton (NOTE [Positions and weight
@@ -65,7 +66,9 @@ def walk_chain(
     return specs, chain
 
 
-def check_before_upload(stages: Sequence[nn.Module | Tied], groups: GroupAssigner, *, on_base: bool) -> None:
+def check_before_upload(
+    stages: Sequence[nn.Module | Tied], groups: GroupAssigner, *, on_base: bool, published: torch.dtype = torch.float32
+) -> None:
     """Every check ``create_job`` can make of a chain it is given as a sequence, made before the
     job exists: a refusal then leaves the caller's modules as they were (the upload moves each to
     the meta device). On a frozen base the layout needs the base's, so only the items are checked.
@@ -77,7 +80,13 @@ def check_before_upload(stages: Sequence[nn.Module | Tied], groups: GroupAssigne
         for position, item in enumerate(stages):
             check_item(position, item)
         return
-    walk_chain(stages, lambda i, module: spec_of(i, module, groups=groups), skeletons=False)
+
+    def check(i: int, module: nn.Module) -> StageSpec:
+        spec = spec_of(i, module, groups=groups)
+        check_integer_buffers(i, module, spec, published)
+        return spec
+
+    walk_chain(stages, check, skeletons=False)
     groups.check_all_used()
 
 

@@ -49,7 +49,7 @@ from .env import job_token, server_address
 from .groups import GroupAssigner, ParamGroup, export_metadata
 from .job_options import job_options, options_difference
 from .job_handle import Job, named_state, pull_consistent, stage_tensors, wait_for_step
-from .stages import Tied, flatten
+from .stages import Tied, check_integer_buffers, flatten
 from .units import AUTO_UNIT_BYTES, UnitCutter, chain_layout
 
 log = logging.getLogger(__name__)
@@ -236,12 +236,13 @@ class Client:
                     "unit_bytes cannot be used with base= or frozen=True: stage i of a job on a frozen base trains on "
                     "the base's stage i, so neither is cut into transfer units"
                 )
-        itemsize = torch.empty((), dtype=getattr(torch, options.dtype)).element_size()
+        published = getattr(torch, options.dtype)  # what workers read the weights and buffers in
+        itemsize = published.itemsize
         cutter = None if unit_bytes is None else UnitCutter(unit_bytes, itemsize)
         own = (lambda p: p.requires_grad) if base is not None else (lambda p: True)
         total = None
         if isinstance(stages, Sequence):  # known up front: check it, and let the server refuse, before uploading
-            check_before_upload(stages, groups, on_base=base is not None)
+            check_before_upload(stages, groups, on_base=base is not None, published=published)
             total = sum(p.numel() for s in stages if not isinstance(s, Tied) for p in s.parameters() if own(p))
         nonce, mine = challenge(self._chan), client_nonce()
         proof = base_proof(secret_key(base_token), base, nonce, mine) if base and base_token else None
@@ -280,6 +281,7 @@ class Client:
         def upload(i: int, module: nn.Module) -> StageSpec:
             check_materialized(i, module, trainable_only=base is not None)
             spec = layout_on(created.base_stages if base is not None else None, i, module, groups)
+            check_integer_buffers(i, module, spec, published)
             flat = flatten(module, spec)
             if cutter is None:
                 add(spec, flat)

@@ -60,7 +60,7 @@ import torch
 from torch import nn
 
 from wstream.protocol import LayoutError, StageSpec
-from wstream.protocol.layout import build_stage_spec, numel_of, validate_stage
+from wstream.protocol.layout import build_stage_spec, exact_integer_buffers, numel_of, read_integers, validate_stage
 
 from .binding import Binding
 from .boundary import Boundary
@@ -152,21 +152,46 @@ def spec_of(
 
 def flatten(module: nn.Module, spec: StageSpec) -> torch.Tensor:
     """``module``'s parameters and buffers copied into one flat fp32 CPU tensor laid out as
-    ``spec``. An integer buffer beyond :data:`MAX_EXACT_INT` is refused (fp32 would round it)."""
+    ``spec`` (check its integer buffers first: :func:`check_integer_buffers`)."""
     flat = torch.zeros(spec.numel, dtype=torch.float32)
     named = dict(module.named_parameters())
     named.update(module.named_buffers())
     for p in spec.params:
         n = numel_of(p.shape)
-        value = named[p.name].detach()
-        integer = p.buffer and not value.is_floating_point() and value.dtype != torch.bool
-        if integer and value.numel() and value.abs().max().item() > MAX_EXACT_INT:
+        flat[p.offset : p.offset + n].copy_(named[p.name].detach().reshape(-1))
+    return flat
+
+
+EXACT_INTEGERS = {torch.bfloat16: 2**8, torch.float16: 2**11}
+"""The largest magnitude up to which each 16-bit dtype holds every integer."""
+
+
+def check_integer_buffers(index: int, module: nn.Module, spec: StageSpec, published: torch.dtype) -> None:
+    """Refuse an integer buffer that would not reach the stage as it is: the fp32 master holds
+    integers exactly up to :data:`MAX_EXACT_INT`, and workers read buffers from the published
+    copy, in the job's dtype. A 16-bit copy holds most integer buffers as int32 values (NOTE
+    [Integer buffers in a 16-bit published copy] in protocol/layout.py), but one without room in
+    the layout for that is cast (bfloat16 holds integers exactly up to 256, float16 up to 2048: a
+    stage that looked up positions 257.. would index with rounded ones). A buffer on the meta
+    device has no values to check yet."""
+    as_int32 = {spec.params[k].name for k, _, _ in exact_integer_buffers(spec)}  # (a unit's layout gives each the same room)
+    for name, value in module.named_buffers():
+        if value.is_floating_point() or value.dtype == torch.bool or value.is_meta or not value.numel():
+            continue
+        largest = value.detach().abs().max().item()
+        if largest > MAX_EXACT_INT:
             raise LayoutError(
-                f"buffer {p.name!r} holds {value.abs().max().item()}: an integer buffer is kept in the fp32 master, "
+                f"stage {index}'s buffer {name!r} holds {largest}: an integer buffer is kept in the fp32 master, "
                 f"exact up to {MAX_EXACT_INT}"
             )
-        flat[p.offset : p.offset + n].copy_(value.reshape(-1))
-    return flat
+        exact = published == torch.float32 or name in as_int32
+        if not exact and not torch.equal(value.to(published).to(value.dtype), value):
+            exact = EXACT_INTEGERS[published]
+            raise LayoutError(
+                f"stage {index}'s integer buffer {name!r} holds {largest}, which {str(published).removeprefix('torch.')} "
+                f"(the job's dtype, in which workers read buffers) holds exactly only up to {exact}: create the job with "
+                "dtype='float32', or compute the values inside forward (a constant such as position ids)"
+            )
 
 
 def skeleton_of(module: nn.Module) -> nn.Module:
@@ -321,6 +346,8 @@ class StageRunner:
             for k, p in enumerate(spec.params)
             if p.buffer and p.name in named_buffers
         ]
+        # its integer buffers that a 16-bit copy holds as int32s (NOTE [Integer buffers in a 16-bit published copy])
+        self._int32_buffers = {k for k, _, _ in exact_integer_buffers(spec)}
         # the elements of the server stage this position reads: its own part of a unit, else the stage
         own = sum(n for _, _, n, _, _ in self._views) + sum(b[3] for b in self._buffers)
         self.own_numel = own if prefix else spec.numel
@@ -402,11 +429,15 @@ class StageRunner:
     def buffer_state(self, flat: torch.Tensor) -> Buffers:
         """Copies of the stage's buffers from its flat weights: floating-point ones in the weights'
         dtype (the job's compute dtype, as its parameters), the others in their own (an integer
-        count). Copies, because a module updates them in place (BatchNorm's running statistics)
-        and the flat weights are the published ones (read-only, shared by every worker)."""
+        count, exact: a 16-bit copy holds it as int32 values where the layout has room, and the job
+        is refused where it would round one). Copies, because a module updates them in place
+        (BatchNorm's running statistics) and the flat weights are the published ones (read-only,
+        shared by every worker)."""
+        int32 = flat.dtype in (torch.bfloat16, torch.float16)  # NOTE [Integer buffers in a 16-bit published copy]
         return {
-            name: flat[off : off + n].view(shape).to(dtype=flat.dtype if dtype.is_floating_point else dtype, copy=True)
-            for _, name, off, n, shape, dtype in self._buffers
+            name: read_integers(flat, off, n).view(shape).to(dtype) if int32 and k in self._int32_buffers
+            else flat[off : off + n].view(shape).to(dtype=flat.dtype if dtype.is_floating_point else dtype, copy=True)
+            for k, name, off, n, shape, dtype in self._buffers
         }
 
     def with_buffers(

@@ -7,6 +7,8 @@ import threading
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
+import torch
+
 from .errors import LayoutError
 from .messages import MAX_NUMEL, ParamSpec, StageSpec
 
@@ -138,6 +140,53 @@ def _with_pieces(spec: StageSpec, numel: int, grad_numel: int, offsets: tuple[in
         pos = offset + numel_of(spec.params[k].shape)
     tail = numel - pos
     return PushLayout(numel, grad_numel, offsets, tuple(pieces), tail, max([gap for _, gap in pieces] + [tail]))
+
+
+INTEGER_BUFFERS = frozenset({"int64", "int32", "int16", "int8", "uint8"})
+"""``ParamSpec.buffer`` values of integer buffers."""
+
+# NOTE [Integer buffers in a 16-bit published copy] (protocol 10)
+# A job's published copy is in its compute dtype, and workers read buffers from it. bfloat16 holds
+# integers exactly only up to 256 and float16 up to 2048, so a count or a position id read as a
+# 16-bit value would be rounded. Therefore, in a bfloat16 or float16 copy:
+# 1. An integer buffer of n elements whose room in the layout (from its offset to the next
+#    parameter's, or to the stage's end) holds 2n elements is published as n little-endian int32
+#    values in its first 2n elements: exact up to 2**31 (the fp32 master holds up to 2**24).
+#    Every buffer of up to 8 elements has that room in an aligned layout (BatchNorm's count).
+# 2. Any other integer buffer is published cast, as a float one; the Python client refuses one
+#    whose values the dtype would round at creation (a bigger buffer is a constant, not a count).
+# 3. Both ends compute the set from the spec alone (:func:`exact_integer_buffers`): nothing on
+#    the wire says which buffers are published so. An fp32 copy is the master's values.
+
+
+def exact_integer_buffers(spec: StageSpec) -> tuple[tuple[int, int, int], ...]:
+    """``(index in spec.params, offset, n)`` of each integer buffer of ``spec`` that a 16-bit
+    published copy holds as int32 values (NOTE [Integer buffers in a 16-bit published copy])."""
+    starts = sorted({p.offset for p in spec.params})
+    out = []
+    for k, p in enumerate(spec.params):
+        if p.buffer not in INTEGER_BUFFERS:
+            continue
+        n = numel_of(p.shape)
+        later = [o for o in starts if o > p.offset]
+        room = (later[0] if later else spec.numel) - p.offset
+        if room >= 2 * n:
+            out.append((k, p.offset, n))
+    return tuple(out)
+
+
+def publish_integers(published: torch.Tensor, master: torch.Tensor, buffers: Iterable[tuple[int, int, int]]) -> None:
+    """Write ``buffers`` (:func:`exact_integer_buffers`) of the fp32 ``master`` into the 16-bit
+    ``published`` copy as int32 values (rule 1), after the rest of the copy is written."""
+    for _, offset, n in buffers:
+        values = master[offset : offset + n].to(torch.int32).view(published.dtype)  # 2n 16-bit elements, the int32s' bytes
+        published[offset : offset + 2 * n].copy_(values)
+
+
+def read_integers(published: torch.Tensor, offset: int, n: int) -> torch.Tensor:
+    """The n int32 values rule 1 wrote at ``offset`` of a 16-bit copy (a new tensor: the copy's
+    address need not be 4-byte aligned)."""
+    return published[offset : offset + 2 * n].clone().view(torch.int32)
 
 
 def validate_stage(index: int, spec: StageSpec, *, on_base: bool = False) -> None:

@@ -15,7 +15,7 @@ from msgspec import Meta, Struct
 
 from .lr_schedules import Constant, Schedule
 
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 """Carried in every header; a server answers any other value with ``version_mismatch``.
 docs/protocol.md lists what changed in each version."""
 

@@ -16,6 +16,7 @@ from typing import Protocol, Union
 import torch
 
 from wstream.protocol.grad_norm import accumulate, accumulate_with_norm, squared_norm
+from wstream.protocol.layout import publish_integers
 
 from .native import sum_with_norm as native_sum_with_norm
 from .snapshot import Snapshot
@@ -179,6 +180,8 @@ class UpdateTask:
                     publish[start:end].copy_(st.master[start:end])
             elif publish is not None:
                 publish.copy_(st.master)
+            if publish is not None and st.exact_ints:  # NOTE [Integer buffers in a 16-bit published copy]
+                publish_integers(publish, st.master, st.exact_ints)
         self.seconds = time.perf_counter() - t0
         return self
 

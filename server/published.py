@@ -17,7 +17,7 @@ import torch
 from wstream.protocol import LayoutError
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, frames_nbytes
-from wstream.protocol.layout import numel_of, push_layout, validate_groups, validate_stage
+from wstream.protocol.layout import exact_integer_buffers, numel_of, publish_integers, push_layout, validate_groups, validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
@@ -125,6 +125,7 @@ class PublishedStages:
             published = st.slots[st.slot_for(step)]
             if published is not st.master:
                 published.copy_(st.master)
+                publish_integers(published, st.master, st.exact_ints)
 
     def append(self, index: int, spec: m.StageSpec, fill: Callable[[torch.Tensor], object]) -> StageState:
         """Reserve memory for stage ``index``, place it in the published segment, ``fill`` its
@@ -157,10 +158,12 @@ class PublishedStages:
             self._mapping[o : o + numel * pub_dtype.itemsize].view(pub_dtype)
             for o in ((offset, offset + slot_nbytes) if self.double_buffer else (offset,))
         ]
+        exact_ints = exact_integer_buffers(spec) if pub_dtype != torch.float32 else ()
         if self.double_buffer or pub_dtype != torch.float32:  # the master apart from the published copies
             master = torch.empty(numel, dtype=torch.float32)
             fill(master)
             views[0].copy_(master)
+            publish_integers(views[0], master, exact_ints)
         else:  # fp32, one slot: the master is the published copy, updated in place
             master = views[0]
             fill(master)
@@ -169,6 +172,7 @@ class PublishedStages:
         else:
             slots, offsets = (views[0], views[0]), (offset, offset)
         st = StageState(index, spec, master, slots, offsets, StageOptimizer(self.optimizer_spec, master, spec, self.groups))
+        st.exact_ints = exact_ints
         if grad_numel:
             st.grad = torch.empty(grad_numel, dtype=torch.float32)
             st.grad_numel = push.grad_numel

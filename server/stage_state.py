@@ -134,6 +134,9 @@ class StageState:
     grad: torch.Tensor | None = None
     """The open step's pushes summed over workers (fp32, private): the gradient (its first
     ``grad_numel`` elements), then the stage's buffers (``push_layout``); None: nothing is pushed."""
+    exact_ints: tuple[tuple[int, int, int], ...] = ()
+    """The integer buffers a 16-bit published copy holds as int32 values, written after every
+    publication (NOTE [Integer buffers in a 16-bit published copy] in protocol/layout.py)."""
     grad_numel: int = 0
     """Elements of ``grad`` that are the gradient (the optimizer's and the norm's part)."""
     buffers: tuple[tuple[int, int, int, bool], ...] = ()

@@ -345,3 +345,42 @@ def test_a_cpu_worker_maps_the_published_weights_read_only(client: Client) -> No
             perms = [line.split()[1] for line in maps if int(line.split("-")[0], 16) == start]
         assert perms and perms[0].startswith("r-"), perms
         trainer.step(torch.randn(3, 4), torch.randn(3, 2), nn.functional.mse_loss)
+
+
+@pytest.mark.parametrize(("dtype", "largest"), [("bfloat16", 256), ("float16", 2048)])
+def test_a_16_bit_job_reads_its_integer_buffers_exactly(client: Client, dtype: str, largest: int) -> None:
+    """Found by review: workers read buffers from the published copy, in the job's dtype, so a
+    bfloat16 job's stage looked up positions [3, 256, 1000, 2048, 2048, 4096] for the persistent
+    ids [3, 257, 1001, 2049, 2051, 4095] (4096 past its embedding's end: an IndexError). A 16-bit
+    copy now holds an integer buffer as int32 values where the layout has room (up to 8 elements
+    always: NOTE [Integer buffers in a 16-bit published copy]), and after updates too; a bigger
+    one the dtype would round is refused by name before the job exists."""
+    from wstream.client import SGD
+
+    seen: list[list[int]] = []
+
+    class Positions(nn.Module):
+        def __init__(self, ids: list[int]) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(2**15, 1)
+            self.register_buffer("ids", torch.tensor(ids))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            seen.append(self.ids.tolist())
+            return x + self.emb(self.ids).squeeze(1)
+
+    ids = [3, 257, 1001, 2049, 2051, 4095, 32767, -0]
+    job = client.create_job("ids", [Positions(ids)], optimizer=SGD(lr=0.1), token="t", dtype=dtype)  # type: ignore[arg-type]
+    for transport in ({}, {"shm": False}):  # read in place from shared memory, and from data frames
+        with job.trainer(**transport) as trainer:  # type: ignore[arg-type]
+            for _ in range(2):  # after updates, from the other slot, as before them
+                trainer.step(torch.zeros(1, len(ids)), torch.ones(1, len(ids)), lambda out, y: nn.functional.mse_loss(out.float(), y))
+            trainer.forward(torch.zeros(1, len(ids)))
+    assert len(seen) >= 6 and all(s == ids for s in seen), seen
+    assert job.state_dict()["0.ids"].tolist() == ids
+
+    too_big = Positions(list(range(largest - 8, largest + 8)))  # 16 elements: no room for int32s in an aligned layout
+    with pytest.raises(LayoutError, match=f"stage 0's integer buffer 'ids' holds {largest + 7}, which {dtype}.*exactly only up to {largest}"):
+        client.create_job("big", [too_big], token="t", dtype=dtype)  # type: ignore[arg-type]
+    assert [j.name for j in client.status().jobs] == ["ids"] and not too_big.emb.weight.is_meta  # nothing created, the model kept
+    client.create_job("big", [Positions(list(range(largest - 16, largest)))], token="t", dtype=dtype)  # type: ignore[arg-type]

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from wstream.protocol import PROTOCOL_VERSION
 from wstream.protocol.shm import segment_paths
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -105,7 +106,7 @@ def test_watch_server_example_shows_status_and_metrics() -> None:
 
 def test_raw_protocol_example_talks_msgpack_by_hand() -> None:
     text = run_example("raw_protocol.py")
-    assert "status -> status_reply: protocol 9, jobs ['raw']" in text
+    assert f"status -> status_reply: protocol {PROTOCOL_VERSION}, jobs ['raw']" in text
     # the job's two small stages are one transfer unit on the wire, its parameters "<stage>.<name>"
     assert "attach -> attached: session" in text and "('0.weight', [4, 4])" in text and "(units [2])" in text
     assert "error auth_failed" in text and "error bad_message" in text
