@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -16,7 +17,7 @@ from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY, write_keypair
 from wstream.protocol import messages as m
 from wstream.protocol.lr_schedules import Schedule
 
-from .cli_flags import add_connection_flags, admin_secret_from_args, client_from_args, token_from_args
+from .cli_flags import add_connection_flags, admin_secret_from_args, client_from_args, positive_seconds, token_from_args
 from .client import ENV_ADMIN_SECRET_FILE
 from .env import server_address
 
@@ -25,10 +26,22 @@ def _status(args: argparse.Namespace) -> int:
     with client_from_args(args) as client:
         st = client.status()
     if args.json:
-        print(json.dumps(msgspec.to_builtins(st), indent=2))
+        print(json.dumps(_finite(msgspec.to_builtins(st)), indent=2, allow_nan=False))
         return 0
     print(format_status(st, client.address))
     return 0
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN or infinity (a skipped step's gradient norm) made null: JSON has
+    no such numbers, and Python's ``NaN`` token is refused by strict parsers."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_finite(v) for v in value]
+    return value
 
 
 _STATUS_COLUMNS = (
@@ -143,17 +156,24 @@ def _shutdown(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
+    if not args.out.strip() or os.path.isdir(args.out):  # before pulling every weight, not after
+        raise ValueError(f"--out {args.out!r} is {'empty' if not args.out.strip() else 'a directory'}: give the .safetensors file to write")
     folder = os.path.dirname(os.path.abspath(args.out))
-    if not os.path.isdir(folder):  # before pulling every weight, not after
+    if not os.path.isdir(folder):
         raise ValueError(f"cannot write {args.out}: the directory {folder} does not exist")
     if not os.access(folder, os.W_OK):
         raise ValueError(f"cannot write {args.out}: the directory {folder} is not writable")
+    from safetensors import SafetensorError
+
     token = _token(args)
     with client_from_args(args) as client:
-        if token is None:  # the admin secret: any job, no token needed
-            client.export_job(args.job, args.out)
-        else:
-            client.attach_job(args.job, token=token).export(args.out)
+        try:
+            if token is None:  # the admin secret: any job, no token needed
+                client.export_job(args.job, args.out)
+            else:
+                client.attach_job(args.job, token=token).export(args.out)
+        except SafetensorError as exc:  # the file could not be written (a full disk)
+            raise OSError(f"cannot write {args.out}: {exc}") from None
     print(f"job {args.job!r}: weights written to {args.out}")
     return 0
 
@@ -185,14 +205,16 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     s = sub.add_parser("status", help="jobs, workers, steps and memory of a server")
     add_connection_flags(s, timeout=5.0)
-    s.add_argument("--json", action="store_true", help="print the raw status as JSON")
+    s.add_argument("--json", action="store_true", help="print the raw status as JSON (a number that is not finite, as null)")
     s.set_defaults(func=_status)
     j = sub.add_parser("jobs", help="the jobs of a server: one line each, name and step")
     add_connection_flags(j, timeout=5.0)
     j.add_argument("--json", action="store_true", help="a JSON list of {name, step, ready}")
     j.set_defaults(func=_jobs)
     c = _job_command(sub, "save", "snapshot a job on the server's store now (its next consistent step)")
-    c.add_argument("--wait", type=float, default=600.0, help="seconds to wait for the snapshot to be durable")
+    c.add_argument(
+        "--wait", type=positive_seconds, default=600.0, help="seconds to wait for the snapshot to be durable (default %(default)g)"
+    )
     c.set_defaults(func=_save)
     c = _job_command(sub, "export", "write a job's current weights to a plain safetensors file")
     c.add_argument("--out", required=True, help="the .safetensors file to write")
@@ -217,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
+    except KeyboardInterrupt:  # Ctrl-C: no traceback (a command that changes a job has either been sent or not)
+        print("wstream: interrupted", file=sys.stderr)
+        return 130
     except WstreamError as exc:
         print(f"wstream: {exc}", file=sys.stderr)
         return 1

@@ -31,6 +31,7 @@ from wstream.protocol import AuthError, ServerUnavailable, StateError, WaitTimeo
 from wstream.protocol import messages as m
 from wstream.protocol.auth import SessionSigner, admin_proof, attach_proof, secret_key, session_key
 from wstream.protocol.curve import ENV_CLIENT_KEY, ENV_SERVER_KEY, ClientKeys, KeySource, client_keys, uses_curve
+from wstream.protocol.host import is_ipv6_endpoint
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,7 @@ class Channel:
         try:
             if self.curve is not None:
                 self.curve.apply(self._sock)
+            self._sock.ipv6 = is_ipv6_endpoint(address)
             self._sock.connect(address)
         except BaseException:  # an address ZeroMQ cannot use: the socket is not left to the collector
             self._sock.close(linger=0)

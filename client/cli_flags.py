@@ -93,7 +93,7 @@ def client_from_args(args: argparse.Namespace, **options: Any) -> Client:
 
 
 def token_from_args(args: argparse.Namespace, default: str | None = None) -> str:
-    """The job's token: the first line of ``--token-file``, else ``$WSTREAM_TOKEN``, else
+    """The job's token: the contents of ``--token-file`` (stripped), else ``$WSTREAM_TOKEN``, else
     ``default``; ``ValueError`` when none is there."""
     path = getattr(args, "token_file", None)
     if path:
@@ -105,9 +105,13 @@ def token_from_args(args: argparse.Namespace, default: str | None = None) -> str
 
 def admin_secret_from_args(args: argparse.Namespace) -> str | None:
     """The admin secret in ``--admin-secret-file``, else in the file ``$WSTREAM_ADMIN_SECRET_FILE``
-    names, else None (also for a command without the flag)."""
+    names, else None (also for a command without the flag). A ``--token-file`` given on the
+    command line wins over the environment's admin secret, as every flag given wins over its
+    variable: the job's token is used then."""
     if not hasattr(args, "admin_secret_file"):
         return None
     path = args.admin_secret_file
-    return read_secret_file(path, "the admin secret (--admin-secret-file)") if path else admin_secret_from_env()
+    if path:
+        return read_secret_file(path, "the admin secret (--admin-secret-file)")
+    return None if getattr(args, "token_file", None) else admin_secret_from_env()
 

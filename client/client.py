@@ -466,7 +466,8 @@ class Client:
 
             step, stages = pull_consistent(pull, len(layout.stages), name)
         out = named_state(stages, units=layout.units is not None)
-        save_file(out, os.fspath(path), metadata=export_metadata(name, chain_layout(layout.stages, layout.units)))
+        metadata = export_metadata(name, chain_layout(layout.stages, layout.units), layout.param_groups)
+        save_file(out, os.fspath(path), metadata=metadata)
         return step
 
     def shutdown(self) -> None:

@@ -622,12 +622,16 @@ class JobInfo(Struct, frozen=True, kw_only=True):
 
 class Layout(Message, tag="layout"):
     """``stages``: the job's server stages; ``units``: its ``JobOptions.units`` (how many chain
-    stages each server stage holds; None: one each), so that an export names chain stages."""
+    stages each server stage holds; None: one each), so that an export names chain stages; and
+    its parameter groups."""
 
     job: JobName
     stages: list[StageSpec]
     step: Step
     units: list[int] | None = None
+    param_groups: Annotated[list[GroupSpec], Meta(max_length=MAX_PARAM_GROUPS)] = []
+    """The job's ``JobOptions.param_groups`` (since protocol 10), so that an export made with the
+    admin secret records them as one made with the job's token does."""
 
 
 class TraceEvent(Struct, frozen=True, kw_only=True, array_like=True):

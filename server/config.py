@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import ipaddress
+import math
 import os
 import re
 import stat
@@ -187,6 +188,8 @@ class ServerConfig:
         for k, addr in enumerate(self.bind):
             if "://" not in addr:
                 raise ConfigError("bind", f": {addr!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555")
+            if not addr.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError("bind", f": {addr!r}: the server listens on tcp://HOST:PORT or ipc:///PATH")
             if addr in self.bind[:k]:
                 raise ConfigError("bind", f": {addr!r} is listed twice")
             _check_tcp_port(addr)
@@ -206,6 +209,10 @@ class ServerConfig:
             raise ConfigError("snapshot_every", f" must be >= 0 steps, got {self.snapshot_every}")
         _at_least("keep_snapshots", self.keep_snapshots, 1)
         _at_least("snapshot_buffer", self.snapshot_buffer, 0)
+        if self.store is not None:
+            if not self.store.strip():
+                raise ConfigError("store", ": is empty; give a directory (or leave it out: no snapshots)")
+            self.store = os.path.abspath(self.store)  # paths the server reports mean something to whoever reads them
         if self.snapshot_every and self.store is None:
             raise ConfigError("snapshot_every", " needs a store to write to: give {store} (a directory)")
         _positive_seconds("nonce_ttl_s", self.nonce_ttl_s)
@@ -302,8 +309,8 @@ def _check_tcp_port(endpoint: str) -> None:
 
 
 def _positive_seconds(key: str, value: float) -> None:
-    if not value > 0:
-        raise ConfigError(key, f" must be > 0 seconds, got {value:g}")
+    if not 0 < value < math.inf:  # inf too: a worker heartbeats every lease/3, and waits cannot be that long
+        raise ConfigError(key, f" must be a finite number > 0 of seconds, got {value:g}")
 
 
 def _at_least(key: str, value: int, least: int) -> None:

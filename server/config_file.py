@@ -8,6 +8,7 @@ override the file. An unknown key or a value of the wrong type is an error namin
 
 ```toml
 bind = ["ipc:///run/wstream/wstream.sock", "tcp://0.0.0.0:5555"]
+admin_secret_file = "/etc/wstream/admin.secret"
 memory_limit = "64GiB"
 store = "/var/lib/wstream"
 snapshot_every = 500

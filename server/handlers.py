@@ -388,7 +388,8 @@ class Handlers:
         assert isinstance(msg, m.Describe)
         job = self._readable_job(msg.session, msg.job)
         return Outgoing(identity, m.Layout(
-            id=msg.id, job=job.name, stages=[s.spec for s in job.stages], step=job.step, units=job.options.units
+            id=msg.id, job=job.name, stages=[s.spec for s in job.stages], step=job.step, units=job.options.units,
+            param_groups=job.options.param_groups,
         ))
 
     def _on_timeline(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:

@@ -21,6 +21,7 @@ from wstream.protocol import encode
 from wstream.protocol import messages as m
 from wstream.protocol.messages import MAX_DATA_FRAMES, MAX_HEADER_BYTES
 from wstream.protocol.curve import load_secret_certificate, uses_curve
+from wstream.protocol.host import is_ipv6_endpoint
 
 from .auth import start_authenticator
 from .config import ServerConfig
@@ -78,6 +79,7 @@ class Transport:
             if self.curve_public_key is not None:  # security options apply to the binds after them
                 self._sock.curve_server = uses_curve(addr)
             self._own(addr)
+            self._sock.ipv6 = is_ipv6_endpoint(addr)  # (applies to the binds after it)
             try:
                 self._sock.bind(addr)
             except zmq.ZMQError as exc:

@@ -101,3 +101,95 @@ def test_an_address_zeromq_cannot_use_is_an_error_not_a_traceback(capsys: pytest
     assert main(["jobs", "--server", "foo://x", "--timeout", "1"]) == 2
     err = capsys.readouterr().err
     assert "cannot use the server address 'foo://x'" in err and "tcp://HOST:PORT" in err
+
+
+@pytest.mark.parametrize("out", ["dir", ""])
+def test_export_to_a_directory_or_to_nothing_fails_before_pulling_anything(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, out: str
+) -> None:
+    """Found by review: ``--out`` naming an existing directory (or empty) pulled every weight, then
+    ended in a SafetensorError traceback."""
+    monkeypatch.setenv("WSTREAM_TOKEN", "t")
+    target = str(tmp_path) if out == "dir" else ""
+    assert main(["export", "j", "--out", target, "--server", f"ipc://{tmp_path}/nobody.sock"]) == 2
+    assert f"--out {target!r} is {'a directory' if out else 'empty'}" in capsys.readouterr().err
+
+
+def test_status_json_is_strict_json_after_a_skipped_step(
+    server: ServerProcess, client: Client, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: after a step with a non-finite gradient, ``--json`` printed
+    ``"grad_norm": NaN``, which strict JSON parsers (the monitoring scripts ``--json`` is for)
+    refuse. Numbers that are not finite are null."""
+    import torch
+    from torch import nn
+
+    job = client.create_job("inf", [nn.Linear(2, 2)], optimizer=AdamW(), token="t")
+    with job.trainer() as trainer:
+        # sqrt's gradient at 0 is infinite: the step is skipped, and its norm is not finite
+        trainer.step(torch.ones(1, 2), torch.zeros(1, 2), lambda out, y: torch.sqrt(out - out.detach()).sum())
+    assert main(["status", "--server", server.address, "--json"]) == 0
+
+    def refuse(token: str) -> None:
+        raise AssertionError(f"not JSON: {token}")
+
+    (info,) = json.loads(capsys.readouterr().out, parse_constant=refuse)["jobs"]
+    assert info["name"] == "inf" and info["grad_norm"] is None
+
+
+def test_an_explicit_token_file_wins_over_the_environments_admin_secret(
+    server: ServerProcess, client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: with ``$WSTREAM_ADMIN_SECRET_FILE`` set (for other servers), ``--token-file``
+    was ignored and the command failed "this server has no admin secret"."""
+    client.create_job("tok", models.mixed(), optimizer=AdamW(), token="t")
+    (tmp_path / "token").write_text("t\n")
+    secret = tmp_path / "admin"
+    secret.write_text("s3cret\n")
+    secret.chmod(0o600)
+    monkeypatch.setenv("WSTREAM_ADMIN_SECRET_FILE", str(secret))
+    out = tmp_path / "w.safetensors"
+    argv = ["export", "tok", "--server", server.address, "--token-file", str(tmp_path / "token"), "--out", str(out)]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert out.exists()
+
+
+def test_save_refuses_a_wait_that_is_no_positive_number_of_seconds(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: ``--wait nan`` failed after sending the save, and ``--wait 0`` reported a
+    failure for a snapshot the server then took."""
+    for wait in ("nan", "0", "-5"):
+        with pytest.raises(SystemExit) as exit_:
+            main(["save", "j", "--server", "ipc:///nonexistent", "--wait", wait])
+        assert exit_.value.code == 2 and "--wait" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_no_traceback(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: Ctrl-C during any command printed a KeyboardInterrupt traceback."""
+    from wstream.client import admin
+
+    def interrupted(args: object) -> int:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(admin, "_jobs", interrupted)
+    assert main(["jobs", "--server", "ipc:///nonexistent"]) == 130
+    assert capsys.readouterr().err == "wstream: interrupted\n"
+
+
+def test_an_ipv6_loopback_endpoint_is_served_and_reached(capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by review: ``tcp://[::1]:PORT`` failed "No such device" (ZeroMQ's IPV6 option was
+    never set), although the configuration counts ``::1`` as loopback."""
+    import socket
+
+    from wstream.server.inprocess import InProcessServer
+
+    try:
+        probe = socket.socket(socket.AF_INET6)
+        probe.bind(("::1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+    except OSError:
+        pytest.skip("this host has no IPv6 loopback")
+    with InProcessServer(bind=[f"tcp://[::1]:{port}"]) as srv:
+        assert main(["jobs", "--server", f"tcp://[::1]:{port}", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out) == []
+        assert srv.address == f"tcp://[::1]:{port}"

@@ -203,13 +203,20 @@ def test_loopback_and_ipc_endpoints_need_no_admin_secret(endpoint: str) -> None:
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--lease", "-1"], "--lease (config key lease_s) must be > 0 seconds, got -1"),
+        (["--lease", "-1"], "--lease (config key lease_s) must be a finite number > 0 of seconds, got -1"),
+        # found by review: accepted, then every worker's heartbeat thread died (OverflowError)
+        (["--lease", "inf"], "--lease (config key lease_s) must be a finite number > 0 of seconds, got inf"),
+        (["--creation-timeout", "inf"], "--creation-timeout (config key creation_timeout_s) must be a finite number > 0"),
+        # found by review: asked for an admin secret, then failed "Protocol not supported"
+        (["--bind", "foo://x"], "--bind (config key bind): 'foo://x': the server listens on tcp://HOST:PORT or ipc:///PATH"),
+        # found by review: the server's working directory became the store, and paths it reported were relative
+        (["--store", ""], "--store (config key store): is empty"),
         (["--keep-snapshots", "0"], "--keep-snapshots (config key keep_snapshots) must be >= 1, got 0"),
         (["--memory-limit", "0"], "--memory-limit (config key memory_limit) must be > 0 bytes, got 0"),
         (["--snapshot-every", "5"], "--snapshot-every (config key snapshot_every) needs a store to write to: "
                                     "give --store (config key store)"),
         (["--bind", "tcp://127.0.0.1:99999"], "--bind (config key bind): 'tcp://127.0.0.1:99999': a tcp endpoint's port"),
-        (["--huge-pages", "auto", "--nonce-ttl", "0"], "--nonce-ttl (config key nonce_ttl_s) must be > 0 seconds, got 0"),
+        (["--huge-pages", "auto", "--nonce-ttl", "0"], "--nonce-ttl (config key nonce_ttl_s) must be a finite number > 0 of seconds, got 0"),
         # defect seen: accepted, then every create_job failed "unknown or expired session"
         (["--max-sessions-per-job", "0"], "--max-sessions-per-job (config key max_sessions_per_job) must be >= 1, got 0"),
         # defect seen: "another wstream-server (pid <its own>) holds it"
@@ -231,7 +238,7 @@ def test_a_bad_setting_from_the_file_names_the_file_too(tmp_path: Path) -> None:
     conf.write_text("lease_s = -1.5\n")
     with pytest.raises(ValueError) as err:
         load_config(["--config", str(conf)])
-    assert f"--lease (config key lease_s, set in {conf}) must be > 0 seconds, got -1.5" in str(err.value)
+    assert f"--lease (config key lease_s, set in {conf}) must be a finite number > 0 of seconds, got -1.5" in str(err.value)
 
 
 def test_an_empty_bind_list_in_the_file_is_refused(tmp_path: Path) -> None:
@@ -276,7 +283,7 @@ def test_the_python_api_takes_a_path_for_a_path(tmp_path: Path) -> None:
 
 
 def test_the_python_api_still_names_the_field() -> None:
-    with pytest.raises(ValueError, match=r"ServerConfig\.lease_s must be > 0 seconds, got -1"):
+    with pytest.raises(ValueError, match=r"ServerConfig\.lease_s must be a finite number > 0 of seconds, got -1"):
         ServerConfig(lease_s=-1)
 
 
@@ -306,7 +313,7 @@ def test_the_server_exits_2_naming_the_flag_and_key(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=120,
     )
     assert out.returncode == 2
-    assert "wstream-server: --lease (config key lease_s) must be > 0 seconds, got -1" in out.stderr, out.stderr
+    assert "wstream-server: --lease (config key lease_s) must be a finite number > 0 of seconds, got -1" in out.stderr, out.stderr
 
 
 # ---- the store is checked at start ----------------------------------------------------------------
@@ -413,3 +420,10 @@ def test_the_default_memory_limit_keeps_under_a_containers_limit(monkeypatch: py
     (warning,) = memory.memory_limit_warnings(2**31, ram=2**34, shm_size=2**34, container=2**30)
     assert "this container's memory limit (1.00 GiB)" in warning and "OOM killer" in warning
     assert memory.memory_limit_warnings(2**29, ram=2**34, shm_size=2**34, container=2**30) == []
+
+
+def test_a_relative_store_is_made_absolute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: a relative ``--store`` made the paths ``wstream save`` printed relative to
+    the server's working directory, meaningless to whoever ran it."""
+    monkeypatch.chdir(tmp_path)
+    assert ServerConfig(store="snaps").store == str(tmp_path / "snaps")

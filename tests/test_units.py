@@ -417,3 +417,17 @@ def test_unit_bytes_takes_a_size_string_and_names_itself_when_it_cannot(client: 
     assert job.unit_specs is not None and 1 < len(job.unit_specs) < 8
     with pytest.raises(ValueError, match=r"unit_bytes: cannot read 'lots' as a size.*'auto', or None"):
         client.create_job("units-bad", [nn.Linear(4, 4)], optimizer=AdamW(lr=1e-3), token="t", unit_bytes="lots")
+
+
+def test_an_admin_export_records_the_jobs_parameter_groups(tmp_path: Path, admin_server: InProcessServer) -> None:
+    """Found by review: an export made with the admin secret wrote ``param_groups: []`` for a job
+    with groups (its ``layout`` reply did not carry them); one made with the token listed them."""
+    from wstream.client.groups import no_decay
+
+    with Client(admin_server.address, admin_secret=ADMIN_SECRET, timeout=30) as admin:
+        job = admin.create_job("g", models.mixed(), optimizer=AdamW(weight_decay=0.1), token="t", param_groups=[no_decay()])
+        job.export(tmp_path / "by-token.safetensors")
+        admin.export_job("g", tmp_path / "by-admin.safetensors")
+    with safe_open(tmp_path / "by-admin.safetensors", "pt") as by_admin, safe_open(tmp_path / "by-token.safetensors", "pt") as by_token:
+        assert by_admin.metadata() == by_token.metadata()
+        assert "no_decay" in by_admin.metadata()["param_groups"]
