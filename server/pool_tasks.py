@@ -113,6 +113,13 @@ class NormTask:
         return self
 
 
+class Parked:
+    """What a parked update's run returns (:meth:`UpdateTask.run`)."""
+
+
+PARKED = Parked()
+
+
 @dataclass(slots=True)
 class UpdateTask:
     """One stage's update of a committed step, run off the loop thread: the optimizer on the
@@ -135,8 +142,6 @@ class UpdateTask:
     resubmit: Callable[[UpdateTask], None] | None = None
     """How a parked update goes back to the pool (the loop's ``submit``; NOTE [Consistent
     snapshots] rule 3 in snapshot.py): None, an update that cannot be parked."""
-    parked: bool = False
-    """The last ``run`` did nothing: it waits for room in a snapshot's buffer, and is not done."""
     seconds: float = 0.0
     submitted_ns: int = field(default_factory=time.monotonic_ns)
     started_ns: int = 0
@@ -149,17 +154,18 @@ class UpdateTask:
         except RuntimeError:  # the pool has shut down (the server is stopping): dropped as a queued update is
             pass
 
-    def run(self) -> UpdateTask:
-        self.started_ns = time.monotonic_ns()
+    def run(self) -> UpdateTask | Parked:
+        """The update, or :data:`PARKED` when it must wait for room in a snapshot's buffer: the
+        pool thread goes on to other tasks, and this one is submitted again (a run's result says
+        so, not the task: the second run may start before the first run's result is read)."""
+        self.started_ns = time.monotonic_ns()  # (a resumed run sets them again)
         self.thread = threading.current_thread().name
         t0 = time.perf_counter()
         st = self.stage
         snap = self.job.snapshot
-        self.parked = False
         if snap is not None and snap.step == st.version:  # NOTE [Consistent snapshots], rules 2 and 3
             if not snap.capture_before_update(st.index, st.lock, st.capture, st.state_nbytes, self._resume):
-                self.parked = True  # the pool thread goes on to other tasks; this one comes back
-                return self
+                return PARKED
         with st.lock:
             target = st.slots[st.slot_for(st.version + 1)]
             publish = None if target is st.master else target

@@ -192,17 +192,20 @@ class Snapshot:
             self.clone_bytes += nbytes
             return True
 
-    def take(self, index: int, lock: threading.Lock, capture: Callable[[], dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """The writer's turn for ``index``: the clone an update made, or a capture now."""
+    def take(
+        self, index: int, lock: threading.Lock, capture: Callable[[], dict[str, torch.Tensor]]
+    ) -> tuple[dict[str, torch.Tensor], bool]:
+        """The writer's turn for ``index``: the clone an update made (and True: :meth:`release` it),
+        or a capture now (False). Told under the lock: an update may capture the stage until then."""
         with lock, self.cond:
             if index in self.captured:
-                return self.captured.pop(index)
+                return self.captured.pop(index), True
             self.done.add(index)
             tensors = capture()
             resumed = self._resumable()  # the update of ``index``, if parked, has nothing to capture now
         for resume in resumed:
             resume()
-        return tensors
+        return tensors, False
 
     def release(self, tensors: dict[str, torch.Tensor], from_update: bool) -> None:
         if not from_update:
@@ -304,7 +307,10 @@ class SnapshotStore:
             log.info("removed what was left of a dropped job, %s", dropped)
         for job_dir in self.root.glob("job-*"):
             if job_dir.is_dir() and not any(job_dir.iterdir()):
-                job_dir.rmdir()
+                try:
+                    job_dir.rmdir()
+                except OSError as exc:  # (a mount point): left, as the other leftovers' errors are; it holds no snapshot
+                    log.warning("could not remove the empty job directory %s: %s", job_dir, exc)
 
     def take_out(self, name: str) -> Path | None:
         """Take job ``name``'s directory out of the store now (renamed, and the rename made
@@ -378,8 +384,7 @@ class SnapshotStore:
             if snap.cancelled:
                 return None
             lock, capture = stages[i]
-            from_update = i in snap.captured
-            tensors = snap.take(i, lock, capture)
+            tensors, from_update = snap.take(i, lock, capture)
             for k, t in tensors.items():
                 shard[f"{i}.{k}"] = t
             size += sum(t.numel() * t.element_size() for t in tensors.values())

@@ -124,7 +124,9 @@ class SnapshotScheduler:
         if reason is None and waiters:
             reason = "save request"
         last = job.last_snapshot_step if job.last_snapshot_step is not None else -every
-        if reason is None and every and step >= last + every and step != job.snapshot_failed_step:
+        if job.snapshot_failed_step is not None:  # a failed one is tried again when the next is due, not at every step
+            last = max(last, job.snapshot_failed_step)
+        if reason is None and every and step >= last + every:
             reason = f"every {every} steps"  # also when the step it was due at came during a write
         if reason is None:
             return

@@ -6,6 +6,7 @@ from __future__ import annotations
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from .job import PoolTask
+from .pool_tasks import PARKED, Parked
 from .mailbox import Mailbox
 
 Completion = tuple[PoolTask, BaseException | None]
@@ -24,8 +25,8 @@ class UpdatePool:
         fut = self._pool.submit(task.run)
         fut.add_done_callback(lambda f, t=task: self._finished(t, f))
 
-    def _finished(self, task: PoolTask, fut: Future[PoolTask]) -> None:
-        if getattr(task, "parked", False) and not fut.cancelled() and fut.exception() is None:
+    def _finished(self, task: PoolTask, fut: Future[PoolTask | Parked]) -> None:
+        if not fut.cancelled() and fut.exception() is None and fut.result() is PARKED:
             return  # not done: it is submitted again when it can go on (NOTE [Consistent snapshots] rule 3)
         self.done.post((task, None if fut.cancelled() else fut.exception()))
 
