@@ -1,60 +1,40 @@
 """The public client: connect to a server, create or attach jobs (a :class:`~wstream.client.job_handle.Job`
-handle each: trainers, weights), admin requests."""
+handle each: trainers, weights). Uploading a chain is in ``creation.py``; the operations on a server
+and on jobs by name (status, drop, save, export, shutdown) in ``server_ops.py``."""
 
 from __future__ import annotations
 
 import logging
 import os
 import weakref
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import msgspec
 import torch
 import zmq
 from torch import nn
 
-from wstream.protocol import (
-    JobExistsError,
-    LayoutError,
-    MemoryLimitError,
-    SessionExpiredError,
-    StageSpec,
-    StateError,
-    WstreamError,
-)
+from wstream.protocol import JobExistsError, LayoutError, StageSpec
 from wstream.protocol import messages as m
-from wstream.protocol.frames import tensor_frames
-from wstream.protocol.layout import describe_mismatch, numel_of, without_groups
-from wstream.protocol.lr_schedules import Schedule
-from wstream.protocol.units import parse_size
-
 from wstream.protocol.auth import SessionSigner, base_proof, create_proof, secret_key, session_key
 from wstream.protocol.curve import ClientKeys, KeySource, uses_curve
+from wstream.protocol.layout import describe_mismatch, without_groups
 
-from .channel import (
-    Channel,
-    Keyring,
-    SharedChannel,
-    Signer,
-    admin_session,
-    attach_session,
-    challenge,
-    client_nonce,
-    curve_keys,
-)
-from .chain import check_before_upload, check_materialized, layout_on, progress_bar, to_skeletons, walk_chain
+from .chain import check_before_upload, layout_on, to_skeletons, walk_chain
+from .channel import Channel, Keyring, SharedChannel, Signer, attach_session, challenge, client_nonce, curve_keys
+from .creation import ChainUpload, chain_numel, unit_size
 from .endpoint import Closeable, WorkerEndpoint
 from .env import job_token, server_address
-from .groups import GroupAssigner, ParamGroup, export_metadata
+from .groups import GroupAssigner, ParamGroup
+from .job_handle import Job
 from .job_options import job_options, options_difference
-from .job_handle import Job, named_state, pull_consistent, stage_tensors, wait_for_step
-from .stages import Tied, check_integer_buffers, flatten
-from .units import AUTO_UNIT_BYTES, UnitCutter, chain_layout
+from .server_ops import ServerOperations
+from .stages import Tied
+from .units import chain_layout
 
 log = logging.getLogger(__name__)
 
-R = TypeVar("R", bound=m.Message)
 
 ENV_ADMIN_SECRET_FILE = "WSTREAM_ADMIN_SECRET_FILE"
 """A file holding the server's admin secret, for clients given none (``Client``, ``wstream``)."""
@@ -78,7 +58,7 @@ def admin_secret_from_env() -> str | None:
     return read_secret_file(path, f"the admin secret (${ENV_ADMIN_SECRET_FILE})") if path else None
 
 
-class Client:
+class Client(ServerOperations):
     """A connection to a ``wstream-server``.
 
     ``address``: the server's ZeroMQ endpoint; default ``$WSTREAM_SERVER``, else
@@ -135,6 +115,7 @@ class Client:
             self.ctx.term()
             raise
         self._admin: SessionSigner | None = None
+        self._token_jobs: dict[tuple[str, str], Job] = {}  # (name, token) -> the handle the job operations use
         self._trainers: weakref.WeakSet[Closeable] = weakref.WeakSet()
         self._closed = False
 
@@ -221,29 +202,12 @@ class Client:
         base = options.base
         if (base is None) != (base_token is None):
             raise ValueError("base= and base_token= go together")
-        if unit_bytes == "auto":
-            unit_bytes = None if base is not None or options.frozen else AUTO_UNIT_BYTES
-        elif unit_bytes is not None:
-            if isinstance(unit_bytes, str):  # a size, as memory_budget takes one ("64MiB")
-                try:
-                    unit_bytes = parse_size(unit_bytes)
-                except ValueError as exc:
-                    raise ValueError(f"unit_bytes: {exc}; or 'auto', or None") from None
-            if isinstance(unit_bytes, bool) or not isinstance(unit_bytes, int) or unit_bytes < 1:
-                raise ValueError(f"unit_bytes must be 'auto', None, or a size of at least 1 byte, got {unit_bytes!r}")
-            if base is not None or options.frozen:  # DESIGN.md "Transfer units": bases and jobs on them are not cut
-                raise ValueError(
-                    "unit_bytes cannot be used with base= or frozen=True: stage i of a job on a frozen base trains on "
-                    "the base's stage i, so neither is cut into transfer units"
-                )
+        unit_size_ = unit_size(unit_bytes, options)
         published = getattr(torch, options.dtype)  # what workers read the weights and buffers in
-        itemsize = published.itemsize
-        cutter = None if unit_bytes is None else UnitCutter(unit_bytes, itemsize)
-        own = (lambda p: p.requires_grad) if base is not None else (lambda p: True)
         total = None
         if isinstance(stages, Sequence):  # known up front: check it, and let the server refuse, before uploading
             check_before_upload(stages, groups, on_base=base is not None, published=published)
-            total = sum(p.numel() for s in stages if not isinstance(s, Tied) for p in s.parameters() if own(p))
+            total = chain_numel(stages, on_base=base is not None)
         nonce, mine = challenge(self._chan), client_nonce()
         proof = base_proof(secret_key(base_token), base, nonce, mine) if base and base_token else None
         secret = self._admin_secret()
@@ -258,63 +222,12 @@ class Client:
             if not exist_ok:
                 raise
             return self._attach_same(name, stages, token, options, param_groups)
-        session = created.session
-        signer = SessionSigner(session, session_key(secret_key(token), nonce, mine))
+        signer = SessionSigner(created.session, session_key(secret_key(token), nonce, mine))
         self._keys.add(signer)
-        bar = progress_bar(progress, total, f"uploading {name}")
-
-        added = 0  # server stages uploaded
-
-        def add(spec: StageSpec, flat: torch.Tensor, holds: range | None = None) -> None:
-            """Upload server stage ``added``; ``holds``: the chain stages of a unit."""
-            nonlocal added
-            try:
-                self._chan.request(m.AddStage(session=session, index=added, spec=spec), m.Ok, tensor_frames(flat))
-            except (MemoryLimitError, LayoutError) as e:  # the server names its own stage: say which stages that is
-                if holds is None:
-                    raise
-                raise type(e)(
-                    f"{e.message} (the server's stage {added} is the transfer unit of chain stages {holds.start}..{holds[-1]})"
-                ) from e
-            added += 1
-
-        def upload(i: int, module: nn.Module) -> StageSpec:
-            check_materialized(i, module, trainable_only=base is not None)
-            spec = layout_on(created.base_stages if base is not None else None, i, module, groups)
-            check_integer_buffers(i, module, spec, published)
-            flat = flatten(module, spec)
-            if cutter is None:
-                add(spec, flat)
-            else:
-                for first, unit, unit_flat in cutter.add(spec, flat, has_buffers=any(p.buffer for p in spec.params)):
-                    assert unit_flat is not None
-                    add(unit, unit_flat, range(first, first + cutter.counts[added]))
-            bar.update(sum(numel_of(p.shape) for p in spec.params))
-            return spec
-
-        try:
-            _, chain = walk_chain(stages, upload, list(created.base_stages) if base is not None else None)
-            units = None
-            if cutter is not None:
-                for first, unit, unit_flat in cutter.finish():
-                    assert unit_flat is not None
-                    add(unit, unit_flat, range(first, first + cutter.counts[added]))
-                units = cutter.counts
-            groups.check_all_used()
-            sealed, _ = self._chan.request(m.Seal(session=session, units=units), m.Attached, timeout_s=self.wait_timeout_s, held=True)
-        except BaseException as exc:
-            try:  # leave nothing half-made on the server
-                self._chan.request(m.DropJob(session=session), m.Ok, timeout_s=5.0)
-            except WstreamError:
-                pass
-            if added and not isinstance(stages, Sequence):  # a generator's stages cannot be checked first
-                exc.add_note(
-                    f"create_job({name!r}): the stages uploaded before this were moved to the meta device as each went; "
-                    "build them again before retrying (a list of stages is checked whole before any upload)"
-                )
-            raise
-        finally:
-            bar.close()
+        upload = ChainUpload(
+            self._chan, name, created, groups=groups, published=published, unit_bytes=unit_size_, total=total, progress=progress
+        )
+        sealed, chain = upload.run(stages, self.wait_timeout_s)
         return Job(self, sealed, token, chain, signer)
 
     def _attach_same(
@@ -375,105 +288,6 @@ class Client:
                 raise LayoutError(f"the given stages do not match job {name!r}: {mismatch}")
             chain = to_skeletons(chain)
         return Job(self, attached, token, chain, signer)
-
-    def status(self) -> m.StatusReply:
-        reply, _ = self._chan.request(m.Status(), m.StatusReply)
-        return reply
-
-    # ---- admin operations ------------------------------------------------------------------------
-    def _admin_request(self, make: Callable[[bytes], m.Message], reply_type: type[R], **kw: Any) -> R:
-        """Send an admin request in this client's admin session (opened on first use, and again
-        once if the server forgot it, e.g. after a restart)."""
-        secret = self._admin_secret()
-        if secret is None:
-            raise StateError("this operation needs the server's admin secret: Client(address, admin_secret=...)")
-        for attempt in (0, 1):
-            if self._admin is None:
-                self._admin = admin_session(self._chan, secret)
-                self._keys.add(self._admin)
-            try:
-                reply, _ = self._chan.request(make(self._admin.session), reply_type, **kw)
-                return reply
-            except SessionExpiredError:
-                self._admin = None
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
-
-    def drop_job(self, name: str, *, token: str | None = None) -> None:
-        """Delete job ``name`` from the server: with the admin secret, else with the job's
-        ``token`` (default ``$WSTREAM_TOKEN``; a server with an admin secret refuses it)."""
-        if self._admin_secret() is None:
-            self.attach_job(name, token=self._job_token(token)).drop()
-            return
-        self._admin_request(lambda sid: m.DropJob(session=sid, job=name), m.Ok)
-
-    def save_job(self, name: str, *, token: str | None = None, timeout: float | None = None) -> tuple[int, str]:
-        """Snapshot job ``name`` (as :meth:`Job.save`): with the admin secret, else with
-        the job's ``token`` (default ``$WSTREAM_TOKEN``; a server with an admin secret refuses it)."""
-        if self._admin_secret() is None:
-            return self.attach_job(name, token=self._job_token(token)).save(timeout=timeout)
-        reply = self._admin_request(
-            lambda sid: m.Save(session=sid, job=name), m.Saved, timeout_s=timeout or self.wait_timeout_s, held=True
-        )
-        return reply.step, reply.path
-
-    def wait_step(self, name: str, step: int, *, token: str | None = None, timeout: float | None = None) -> int:
-        """Wait until job ``name`` holds the weights after ``step`` steps (as :meth:`Job.wait_step`):
-        with the admin secret, else with the job's ``token`` (default ``$WSTREAM_TOKEN``)."""
-        if self._admin_secret() is None:
-            return self.attach_job(name, token=self._job_token(token)).wait_step(step, timeout=timeout)
-
-        def reached(t: int, left: float) -> int:
-            return self._admin_request(lambda sid: m.AwaitStep(session=sid, job=name, step=t), m.StepReached, timeout_s=left, held=True).step
-
-        return wait_for_step(reached, step, timeout or self.wait_timeout_s)
-
-    def set_schedule(
-        self, name: str, schedule: Schedule | None = None, *, lr: float | None = None, token: str | None = None
-    ) -> None:
-        """Change job ``name``'s base ``lr`` and/or learning-rate ``schedule`` from its next step
-        on (as :meth:`Job.set_schedule`): with the admin secret, else with the job's
-        ``token`` (default ``$WSTREAM_TOKEN``; a server with an admin secret refuses it)."""
-        if self._admin_secret() is None:
-            self.attach_job(name, token=self._job_token(token)).set_schedule(schedule, lr=lr)
-            return
-        self._admin_request(lambda sid: m.SetSchedule(session=sid, job=name, lr=lr, schedule=schedule), m.Ok)
-
-    @staticmethod
-    def _job_token(token: str | None) -> str:
-        """The token of a job operation made without the admin secret."""
-        return job_token(token, how="token= (or the server's admin secret: Client(admin_secret=...))")
-
-    def export_job(self, name: str, path: str | os.PathLike[str], *, progress: bool | None = None) -> int:
-        """Write job ``name``'s fp32 weights to a safetensors file, with the admin secret (no job
-        token needed); returns the step they are of. :meth:`Job.export` does it with the token."""
-        from safetensors.torch import save_file
-
-        layout = self._admin_request(lambda sid: m.Describe(session=sid, job=name), m.Layout)
-        total = sum(numel_of(p.shape) for s in layout.stages for p in s.params)
-        with progress_bar(progress, total, f"pulling {name}") as bar:
-
-            counted: set[int] = set()  # a stage read again is not counted again
-
-            def pull(i: int) -> tuple[int, dict[str, torch.Tensor]]:
-                assert self._admin is not None
-                reply, data = self._chan.request(m.Pull(session=self._admin.session, stage=i, job=name), m.Master)
-                if i not in counted:
-                    counted.add(i)
-                    bar.update(sum(numel_of(p.shape) for p in layout.stages[i].params))
-                return reply.version, stage_tensors(layout.stages[i], data)
-
-            step, stages = pull_consistent(pull, len(layout.stages), name)
-        out = named_state(stages, units=layout.units is not None)
-        metadata = export_metadata(name, chain_layout(layout.stages, layout.units), layout.param_groups)
-        save_file(out, os.fspath(path), metadata=metadata)
-        return step
-
-    def shutdown(self) -> None:
-        """Stop the server cleanly (as SIGTERM does: jobs are snapshotted where it has a store).
-        Needs the admin secret."""
-        self._admin_request(lambda sid: m.Shutdown(session=sid), m.Ok)
 
     def worker_endpoint(
         self, *, job: str, token: str, stages: tuple[StageSpec, ...], units: tuple[int, ...] | None,

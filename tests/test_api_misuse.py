@@ -313,3 +313,30 @@ def test_a_stage_that_changes_its_input_in_place_is_named(client: Client) -> Non
     with job.trainer() as trainer:
         with pytest.raises(RuntimeError, match=r"position 1's stage changes its input in place.*inplace=False"):
             trainer.step(torch.randn(2, 4), torch.randn(2, 4), torch.nn.functional.mse_loss)
+
+
+def test_job_operations_by_token_reuse_one_session(tmp_path: "Path") -> None:
+    """Found by review: ``Client.wait_step/save_job/set_schedule`` with a token opened a session
+    per call, so a script polling ``wait_step`` crowded out the job's workers' sessions
+    (``--max-sessions-per-job``). One handle per (job, token) is kept, and opened again when the
+    server has forgotten its session (here: evicted by other sessions)."""
+    from wstream.server.inprocess import InProcessServer
+
+    with InProcessServer(bind=[f"ipc://{tmp_path}/s.sock"], max_sessions_per_job=3) as srv:
+        with Client(srv.address, timeout=30) as c:
+            c.create_job("polled", [nn.Linear(2, 2)], optimizer=SGD(), token="t")
+
+            def sessions() -> int:
+                return sum(1 for s in list(srv.server._sessions.all.values()) if s.job.name == "polled")
+
+            before = sessions()
+            for _ in range(10):
+                assert c.wait_step("polled", 0, token="t") == 0
+            c.set_schedule("polled", lr=0.5, token="t")
+            assert sessions() == before + 1
+            with Client(srv.address, timeout=30) as other:  # newer sessions evict the kept one
+                for _ in range(3):
+                    other.attach_job("polled", token="t")
+            assert c.wait_step("polled", 0, token="t") == 0  # a new handle, transparently
+            c.drop_job("polled", token="t")
+            assert c.status().jobs == []
