@@ -702,3 +702,51 @@ def test_an_empty_job_directory_that_cannot_be_removed_does_not_stop_the_start(t
     finally:
         store.close()
     assert (tmp_path / "store" / "job-x").is_dir()
+
+
+def test_one_snapshot_is_under_way_at_a_time_so_one_buffer_bounds_the_clones(tmp_path: Path, monkeypatch) -> None:
+    """Found by review: each job whose snapshot waited for the one writer held a buffer of clones
+    of its own (6 jobs held 4x ``--snapshot-buffer``, outside the memory limit). A job's snapshot
+    now starts when the writer is free, at the job's next consistent step; every save is answered."""
+    import threading
+
+    from wstream.server.inprocess import InProcessServer
+    from wstream.server.snapshot import SnapshotStore
+
+    gate, entered = threading.Event(), threading.Event()
+    write = SnapshotStore.write
+
+    def slow_write(self: SnapshotStore, snap, stages):  # type: ignore[no-untyped-def]
+        if snap.record.name == "a" and snap.step == 1:
+            entered.set()
+            gate.wait(60)
+        return write(self, snap, stages)
+
+    monkeypatch.setattr(SnapshotStore, "write", slow_write)
+    srv = InProcessServer(bind=[f"ipc://{tmp_path / 's.sock'}"], memory_limit=2**30, store=str(tmp_path / "store"))
+    saved: dict[str, tuple[int, str]] = {}
+
+    def save(name: str) -> None:
+        with Client(srv.address, timeout=60) as other:
+            saved[name] = other.attach_job(name, token="t").save()
+
+    try:
+        with Client(srv.address, timeout=60) as c:
+            for name in ("a", "b"):
+                c.create_job(name, models.mixed(), optimizer=AdamW(lr=LR), token="t")
+                train(srv.address, name, 1)
+            threads = [threading.Thread(target=save, args=("a",))]
+            threads[0].start()
+            assert entered.wait(60)
+            threads.append(threading.Thread(target=save, args=("b",)))
+            threads[1].start()
+            train(srv.address, "b", 1)  # b trains on, its updates asking for its snapshot at each
+            jobs = srv.server.jobs
+            assert jobs["a"].snapshot is not None and jobs["b"].snapshot is None, "a second snapshot began during a write"
+            gate.set()
+            for t in threads:
+                t.join(60)
+            assert saved["a"][0] == 1 and saved["b"][0] == 2, saved
+    finally:
+        gate.set()
+        srv.stop()
