@@ -123,6 +123,7 @@ class Trainer:
         self._steps_done = 0
         self._peak_boundary = 0
         self.last_loop_steps = 0
+        self._loop_summary: dict[str, Any] | None = None  # plan_summary() after a step_loop
         self._throughput = Throughput()  # samples and tokens per second, for stats()
         self._tracer: Tracer | None = None
         self._endpoint = endpoint
@@ -203,6 +204,7 @@ class Trainer:
         self._check_open()
         started = time.perf_counter()
         loss = self._recovering(lambda: self._step_once(inputs, targets, loss_fn, micro_batches))
+        self._loop_summary = None
         self._throughput.add(*work_of(inputs), time.perf_counter() - started)
         return loss
 
@@ -311,15 +313,26 @@ class Trainer:
         ``inputs`` until ``halt(*x)`` is true after an application, or ``max_steps`` times; the
         data decides how many. The length is learned while running, so the plan is online
         bisection (O(log n) live states, O(n log n) recomputation); the body's gradient is summed
-        over its applications and pushed once. ``self.last_loop_steps`` says how many ran."""
+        over its applications and pushed once. ``self.last_loop_steps`` says how many ran;
+        :meth:`plan_summary` what the last loop's plan cost. Memory: O(log n) live states on the
+        device, but the worker's host memory grows with n by a little per application (the plan's
+        actions, and ~5 KiB of RNG state per application that draws random numbers). A lost
+        connection is recovered as :meth:`step`'s is."""
         self._check_open()
         runners = self.executor.runners
         if len(runners) != 1:
             raise StateError(f"step_loop trains a job of one stage (the loop body); this job has {len(runners)}")
-        if max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 1:
+            raise ValueError(f"max_steps must be an int >= 1, got {max_steps!r}")
+        started = time.perf_counter()
+        loss = self._recovering(lambda: self._loop_once(inputs, targets, loss_fn, halt, max_steps))
+        self._throughput.add(*work_of(inputs), time.perf_counter() - started)
+        return loss
+
+    def _loop_once(self, inputs: Any, targets: Any, loss_fn: LossFn, halt: Callable[..., bool], max_steps: int) -> float:
         inputs, targets = place(inputs, self.device, self.compute_dtype), place(targets, self.device)
-        body = runners[0]
+        body = self.executor.runners[0]
+        started = time.monotonic_ns()
         run = self._new_run(as_boundary(inputs), lambda position: body, targets=[targets])
         ex, prefetcher = self.executor, self.connection.prefetcher
         prefetcher.start(self._step, [0])
@@ -341,10 +354,22 @@ class Trainer:
                 assert run.pushed, "the loop body's gradient was not pushed: a bug in wstream"
             ex.end_fetches()
             self._commit(run)
+        except (ServerUnavailable, SessionExpiredError):
+            self._abort_step(run.pushed, recoverable=self.options.transport.reconnect_s > 0)
+            raise
         except BaseException:
             self._abort_step(run.pushed)
             raise
+        if self._tracer is not None:
+            self._tracer.add(f"step {self._step}", "step", "steps", started, step=self._step, loop=planner.position)
         self.last_loop_steps = planner.position
+        sim = planner.simulation
+        assert sim is not None
+        self._loop_summary = {
+            "schedule": "online bisection (a loop)", "stages": planner.position,
+            "forward_evaluations": planner.position + sim.advances, "recomputed_forwards": sim.advances,
+            "peak_kept_states": sim.peak_slots, "peak_live_states": sim.peak_states,
+        }
         self._end_run(run)
         return run.loss
 
@@ -377,7 +402,13 @@ class Trainer:
         return out
 
     def plan_summary(self) -> dict[str, Any]:
-        """What the checkpoint plan costs per step: recomputation, memory and weight traffic."""
+        """What the checkpoint plan costs per step: recomputation, memory and weight traffic;
+        after :meth:`step_loop`, what the last loop's plan cost (its length decides it)."""
+        if self._loop_summary is not None:
+            return {
+                **self._loop_summary, "peak_activation_bytes_measured": self._peak_boundary,
+                "weight_bytes_fetched": self.connection.stage_bytes()[0],
+            }
         return self.planning.summary(self.connection.stage_bytes(), peak_boundary=self._peak_boundary, tapes=self.executor.tapes)
 
     def stats(self) -> TrainerStats:

@@ -141,3 +141,71 @@ def test_a_loop_body_on_a_frozen_base_trains_like_plain_pytorch(client: Client) 
     got = job.state_dict()
     assert (got["0.adapter"] - ref.adapter.detach()).abs().max().item() < 1e-6
     assert ref.adapter.detach().abs().max().item() > 0  # it trained
+
+
+def test_a_loop_step_recovers_a_lost_connection_as_a_step_does(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: ``step_loop`` was not recovered as ``step`` is: a session lost at the body's
+    push closed the trainer ("a step failed after gradients were sent") and every later call
+    failed. It reconnects now and trains the step again, to the weights of a run without the loss."""
+    from wstream.client import SessionExpiredError
+    from wstream.client.push import GradientPusher
+
+    x, y = torch.randn(4, WIDTH), torch.zeros(4, WIDTH)
+
+    def train(name: str) -> tuple[dict[str, torch.Tensor], int]:
+        job = client.create_job(name, [body()], optimizer=AdamW(lr=1e-2), token="t")
+        with job.trainer(reconnect_s=30) as trainer:
+            for _ in range(3):
+                trainer.step_loop(x, y, nn.functional.mse_loss, halt=halt, max_steps=50)
+            reconnects = trainer.reconnects
+        return job.state_dict(), reconnects
+
+    want, none = train("kept")
+    queue_push = GradientPusher.push
+    lost: list[int] = []
+
+    def lose_the_connection_at_step_1(pusher: GradientPusher, stage: int, step: int, *args: object, **kw: object) -> None:
+        if step == 1 and not lost:
+            lost.append(step)
+            raise SessionExpiredError("injected: the server forgot this worker")
+        queue_push(pusher, stage, step, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(GradientPusher, "push", lose_the_connection_at_step_1)
+    got, reconnects = train("lost")
+    assert lost and none == 0 and reconnects == 1
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("max_steps", [float("nan"), 2.5, True, "3", 0, -1])
+def test_max_steps_must_be_a_positive_int(client: Client, max_steps: object) -> None:
+    """Found by review: ``max_steps=nan`` never capped the loop, 2.5 ran 3 applications, True ran 1
+    and "3" failed in a comparison."""
+    job = client.create_job("bad-max", [body()], token="t")
+    with job.trainer() as trainer:
+        with pytest.raises(ValueError, match="max_steps must be an int >= 1"):
+            trainer.step_loop(torch.ones(1, WIDTH), torch.zeros(1, WIDTH), nn.functional.mse_loss, halt=halt, max_steps=max_steps)  # type: ignore[arg-type]
+
+
+def test_a_loops_plan_summary_stats_and_trace_are_of_the_loop(client: Client, tmp_path) -> None:  # noqa: ANN001
+    """Found by review: after loops of 100 applications, ``plan_summary`` reported the one-stage
+    chain's plan (1 forward, no recomputation), ``stats`` had no samples/s, and the trace no step."""
+    import json
+
+    job = client.create_job("summary", [body()], token="t")
+    with job.trainer() as trainer:
+        with trainer.trace(tmp_path / "trace.json"):
+            trainer.step_loop(torch.ones(2, WIDTH), torch.zeros(2, WIDTH), nn.functional.mse_loss, halt=lambda h: False, max_steps=100)
+        summary = trainer.plan_summary()
+        stats = trainer.stats()
+    ob = OnlineBisection()
+    for _ in range(100):
+        ob.advance()
+    ob.finish()
+    assert ob.simulation is not None
+    assert summary["stages"] == 100 and summary["recomputed_forwards"] == ob.simulation.advances > 100
+    assert summary["forward_evaluations"] == 100 + ob.simulation.advances
+    assert summary["peak_live_states"] == ob.simulation.peak_states
+    assert stats.samples_per_s is not None
+    events = json.loads((tmp_path / "trace.json").read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    assert any(e.get("name") == "step 0" for e in events)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from functools import lru_cache
 
 from .plan import Action, Op, Plan, PlanError
-from .simulate import checked_plan, simulate
+from .simulate import Simulation, checked_plan, simulate
 
 
 def _check_n(n: int) -> None:
@@ -215,6 +215,8 @@ class OnlineBisection:
         self.position = 0
         self._kept = [0]
         self.actions: list[Action] = [(Op.SNAPSHOT, 0)]
+        self.simulation: Simulation | None = None
+        """The counts of the whole plan, once :meth:`finish` has made it."""
 
     def advance(self) -> list[Action]:
         """The actions that take the current state from x_i to x_{i+1}."""
@@ -245,7 +247,7 @@ class OnlineBisection:
             acts.append((Op.FREE, a))
         self.actions += acts
         # validate without the keep/drop of x_n: it turned out to be the output, not an input
-        simulate(n, [a for a in self.actions if a[1] != n or a[0] == Op.ADVANCE])
+        self.simulation = simulate(n, [a for a in self.actions if a[1] != n or a[0] == Op.ADVANCE])
         return acts
 
 
