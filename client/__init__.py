@@ -43,6 +43,7 @@ from .job_handle import Job
 from .groups import ParamGroup, no_decay
 from .local import local_server
 from .options import Checkpointing, Parallelism, Precision, Transport
+from .plans.plan import PlanError
 from .loss_scale import LossScale
 from .stages import Tied
 from .trainer import Resynced, Trainer, TrainerStats
@@ -66,6 +67,7 @@ __all__ = [
     "MultiStep",
     "ParamGroup",
     "Parallelism",
+    "PlanError",
     "Piecewise",
     "Precision",
     "ProtocolError",

@@ -15,7 +15,7 @@ import torch
 import zmq
 from torch import nn
 
-from wstream.protocol import JobExistsError, LayoutError, StageSpec
+from wstream.protocol import AuthError, JobExistsError, LayoutError, StageSpec
 from wstream.protocol import messages as m
 from wstream.protocol.auth import SessionSigner, base_proof, create_proof, secret_key, session_key
 from wstream.protocol.curve import ClientKeys, KeySource, uses_curve
@@ -25,7 +25,7 @@ from .chain import check_before_upload, layout_on, to_skeletons, walk_chain
 from .channel import Channel, Keyring, SharedChannel, Signer, attach_session, challenge, client_nonce, curve_keys
 from .creation import ChainUpload, chain_numel, unit_size
 from .endpoint import Closeable, WorkerEndpoint
-from .env import job_token, server_address
+from .env import check_new_token, job_token, server_address
 from .groups import GroupAssigner, ParamGroup
 from .job_handle import Job
 from .job_options import job_options, options_difference
@@ -97,7 +97,8 @@ class Client(ServerOperations):
         address = server_address(address)
         if "://" not in address:
             raise ValueError(f"{address!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555 or ipc:///path")
-        self._given_admin_secret = admin_secret
+        # the server reads its secret file stripped: one given with its file's newline would never match
+        self._given_admin_secret = None if admin_secret is None else admin_secret.strip()
         self._env_admin_secret: tuple[str | None] | None = None  # read from the environment when first needed
         self.address = address
         self.timeout_s = timeout
@@ -191,6 +192,7 @@ class Client(ServerOperations):
         ``token``: the job's secret (workers attach with it); default ``$WSTREAM_TOKEN``.
         """
         token = job_token(token)
+        check_new_token(token)
         options = job_options(options, option_fields)
         groups = GroupAssigner(param_groups)
         if options.param_groups and options.param_groups != groups.specs:
@@ -218,8 +220,9 @@ class Client(ServerOperations):
         )
         try:
             created, _ = self._chan.request(request, m.Attached)
-        except JobExistsError:
+        except JobExistsError as exc:
             if not exist_ok:
+                exc.add_note("create_job(..., exist_ok=True) attaches to it when it is this job; attach_job(name) attaches")
                 raise
             return self._attach_same(name, stages, token, options, param_groups)
         signer = SessionSigner(created.session, session_key(secret_key(token), nonce, mine))
@@ -263,7 +266,12 @@ class Client(ServerOperations):
         must have (``create_job(exist_ok=True)``). A refusal leaves ``stages`` as they were: they
         are moved to the meta device only once they match."""
         token = job_token(token)
-        attached, signer = attach_session(self._chan, name, token)
+        try:
+            attached, signer = attach_session(self._chan, name, token)
+        except AuthError as exc:
+            if token != token.strip():
+                exc.add_note("the token given has whitespace around it (a newline read from a file?)")
+            raise
         self._keys.add(signer)
         groups = None if param_groups is None else GroupAssigner(param_groups)
         if groups is not None and groups.specs != attached.options.param_groups:

@@ -27,6 +27,16 @@ def server_address(address: str | None = None, default: str = DEFAULT_SERVER) ->
     return os.environ.get(ENV_SERVER) or default
 
 
+def check_new_token(token: str) -> None:
+    """Refuse a new job's token with whitespace around it: a token read from a file with its
+    newline would never match the one ``wstream --token-file`` reads (stripped)."""
+    if token != token.strip():
+        raise ValueError(
+            "the token has whitespace around it (a newline read from a file?); wstream --token-file and "
+            "$WSTREAM_TOKEN from $(cat file) give it stripped, so it would not open the job: strip() it"
+        )
+
+
 def job_token(token: str | None = None, *, how: str = "token=") -> str:
     """``token``, else ``$WSTREAM_TOKEN``; ``ValueError`` saying to give one ``how`` (the argument
     or the flag) or to set the variable when neither is there."""

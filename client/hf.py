@@ -45,7 +45,7 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Protocol, Union
+from typing import Any, Literal, Protocol, Union
 
 import torch
 from torch import nn
@@ -216,7 +216,8 @@ def stages_from_pretrained(
     *,
     blocks_per_stage: int = 1,
     attn_implementation: str | None = None,
-    weights: bool | None = None,
+    weights: bool | Literal["init"] | None = None,
+    seed: int | None = None,
 ) -> Iterator[nn.Module | Tied]:
     """The stages of the causal LM in ``source``, one at a time, for ``Client.create_job`` (or,
     without weights, ``Client.attach_job``).
@@ -225,8 +226,13 @@ def stages_from_pretrained(
     ``weights`` (default: when ``source`` is a folder): each stage is built on the meta device,
     then materialized on the CPU and filled from the folder's safetensors files, reading only its
     own tensors, so one stage is in memory at a time (``create_job`` moves it to meta after
-    uploading it). Without, the modules stay on the meta device: the layout a worker passes to
-    ``attach_job``. ``blocks_per_stage``: decoder blocks per stage (fewer, larger transfers).
+    uploading it). ``"init"``: a new model, to train from scratch: each stage materialized and
+    initialized as the model's ``from_config`` initializes it (its ``_init_weights``: normal of the
+    config's ``initializer_range``, norms at one, biases at zero), one at a time, from the RNG
+    seeded with ``seed`` (None: as it stands); the draws differ from ``from_config``'s, which
+    initializes the whole model at once. Without (False), the modules stay on the meta device: the
+    layout a worker passes to ``attach_job``. ``blocks_per_stage``: decoder blocks per stage
+    (fewer, larger transfers).
     ``attn_implementation``: "sdpa", "eager", or None for the model's default (:func:`load_config`).
 
     The folder, the config and the model's structure are checked when this is called (a missing
@@ -235,6 +241,11 @@ def stages_from_pretrained(
     """
     if weights is None:
         weights = not isinstance(source, PretrainedConfig)
+    if weights == "init":
+        layout = layout_of(load_config(source, attn_implementation=attn_implementation))
+        return _initialized(layout, blocks_per_stage, seed)
+    if weights is not True and weights is not False:
+        raise ValueError(f"weights must be True, False, 'init' or None, got {weights!r}")
     if not weights:
         layout = layout_of(load_config(source, attn_implementation=attn_implementation))
         return _skeletons(layout, blocks_per_stage)
@@ -243,6 +254,31 @@ def stages_from_pretrained(
     folder = local_folder(source)
     layout = layout_of(load_config(folder, attn_implementation=attn_implementation))
     return _filled(layout, blocks_per_stage, Checkpoint(folder, model_name=layout.family.model_name))
+
+
+def _initialized(layout: Layout, blocks_per_stage: int, seed: int | None) -> Iterator[nn.Module | Tied]:
+    """The chain's stages materialized on the CPU and initialized by the model's own
+    ``_init_weights``, one at a time. A tensor it leaves untouched (NaN-filled first) is refused by
+    name rather than trained from whatever memory held."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    for item in _skeletons(layout, blocks_per_stage):
+        if isinstance(item, Tied):
+            yield item
+            continue
+        item.to_empty(device="cpu")
+        with torch.no_grad():
+            for t in (*item.parameters(), *item.buffers()):
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
+            item.apply(layout.model._init_weights)
+        left = [n for n, t in (*item.named_parameters(), *item.named_buffers()) if t.is_floating_point() and t.isnan().any()]
+        if left:
+            raise UnsupportedModel(
+                f"{type(layout.model).__name__}._init_weights left {left[:3]} uninitialized: save the model with "
+                "save_pretrained and create the job from that folder"
+            )
+        yield item
 
 
 def _filled(layout: Layout, blocks_per_stage: int, checkpoint: Checkpoint) -> Iterator[nn.Module | Tied]:
@@ -312,19 +348,27 @@ class Checkpoint:
 def create_job_from_pretrained(
     client: Client,
     name: str,
-    folder: str | os.PathLike[str],
+    folder: str | os.PathLike[str] | PretrainedConfig,
     *,
     token: str | None = None,
     blocks_per_stage: int = 1,
     attn_implementation: str | None = None,
+    seed: int | None = None,
     **options: Any,
 ) -> Job:
     """Create job ``name`` from the model in ``folder``, uploading one stage at a time (see
-    :func:`stages_from_pretrained`). ``options`` go to ``Client.create_job`` (``optimizer``,
-    ``dtype``, ``progress``, ...); ``token`` too (default ``$WSTREAM_TOKEN``)."""
-    stages = stages_from_pretrained(folder, blocks_per_stage=blocks_per_stage, attn_implementation=attn_implementation)
+    :func:`stages_from_pretrained`). Given a config instead of a folder: a new model, initialized
+    stage by stage (``weights="init"``, from ``seed``), to train from scratch. ``options`` go to
+    ``Client.create_job`` (``optimizer``, ``dtype``, ``progress``, ...); ``token`` too (default
+    ``$WSTREAM_TOKEN``)."""
+    new = isinstance(folder, PretrainedConfig)
+    stages = stages_from_pretrained(
+        folder, blocks_per_stage=blocks_per_stage, attn_implementation=attn_implementation,
+        weights="init" if new else True, seed=seed,
+    )
     job = client.create_job(name, stages, token=token, **options)
-    log.info("job %r created from %s: %d stages, %d positions", name, folder, job.num_stages, len(job.positions or ()))
+    source = f"a new {folder.model_type} model" if new else folder
+    log.info("job %r created from %s: %d stages, %d positions", name, source, job.num_stages, len(job.positions or ()))
     return job
 
 

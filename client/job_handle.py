@@ -200,7 +200,10 @@ class Job:
         """Snapshot the job on the server's store; returns (step, directory) once it is durable.
 
         The snapshot is of the job's next consistent step (at once when no step is under way). A
-        server with an admin secret refuses this: use ``Client.save_job`` with ``admin_secret``."""
+        server with an admin secret refuses this from a job session: with the client's admin
+        secret it goes through the admin session (``Client.save_job``)."""
+        if self.client._admin_secret() is not None:
+            return self.client.save_job(self.name, timeout=timeout)
         reply, _ = self.client._chan.request(
             m.Save(session=self.session), m.Saved, timeout_s=timeout or self.client.wait_timeout_s, held=True
         )
@@ -210,8 +213,11 @@ class Job:
         """Change the job's base ``lr`` and/or learning-rate ``schedule`` (e.g.
         ``WarmupCosine(...)``), from the next step to commit on; the step index the schedule is
         evaluated at stays the job's. A server with an admin secret refuses this from a job
-        session: use ``Client.set_schedule`` with ``admin_secret``."""
-        self.client._chan.request(m.SetSchedule(session=self.session, lr=lr, schedule=schedule), m.Ok)
+        session: with the client's admin secret it goes through the admin session."""
+        if self.client._admin_secret() is not None:
+            self.client.set_schedule(self.name, schedule, lr=lr)
+        else:
+            self.client._chan.request(m.SetSchedule(session=self.session, lr=lr, schedule=schedule), m.Ok)
         opt = self.options.optimizer
         opt = msgspec.structs.replace(opt, lr=opt.lr if lr is None else lr, schedule=schedule or opt.schedule)
         self.options = msgspec.structs.replace(self.options, optimizer=opt)
@@ -225,11 +231,15 @@ class Job:
         save_file(self.state_dict(progress=progress), os.fspath(path), metadata=metadata)
 
     def drop(self) -> None:
-        """Delete the job from the server, freeing its memory (workers get errors afterwards).
+        """Delete the job from the server, freeing its memory, **and its snapshots** in the
+        server's store (workers get errors afterwards; a restart does not bring it back).
 
-        A server with an admin secret refuses this (``AuthError``): use ``Client.drop_job`` with
-        ``admin_secret``."""
-        self.client._chan.request(m.DropJob(session=self.session), m.Ok)
+        A server with an admin secret refuses this from a job session: with the client's admin
+        secret it goes through the admin session (``Client.drop_job``)."""
+        if self.client._admin_secret() is not None:
+            self.client.drop_job(self.name)
+        else:
+            self.client._chan.request(m.DropJob(session=self.session), m.Ok)
 
 
 CONSISTENT_PULL_ROUNDS = 10

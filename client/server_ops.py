@@ -55,8 +55,9 @@ class ServerOperations:
         return reply
 
     def drop_job(self, name: str, *, token: str | None = None) -> None:
-        """Delete job ``name`` from the server: with the admin secret, else with the job's
-        ``token`` (default ``$WSTREAM_TOKEN``; a server with an admin secret refuses it)."""
+        """Delete job ``name`` from the server, and its snapshots in the server's store: with the
+        admin secret, else with the job's ``token`` (default ``$WSTREAM_TOKEN``; a server with an
+        admin secret refuses it)."""
         if self._admin_secret() is None:
             self._with_token(name, token, lambda job: job.drop())
             self._token_jobs.pop((name, self._job_token(token)), None)

@@ -125,7 +125,7 @@ class HeartbeatThread:
                 except InterruptedError:
                     return
                 except WstreamError as exc:
-                    log.error("heartbeat failed: %s", exc)
+                    log.warning("heartbeat failed: %s (the trainer reconnects where it may: Transport.reconnect_s)", exc)
                     sc.abort_reason.append(exc)
                     sc.abort.set()
                     return

@@ -56,6 +56,11 @@ class Server:
                 "create jobs until its memory is full",
                 ", ".join(config.bind),
             )
+        if config.store is not None and not config.snapshot_every:
+            log.warning(
+                "--store without --snapshot-every: jobs are snapshotted at creation, on save and at a clean stop "
+                "only, so a crash loses every step since (give --snapshot-every N to bound it)"
+            )
         self.jobs: dict[str, Job] = {}
         self.started = time.monotonic()
         self._stop = threading.Event()

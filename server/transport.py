@@ -189,7 +189,10 @@ class Transport:
         try:
             self._sock.send_multipart(parts, copy=False, flags=zmq.NOBLOCK)
         except zmq.ZMQError as exc:  # peer gone or queue full: never fatal for the loop
-            log.warning("could not send %s: %s", type(out.message).__name__, exc)
+            if exc.errno == zmq.EHOSTUNREACH:  # the peer disconnected (a worker that reconnects, a closed client): routine
+                log.info("a %s reply's peer has gone: not sent", type(out.message).__name__)
+            else:
+                log.warning("could not send %s: %s", type(out.message).__name__, exc)
 
     def close(self, linger: bool = False) -> None:
         """Close the socket (``linger``: give replies queued a second to leave, e.g. the ``ok`` of a

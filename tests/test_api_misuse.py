@@ -340,3 +340,27 @@ def test_job_operations_by_token_reuse_one_session(tmp_path: "Path") -> None:
             assert c.wait_step("polled", 0, token="t") == 0  # a new handle, transparently
             c.drop_job("polled", token="t")
             assert c.status().jobs == []
+
+
+def test_secrets_read_from_files_with_their_newline(client: Client, admin_server: "InProcessServer") -> None:
+    """Found by review: ``token=open(f).read()`` made a job that ``wstream --token-file f`` (which
+    strips) could never open, and ``admin_secret=open(f).read()`` never matched the server's
+    (stripped) secret. A new job's token with whitespace around it is refused; an admin secret
+    given so is stripped, as the server strips its file's."""
+    from conftest import ADMIN_SECRET
+    from wstream.client import JobExistsError
+
+    with pytest.raises(ValueError, match="whitespace around it"):
+        client.create_job("nl", [nn.Linear(2, 2)], token="t\n")
+    assert client.status().jobs == []
+    client.create_job("exists", [nn.Linear(2, 2)], token="t")
+    with pytest.raises(JobExistsError) as exists:
+        client.create_job("exists", [nn.Linear(2, 2)], token="t")
+    assert "exist_ok=True" in "".join(getattr(exists.value, "__notes__", []))
+    with Client(admin_server.address, admin_secret=ADMIN_SECRET + "\n", timeout=30) as admin:
+        job = admin.create_job("a", [nn.Linear(2, 2)], optimizer=SGD(), token="t")
+        assert [j.name for j in admin.status().jobs] == ["a"]
+        # found by review: a job handle's drop was refused on an admin server even with the secret in hand
+        job.set_schedule(lr=0.5)
+        job.drop()
+        assert admin.status().jobs == []

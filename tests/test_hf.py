@@ -367,3 +367,32 @@ def test_an_export_read_while_the_job_trains_is_of_one_step(client: Client, tmp_
     with pytest.raises(StateError, match="kept training while its weights were read"):
         export_pretrained(_Racing(job, ahead=10**6), tmp_path / "never", folder, max_shard_size="20KB")
     assert not list((tmp_path / "never").glob("model*.safetensors*"))
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_job_created_from_a_config_is_a_new_model_initialized_as_transformers_does(client: Client, kind: str) -> None:
+    """Found by review: there was no way to train a model from scratch: ``create_job_from_pretrained``
+    with a config failed with "'transformer.wte.weight' is on the meta device". A config now makes
+    a new model, initialized stage by stage by the model's own ``_init_weights`` (a seed makes it
+    the same again), which trains and which another worker attaches to with the config."""
+    config = tiny_config(kind)
+    job = create_job_from_pretrained(client, f"new-{kind}", config, token="t", optimizer=AdamW(lr=1e-2), seed=3)
+    again = create_job_from_pretrained(client, f"again-{kind}", config, token="t", optimizer=AdamW(lr=1e-2), seed=3)
+    start = job.state_dict()
+    assert all(torch.equal(start[k], t) for k, t in again.state_dict().items())
+    torch.manual_seed(3)
+    want = transformers.AutoModelForCausalLM.from_config(config).state_dict()  # other draws, the same distributions
+    got = weights_by_name(start)
+    assert set(got) <= set(want)
+    for name, t in got.items():
+        w = want[name]
+        if w.std() == 0:  # norms at one, biases at zero
+            assert torch.equal(t, w), name
+        else:  # normal(0, initializer_range); GPT-2's output projections / sqrt(2 layers)
+            assert abs(t.std().item() - w.std().item()) < 0.25 * w.std().item(), (name, t.std(), w.std())
+    ids = batch(0)
+    with job.trainer() as trainer:
+        losses = [trainer.step(ids, ids, causal_lm_loss) for _ in range(6)]
+    assert losses[-1] < losses[0]
+    other = hf.attach_job_from_pretrained(client, f"new-{kind}", config, token="t")
+    assert other.num_stages == job.num_stages
