@@ -5,6 +5,7 @@ creates jobs."""
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -29,6 +30,8 @@ from .options import Checkpointing, Parallelism, Precision, Transport, trainer_o
 from .stages import DTYPE_OF_BUFFER, StageRunner, frozen_params
 from .trainer import Trainer
 from .units import Units
+
+log = logging.getLogger(__name__)
 
 
 
@@ -129,6 +132,7 @@ class Job:
                 f"job {self.name!r} was attached without its stages: pass stages= to attach_job "
                 "(modules built under torch.device('meta') are enough)"
             )
+        place = worker_device(device)
         groups = {"checkpointing": checkpointing, "transport": transport, "precision": precision, "parallelism": parallelism}
         chosen = trainer_options(groups, options)
         runners = [self._runner(stage, skeleton) for stage, skeleton in self._chain]
@@ -141,7 +145,7 @@ class Job:
             job=self.name, token=self._token, stages=tuple(self.unit_specs),
             units=None if self.units is None else self.units.counts, base_stages=tuple(self.base_stages),
         )
-        return Trainer(endpoint, runners, device=torch.device(device), options=chosen)
+        return Trainer(endpoint, runners, device=place, options=chosen)
 
     def state_dict(self, *, progress: bool | None = None) -> dict[str, torch.Tensor]:
         """The job's current fp32 weights (and buffers: :func:`stage_tensors`) as
@@ -240,6 +244,24 @@ class Job:
             self.client.drop_job(self.name)
         else:
             self.client._chan.request(m.DropJob(session=self.session), m.Ok)
+
+
+_TOLD_OF_CUDA = False
+
+
+def worker_device(device: str | torch.device) -> torch.device:
+    """``device`` as a torch device, refused by name when this torch cannot use it (a CUDA device
+    without CUDA: torch's own message is a bare assertion); a CPU worker on a host whose GPU
+    goes unused is told so, once per process."""
+    global _TOLD_OF_CUDA
+    place = torch.device(device)
+    if place.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
+        raise ValueError(f"device {str(device)!r}: {why} (torch {torch.__version__}); train on 'cpu', or install a CUDA torch")
+    if place.type == "cpu" and not _TOLD_OF_CUDA and torch.cuda.is_available():
+        _TOLD_OF_CUDA = True
+        log.warning("this trainer computes on the CPU while a CUDA device is visible: job.trainer('cuda') uses the GPU")
+    return place
 
 
 CONSISTENT_PULL_ROUNDS = 10

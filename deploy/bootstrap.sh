@@ -6,7 +6,7 @@
 #
 # Creates .venv (if missing) next to this repository, installs torch FIRST, keeping a torch that
 # is already importable (set WSTREAM_TORCH to choose another requirement, e.g. a CUDA build), then
-# installs wstream itself in editable mode with its test extras (and, to test, the hf and lora extras).
+# installs wstream itself in editable mode (to test, with its test, hf and lora extras).
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -21,6 +21,10 @@ case "$what" in
 esac
 
 if [ ! -x "$venv/bin/python" ]; then
+  if ! "$python" -c "import venv, ensurepip" >/dev/null 2>&1; then
+    echo "bootstrap: $python cannot make a virtual environment (on Debian/Ubuntu: apt install python3-venv)" >&2
+    exit 1
+  fi
   # --system-site-packages: a torch installed system-wide is used rather than downloaded again
   "$python" -m venv --system-site-packages "$venv"
 fi
@@ -32,9 +36,11 @@ if ! "$py" -c "import torch" >/dev/null 2>&1; then
   "$py" -m pip install --quiet "${torch_args[@]}"
 fi
 # tests: the hf extra (transformers) too, so that tests/test_hf.py runs rather than skips
-extras=test
-if [ "$what" = test ]; then extras=test,hf,lora; fi
-"$py" -m pip install --quiet -e "$here[$extras]"
+if [ "$what" = test ]; then
+  "$py" -m pip install --quiet -e "$here[test,hf,lora]"
+else
+  "$py" -m pip install --quiet -e "$here"
+fi
 
 cd "$here"
 export PYTHONUNBUFFERED=1

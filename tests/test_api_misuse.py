@@ -364,3 +364,13 @@ def test_secrets_read_from_files_with_their_newline(client: Client, admin_server
         job.set_schedule(lr=0.5)
         job.drop()
         assert admin.status().jobs == []
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")
+def test_a_cuda_trainer_without_cuda_is_refused_by_name(client: Client) -> None:
+    """Found by review: ``job.trainer("cuda")`` on a CPU-only torch failed with torch's bare
+    ``AssertionError: Torch not compiled with CUDA enabled``, after joining."""
+    job = client.create_job("nocuda", [nn.Linear(2, 2)], optimizer=SGD(), token="t")
+    with pytest.raises(ValueError, match="device 'cuda': .*train on 'cpu'"):
+        job.trainer("cuda")
+    assert [j.workers for j in client.status().jobs] == [[]]
