@@ -190,10 +190,11 @@ def test_admin_operations_need_the_admin_secret(tmp_path: Path) -> None:
             with pytest.raises(MemoryLimitError):
                 creator.create_job("growing", (nn.Linear(256, 256) for _ in range(10)), token="x")
             assert [j.name for j in c.status().jobs] == ["j"]
+            plain = c.attach_job("j", token="t")  # a handle of a client without the secret (the creator's uses it)
             with pytest.raises(AuthError, match="admin secret"):
-                job.drop()
+                plain.drop()
             with pytest.raises(AuthError, match="admin secret"):
-                job.save()
+                plain.save()
             with pytest.raises(StateError, match="admin_secret"):
                 c.shutdown()
             with pytest.raises(AuthError, match="admin secret"):
