@@ -185,7 +185,7 @@ def test_admin_operations_need_the_admin_secret(tmp_path: Path) -> None:
     )
     try:
         with Client(srv.address, timeout=30) as c, Client(srv.address, admin_secret="admin-s3cret") as creator:
-            job = creator.create_job("j", models.mixed(seed=5), optimizer=AdamW(), token="t")
+            creator.create_job("j", models.mixed(seed=5), optimizer=AdamW(), token="t")
             # a failed creation still cleans up after itself (its session drops the unsealed job)
             with pytest.raises(MemoryLimitError):
                 creator.create_job("growing", (nn.Linear(256, 256) for _ in range(10)), token="x")
