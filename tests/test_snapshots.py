@@ -389,6 +389,26 @@ def test_a_crash_while_a_steps_snapshot_is_replaced_keeps_the_old_one(tmp_path: 
         srv.stop()
 
 
+def _save_then_stop_during_an_update(held):  # type: ignore[no-untyped-def]
+    """Commit the victim's step 0 with its updates held (no consistent step), send a ``save`` of
+    it, and begin stopping the server: (the save's request id, the stopping thread)."""
+    import threading
+
+    from test_drop import commit_with_updates_held
+    from wstream.protocol import messages as m
+
+    job = held.victim()
+    a, sign_a = held.worker(job)
+    commit_with_updates_held(held, a, sign_a, job)
+    waiting = held.wire.send(m.Save(session=job.session), signer=job._signer)
+    barrier = held.wire.send(m.Status())
+    held.wire.collect(lambda: barrier in held.wire.replies)
+    assert waiting not in held.wire.replies, held.wire.replies[waiting]
+    stopping = threading.Thread(target=held.srv.stop)
+    stopping.start()
+    return waiting, stopping
+
+
 def test_a_stop_during_a_committed_steps_updates_lets_them_finish_and_snapshots_the_step(held, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     """Found by review: a SIGTERM while a worker trained often wrote no final snapshot ("in the
     middle of a step"): the pool was shut down with updates of a committed step queued, or done
@@ -397,9 +417,7 @@ def test_a_stop_during_a_committed_steps_updates_lets_them_finish_and_snapshots_
     its snapshot, and snapshots the job at it."""
     import threading
 
-    from test_drop import commit_with_updates_held
     from wstream.protocol import messages as m
-
     from wstream.server.service import Server
 
     shutting_down = threading.Event()
@@ -410,15 +428,7 @@ def test_a_stop_during_a_committed_steps_updates_lets_them_finish_and_snapshots_
         shutdown(self)
 
     monkeypatch.setattr(Server, "_shutdown", noted)
-    job = held.victim()
-    a, sign_a = held.worker(job)
-    commit_with_updates_held(held, a, sign_a, job)  # step 0 committed, its updates running
-    waiting = held.wire.send(m.Save(session=job.session), signer=job._signer)
-    barrier = held.wire.send(m.Status())
-    held.wire.collect(lambda: barrier in held.wire.replies)
-    assert waiting not in held.wire.replies, held.wire.replies[waiting]
-    stopping = threading.Thread(target=held.srv.stop)
-    stopping.start()
+    waiting, stopping = _save_then_stop_during_an_update(held)
     assert shutting_down.wait(30)  # the loop has stopped serving: what finishes now, the shutdown must finish
     held.update.release()
     held.write.release()
@@ -435,22 +445,11 @@ def test_a_save_waiting_for_a_consistent_step_is_answered_at_shutdown(held, monk
     """A ``save`` of a job in the middle of a step waits for its next consistent step; the server
     stops first, and the step's updates do not finish within the time it gives them: the save is
     answered (an error saying so), not left without a reply (defect seen)."""
-    import threading
-
-    from test_drop import commit_with_updates_held
     from wstream.protocol import messages as m
     from wstream.server import service
 
     monkeypatch.setattr(service, "SHUTDOWN_UPDATES_S", 0.2)
-    job = held.victim()
-    a, sign_a = held.worker(job)
-    commit_with_updates_held(held, a, sign_a, job)  # the stages are updating: no consistent step
-    waiting = held.wire.send(m.Save(session=job.session), signer=job._signer)
-    barrier = held.wire.send(m.Status())
-    held.wire.collect(lambda: barrier in held.wire.replies)
-    assert waiting not in held.wire.replies, held.wire.replies[waiting]
-    stopping = threading.Thread(target=held.srv.stop)
-    stopping.start()
+    waiting, stopping = _save_then_stop_during_an_update(held)
     # released only once the loop has left serving and given up on the updates (its pool shuts
     # down, waiting for the running update): released earlier, the update would finish the step
     pool = held.srv.server._updates._pool
