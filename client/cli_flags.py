@@ -88,7 +88,10 @@ def key_options(args: argparse.Namespace) -> dict[str, Any]:
 def client_from_args(args: argparse.Namespace, **options: Any) -> Client:
     """The client of the parsed flags (``--server`` or ``$WSTREAM_SERVER``, the keys, the admin
     secret, the timeout); ``options`` are more :class:`Client` keywords, or override those."""
-    flags = {**key_options(args), "admin_secret": admin_secret_from_args(args), "timeout": args.timeout}
+    secret = admin_secret_from_args(args)
+    # None from an explicit --token-file must not let the Client read $WSTREAM_ADMIN_SECRET_FILE itself
+    no_secret = secret is None and bool(getattr(args, "token_file", None))
+    flags = {**key_options(args), "admin_secret": False if no_secret else secret, "timeout": args.timeout}
     return Client(args.server, **{**flags, **options})
 
 

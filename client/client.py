@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import weakref
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 import torch
@@ -71,7 +72,7 @@ class Client(ServerOperations):
     ``admin_secret``: the server's admin secret (``--admin-secret-file``), for :meth:`create_job`
     on a server that has one (it refuses creation without), :meth:`drop_job`, :meth:`save_job` and
     :meth:`shutdown`; it is never sent, only proven. Default: the file ``$WSTREAM_ADMIN_SECRET_FILE``
-    names, if set.
+    names, if set; ``False``: none, whatever the environment says.
     ``server_public_key``: for a server with CURVE encryption (``--curve-secret-key``), its public
     certificate file (``NAME.key``) or z85 public key; default ``$WSTREAM_SERVER_KEY``, else no
     encryption. ``client_secret_key``: this client's secret certificate file, for a server that
@@ -87,7 +88,7 @@ class Client(ServerOperations):
         self,
         address: str | None = None,
         *,
-        admin_secret: str | None = None,
+        admin_secret: str | Literal[False] | None = None,
         timeout: float = 60.0,
         wait_timeout: float = 600.0,
         wait_report: float = 30.0,
@@ -98,8 +99,9 @@ class Client(ServerOperations):
         if "://" not in address:
             raise ValueError(f"{address!r} is not a ZeroMQ endpoint like tcp://127.0.0.1:5555 or ipc:///path")
         # the server reads its secret file stripped: one given with its file's newline would never match
-        self._given_admin_secret = None if admin_secret is None else admin_secret.strip()
-        self._env_admin_secret: tuple[str | None] | None = None  # read from the environment when first needed
+        self._given_admin_secret = admin_secret.strip() if isinstance(admin_secret, str) else None
+        # read from the environment when first needed; False: never (a token given instead wins)
+        self._env_admin_secret: tuple[str | None] | None = (None,) if admin_secret is False else None
         self.address = address
         self.timeout_s = timeout
         self.wait_timeout_s = wait_timeout
@@ -117,6 +119,7 @@ class Client(ServerOperations):
             raise
         self._admin: SessionSigner | None = None
         self._token_jobs: dict[tuple[str, str], Job] = {}  # (name, token) -> the handle the job operations use
+        self._token_jobs_lock = threading.Lock()
         self._trainers: weakref.WeakSet[Closeable] = weakref.WeakSet()
         self._closed = False
 

@@ -5,17 +5,18 @@ creates jobs."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 import msgspec
 import torch
 from torch import nn
 
-from wstream.protocol import LayoutError, StageSpec, StateError
+from wstream.protocol import AuthError, LayoutError, StageSpec, StateError
 from wstream.protocol import messages as m
 from wstream.protocol.auth import SessionSigner
 from wstream.protocol.frames import copy_frames_into
@@ -204,23 +205,20 @@ class Job:
         """Snapshot the job on the server's store; returns (step, directory) once it is durable.
 
         The snapshot is of the job's next consistent step (at once when no step is under way). A
-        server with an admin secret refuses this from a job session: with the client's admin
-        secret it goes through the admin session (``Client.save_job``)."""
-        if self.client._admin_secret() is not None:
-            return self.client.save_job(self.name, timeout=timeout)
-        reply, _ = self.client._chan.request(
-            m.Save(session=self.session), m.Saved, timeout_s=timeout or self.client.wait_timeout_s, held=True
-        )
+        server with an admin secret refuses this from a job session: use ``Client.save_job`` with
+        ``admin_secret``."""
+        with self._admin_hint("save_job"):
+            reply, _ = self.client._chan.request(
+                m.Save(session=self.session), m.Saved, timeout_s=timeout or self.client.wait_timeout_s, held=True
+            )
         return reply.step, reply.path
 
     def set_schedule(self, schedule: Schedule | None = None, *, lr: float | None = None) -> None:
         """Change the job's base ``lr`` and/or learning-rate ``schedule`` (e.g.
         ``WarmupCosine(...)``), from the next step to commit on; the step index the schedule is
         evaluated at stays the job's. A server with an admin secret refuses this from a job
-        session: with the client's admin secret it goes through the admin session."""
-        if self.client._admin_secret() is not None:
-            self.client.set_schedule(self.name, schedule, lr=lr)
-        else:
+        session: use ``Client.set_schedule`` with ``admin_secret``."""
+        with self._admin_hint("set_schedule"):
             self.client._chan.request(m.SetSchedule(session=self.session, lr=lr, schedule=schedule), m.Ok)
         opt = self.options.optimizer
         opt = msgspec.structs.replace(opt, lr=opt.lr if lr is None else lr, schedule=schedule or opt.schedule)
@@ -238,12 +236,22 @@ class Job:
         """Delete the job from the server, freeing its memory, **and its snapshots** in the
         server's store (workers get errors afterwards; a restart does not bring it back).
 
-        A server with an admin secret refuses this from a job session: with the client's admin
-        secret it goes through the admin session (``Client.drop_job``)."""
-        if self.client._admin_secret() is not None:
-            self.client.drop_job(self.name)
-        else:
+        A server with an admin secret refuses this from a job session (``AuthError``): use
+        ``Client.drop_job`` with ``admin_secret``. (Not routed there by itself: the admin
+        session acts by name, and a handle kept past a drop would then act on a new job of its
+        name; this handle's session belongs to its own job only.)"""
+        with self._admin_hint("drop_job"):
             self.client._chan.request(m.DropJob(session=self.session), m.Ok)
+
+    @contextlib.contextmanager
+    def _admin_hint(self, method: str) -> Iterator[None]:
+        """An ``AuthError`` of a job-session request on a server with an admin secret says which
+        client method does it with the secret."""
+        try:
+            yield
+        except AuthError as exc:
+            exc.add_note(f"with the server's admin secret: Client(address, admin_secret=...).{method}({self.name!r}, ...)")
+            raise
 
 
 _TOLD_OF_CUDA = False

@@ -313,11 +313,16 @@ def export_adapter(
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
     adapted = [stage for stage in range(job.num_stages) if any(is_adapter(p.name) for p in job.specs[stage].params)]
-    _, pulled = pull_consistent(lambda k: job.pull_stage_versioned(adapted[k]), len(adapted), job.name)  # of one step
+
+    def adapters_of(k: int) -> tuple[int, dict[str, torch.Tensor]]:
+        # only the adapters are kept: a job made without ``base=`` holds its frozen weights too
+        step, weights = job.pull_stage_versioned(adapted[k])
+        return step, {name: t for name, t in weights.items() if is_adapter(name)}
+
+    _, pulled = pull_consistent(adapters_of, len(adapted), job.name)  # of one step
     tensors: dict[str, torch.Tensor] = {}
     for stage_tensors in pulled:
-        # only the adapters: a job made without ``base=`` holds its frozen weights too
-        tensors.update((peft_name(model_name(name)), t.contiguous()) for name, t in stage_tensors.items() if is_adapter(name))
+        tensors.update((peft_name(model_name(name)), t.contiguous()) for name, t in stage_tensors.items())
     save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
     config = {
         "peft_type": "LORA",

@@ -11,6 +11,7 @@ forgotten its session: each handle is a session, and a job has at most ``--max-s
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -43,6 +44,7 @@ class ServerOperations:
     _keys: Keyring
     _admin: SessionSigner | None
     _token_jobs: dict[tuple[str, str], Job]
+    _token_jobs_lock: threading.Lock
     wait_timeout_s: float
 
     if TYPE_CHECKING:  # the client's own
@@ -151,9 +153,10 @@ class ServerOperations:
         dropped and created again)."""
         key = (name, self._job_token(token))
         for attempt in (0, 1):
-            job = self._token_jobs.get(key)
-            if job is None:
-                job = self._token_jobs[key] = self.attach_job(name, token=key[1])
+            with self._token_jobs_lock:  # two threads asking at once open one session
+                job = self._token_jobs.get(key)
+                if job is None:
+                    job = self._token_jobs[key] = self.attach_job(name, token=key[1])
             try:
                 return op(job)
             except SessionExpiredError:

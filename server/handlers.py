@@ -180,6 +180,7 @@ class Handlers:
         del self.jobs[job.name]
         job.refuse_waiters(lambda identity, request_id: self.outbox.error(identity, request_id, gone))
         job.close()
+        self.snapshots.job_left()
         log.info("job %r %s; %d bytes free", job.name, reason, self.memory.free)
 
     def _named_job(self, s: Session, name: str | None, what: str) -> Job:

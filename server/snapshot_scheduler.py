@@ -44,6 +44,9 @@ class SnapshotScheduler:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="wstream-snapshot")
         self.written: Mailbox[Written] = Mailbox()
         self._waiters: dict[str, list[Waiter]] = {}
+        self._turns: list[str] = []
+        """Jobs due for a snapshot while another was under way, in the order they became due: the
+        first starts next (NOTE in :meth:`_start_next`)."""
         self.unresumed: dict[str, str] = {}
         """Jobs of the store not resumed at start, and why: their files stay in place (a restart that
         can resume them will), so a new job of that name is refused (its snapshots would be mixed
@@ -119,6 +122,7 @@ class SnapshotScheduler:
             path = job.last_snapshot_path
             for w in waiters:  # nothing changed since: that snapshot is it
                 self.outbox.send(Outgoing(w.identity, w.reply(step, path)))
+            self._leave_turns(job.name)
             return
         every = self.every
         if reason is None and waiters:
@@ -129,10 +133,15 @@ class SnapshotScheduler:
         if reason is None and every and step >= last + every:
             reason = f"every {every} steps"  # also when the step it was due at came during a write
         if reason is None:
+            self._leave_turns(job.name)
             return
-        if any(j.snapshot is not None for j in self.jobs.values()):  # one at a time: see :meth:`_start_next`
+        busy = any(j.snapshot is not None for j in self.jobs.values())
+        if busy or (self._turns and self._turns[0] != job.name):  # one at a time, in turn: :meth:`_start_next`
             self._waiters.setdefault(job.name, [])[:0] = waiters  # (kept, first, for when it can start)
+            if job.name not in self._turns:
+                self._turns.append(job.name)
             return
+        self._leave_turns(job.name)
         snap = Snapshot(job.record(), step, self.buffer_bytes, reason, waiters=waiters)
         job.record_changed = False  # (a change from now on is for the next one)
         job.snapshot = snap
@@ -161,16 +170,43 @@ class SnapshotScheduler:
         self._record(job, snap, path, error)
         self._start_next(after=job)
 
-    def _start_next(self, after: Job) -> None:
-        """The writer is free: start the next snapshot due, the other jobs' before ``after``'s
-        again. One snapshot is under way at a time, server-wide: a snapshot's clones are taken from
-        its start (NOTE [Consistent snapshots] rule 2), so several queued for the one writer held
-        one ``--snapshot-buffer`` each (found by review: 6 jobs held 4x the buffer, outside the
-        memory limit). A job whose turn comes at a step in the middle of an update starts at its
-        next consistent step (each update's completion asks again)."""
-        for other in [j for j in self.jobs.values() if j is not after] + [after]:
+    def _start_next(self, after: Job | None) -> None:
+        """The writer is free: start the next snapshot.
+
+        NOTE [One snapshot at a time]
+        1. One snapshot is under way at a time, server-wide: a snapshot's clones are taken from its
+           start (NOTE [Consistent snapshots] rule 2), so several queued for the one writer held
+           one ``--snapshot-buffer`` each (found by review: 6 jobs held 4x the buffer, outside the
+           memory limit).
+        2. A job due while another is under way takes a turn (``_turns``, in the order they became
+           due); turns are served first to last, so no job waits for more than the turns before it
+           (a first version tried the jobs in table order, and two busy jobs starved a third).
+        3. The first turn's job may be in the middle of a step when the writer frees: the writer
+           waits for it (its updates' completions, or the discard of its step, ask again), and no
+           other job starts meanwhile.
+        4. With no turn taken, every job is asked, the one that just finished (``after``) last."""
+        while self._turns:
+            name = self._turns[0]
+            job = self.jobs.get(name)
+            if job is None:
+                self._turns.pop(0)
+                continue
+            self.maybe_snapshot(job)
+            if any(j.snapshot is not None for j in self.jobs.values()) or (self._turns and self._turns[0] == name):
+                return  # started, or waited for (rule 3)
+        for other in [j for j in self.jobs.values() if j is not after] + ([after] if after is not None else []):
             if self.jobs.get(other.name) is other:
                 self.maybe_snapshot(other)
+
+    def job_left(self) -> None:
+        """A job left the table (dropped): with no snapshot under way, the next turn may start
+        (the dropped job may have been the first, that the writer waited for)."""
+        if not any(j.snapshot is not None for j in self.jobs.values()):
+            self._start_next(None)
+
+    def _leave_turns(self, name: str) -> None:
+        if name in self._turns:
+            self._turns.remove(name)
 
     def _record(self, job: Job, snap: Snapshot, path: str | None, error: BaseException | None) -> None:
         """Note a finished write and answer its waiters."""
@@ -211,6 +247,7 @@ class SnapshotScheduler:
                     "it is as it was"
                 ) from None
         waiters = self._waiters.pop(job.name, [])
+        self._leave_turns(job.name)
         if job.snapshot is not None:  # its waiters too: a cancelled write ends with no one to answer
             job.snapshot.cancel()
             waiters += job.snapshot.waiters

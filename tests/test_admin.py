@@ -149,9 +149,13 @@ def test_an_explicit_token_file_wins_over_the_environments_admin_secret(
     secret.chmod(0o600)
     monkeypatch.setenv("WSTREAM_ADMIN_SECRET_FILE", str(secret))
     out = tmp_path / "w.safetensors"
-    argv = ["export", "tok", "--server", server.address, "--token-file", str(tmp_path / "token"), "--out", str(out)]
-    assert main(argv) == 0, capsys.readouterr().err
+    given = ["--server", server.address, "--token-file", str(tmp_path / "token")]
+    assert main(["export", "tok", *given, "--out", str(out)]) == 0, capsys.readouterr().err
     assert out.exists()
+    # (found by a second review: the commands that ask the Client for its secret still read the variable)
+    assert main(["schedule", "tok", *given, "--lr", "0.5"]) == 0, capsys.readouterr().err
+    assert main(["save", "tok", *given]) == 0 or "no store" in capsys.readouterr().err
+    assert main(["drop", "tok", *given]) == 0, capsys.readouterr().err
 
 
 def test_save_refuses_a_wait_that_is_no_positive_number_of_seconds(capsys: pytest.CaptureFixture[str]) -> None:

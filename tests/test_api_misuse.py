@@ -357,13 +357,23 @@ def test_secrets_read_from_files_with_their_newline(client: Client, admin_server
     with pytest.raises(JobExistsError) as exists:
         client.create_job("exists", [nn.Linear(2, 2)], token="t")
     assert "exist_ok=True" in "".join(getattr(exists.value, "__notes__", []))
+    from wstream.client import AuthError, SessionExpiredError
+
     with Client(admin_server.address, admin_secret=ADMIN_SECRET + "\n", timeout=30) as admin:
-        job = admin.create_job("a", [nn.Linear(2, 2)], optimizer=SGD(), token="t")
+        old = admin.create_job("a", [nn.Linear(2, 2)], optimizer=SGD(), token="t")
         assert [j.name for j in admin.status().jobs] == ["a"]
-        # found by review: a job handle's drop was refused on an admin server even with the secret in hand
-        job.set_schedule(lr=0.5)
-        job.drop()
-        assert admin.status().jobs == []
+        # found by review: a job handle's refused drop named an internal op; it names the client method now
+        with pytest.raises(AuthError) as refused:
+            old.drop()
+        assert "admin_secret=...).drop_job('a'" in "".join(getattr(refused.value, "__notes__", []))
+        admin.drop_job("a")
+        admin.create_job("a", [nn.Linear(2, 2)], optimizer=SGD(), token="t")  # another job of the name
+        # a handle kept past the drop never acts on the new job (its session was the old job's)
+        with pytest.raises((AuthError, SessionExpiredError)):
+            old.drop()
+        with pytest.raises((AuthError, SessionExpiredError)):
+            old.set_schedule(lr=0.5)
+        assert [j.name for j in admin.status().jobs] == ["a"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible")

@@ -310,3 +310,31 @@ def test_adapter_and_merged_exports_read_while_the_job_trains_are_of_one_step(cl
             for j, name in ((job, "merged"), (_Racing(job, lag={adapted[0]}), "merged-racing"))
         ]
         assert all(torch.equal(merged[0][k], merged[1][k]) for k in merged[0])
+
+
+def test_an_adapter_export_holds_only_the_adapters(client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a second review: made to read one step, ``export_adapter`` kept every adapted
+    stage's whole weights until the file was written (a job made without ``base=`` holds its frozen
+    weights too: the whole model in fp32). It keeps the adapters only."""
+    from wstream.client import lora as lora_module
+
+    folder = save_model("gpt2", tmp_path / "model")
+    lora = Lora(targets=TARGETS["gpt2"], rank=4, alpha=8.0)
+    job = client.create_job("whole", list(add_lora(stages_from_pretrained(folder), lora)), token="t", optimizer=AdamW(lr=1e-2))
+    held: list[int] = []
+    pull_consistent = lora_module.pull_consistent
+
+    def measured(pull, stages, name):  # type: ignore[no-untyped-def]
+        step, pulled = pull_consistent(pull, stages, name)
+        held.append(sum(t.numel() * t.element_size() for tensors in pulled for t in tensors.values()))
+        return step, pulled
+
+    monkeypatch.setattr(lora_module, "pull_consistent", measured)
+    written = load_file_sizes(export_adapter(job, tmp_path / "adapter", lora) / "adapter_model.safetensors")
+    assert held == [written], (held, written)
+
+
+def load_file_sizes(path: Path) -> int:
+    from safetensors.torch import load_file
+
+    return sum(t.numel() * t.element_size() for t in load_file(path).values())

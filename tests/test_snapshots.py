@@ -749,3 +749,100 @@ def test_one_snapshot_is_under_way_at_a_time_so_one_buffer_bounds_the_clones(tmp
     finally:
         gate.set()
         srv.stop()
+
+
+class _StubJob:
+    """What the snapshot scheduler reads of a job, trained by hand (``step``; ``None``: mid-step)."""
+
+    def __init__(self, name: str) -> None:
+        import types
+
+        self.name, self.snapshot, self.at = name, None, 0
+        self.last_snapshot_step = self.last_snapshot_path = self.snapshot_failed_step = None
+        self.record_changed = False
+        self.counters = types.SimpleNamespace(
+            snapshots=types.SimpleNamespace(observe=lambda s: None), snapshot_bytes=0, snapshot_failures=0
+        )
+
+    def consistent_step(self) -> int | None:
+        return self.at
+
+    def record(self):  # type: ignore[no-untyped-def]
+        import types
+
+        return types.SimpleNamespace(name=self.name)
+
+    def snapshot_sources(self) -> list:
+        return []
+
+
+def _scheduler(tmp_path: Path, names: str):  # type: ignore[no-untyped-def]
+    """A real ``SnapshotScheduler`` over stub jobs, whose writer is run by hand (``write()``)."""
+    import types
+
+    from wstream.server.config import ServerConfig
+    from wstream.server.snapshot_scheduler import SnapshotScheduler
+
+    jobs = {n: _StubJob(n) for n in names}
+    outbox = types.SimpleNamespace(send=lambda *a: None, error=lambda *a: None)
+    sched = SnapshotScheduler(None, ServerConfig(snapshot_every=1, store=str(tmp_path / "unused")), jobs, outbox)
+    queue: list = []
+    sched.store = types.SimpleNamespace(write=lambda snap, stages: f"/store/{snap.record.name}/{snap.step}", take_out=lambda name: None)
+    sched._writer = types.SimpleNamespace(submit=lambda fn, *a: queue.append((fn, a)))
+
+    def write() -> str:
+        fn, args = queue.pop(0)
+        fn(*args)
+        sched.drain()
+        return args[1].record.name
+
+    return sched, jobs, write
+
+
+def test_jobs_due_while_a_snapshot_is_written_take_turns(tmp_path: Path) -> None:
+    """Found by review: with one snapshot at a time, the free writer went to the jobs in table
+    order, so two jobs due at every write took it in alternation and a third (its saves, and a new
+    job's creation snapshot that ``create_job`` waits for) never had it. Jobs take turns now."""
+    from collections import Counter
+
+    sched, jobs, write = _scheduler(tmp_path, "ABC")
+    taken: Counter[str] = Counter()
+    for _ in range(30):
+        for j in jobs.values():  # each trains a step while the write runs, and asks at its end
+            j.at += 1
+            sched.maybe_snapshot(j)
+        taken[write()] += 1
+    assert taken == {"A": 10, "B": 10, "C": 10}, taken
+
+
+def test_the_writer_waits_for_the_first_turns_job_in_the_middle_of_a_step(tmp_path: Path) -> None:
+    """NOTE [One snapshot at a time] rule 3: the job whose turn it is may be mid-step when the
+    writer frees; no other job starts meanwhile, and it starts at its next consistent step. A job
+    dropped while its turn is first hands the turn on."""
+    sched, jobs, write = _scheduler(tmp_path, "ABC")
+    for j in jobs.values():
+        j.at = 1
+        sched.maybe_snapshot(j)  # A starts; B, then C, take turns
+    assert sched._turns == ["B", "C"]
+    jobs["B"].at = None  # B is mid-step when A's write ends
+    assert write() == "A"
+    assert all(j.snapshot is None for j in jobs.values()) and sched._turns == ["B", "C"]
+    jobs["C"].at = 2
+    sched.maybe_snapshot(jobs["C"])  # C asks at the end of its step: B's turn is first
+    assert jobs["C"].snapshot is None
+    jobs["B"].at = 2
+    sched.maybe_snapshot(jobs["B"])  # B's updates end: its turn
+    assert jobs["B"].snapshot is not None
+    assert write() == "B" and jobs["C"].snapshot is not None  # then C's
+    assert write() == "C"
+    jobs["A"].at, jobs["C"].at = 3, 3
+    sched.maybe_snapshot(jobs["A"])
+    jobs["B"].at = None
+    sched.maybe_snapshot(jobs["C"])
+    assert sched._turns == ["C"]
+    sched._turns.insert(0, "B")  # B's turn first, B mid-step, and then B is dropped
+    write()
+    assert jobs["C"].snapshot is None
+    sched.forget(jobs.pop("B"), UnknownJobError("dropped"))  # type: ignore[arg-type]
+    sched.job_left()
+    assert jobs["C"].snapshot is not None
