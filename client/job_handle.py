@@ -260,12 +260,17 @@ _TOLD_OF_CUDA = False
 def worker_device(device: str | torch.device) -> torch.device:
     """``device`` as a torch device, refused by name when this torch cannot use it (a CUDA device
     without CUDA: torch's own message is a bare assertion); a CPU worker on a host whose GPU
-    goes unused is told so, once per process."""
+    goes unused is told so, once per process. ``"cuda"`` is given the index of this thread's
+    current device (``from_torchrun`` sets the rank's): the trainer's helper threads start on
+    device 0, and a device guard without an index would leave them there, making a context on
+    GPU 0 for every rank."""
     global _TOLD_OF_CUDA
     place = torch.device(device)
     if place.type == "cuda" and not torch.cuda.is_available():
         why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA device is visible"
         raise ValueError(f"device {str(device)!r}: {why} (torch {torch.__version__}); train on 'cpu', or install a CUDA torch")
+    if place.type == "cuda" and place.index is None:
+        place = torch.device("cuda", torch.cuda.current_device())
     if place.type == "cpu" and not _TOLD_OF_CUDA and torch.cuda.is_available():
         _TOLD_OF_CUDA = True
         log.warning("this trainer computes on the CPU while a CUDA device is visible: job.trainer('cuda') uses the GPU")

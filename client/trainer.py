@@ -466,8 +466,12 @@ class Trainer:
                         "all-reduce every stage in lockstep, so one rank cannot train a step again alone: restart every "
                         "rank (torchrun does with --max-restarts) to resume from the job's step"
                     ) from exc
-                self.connection.recover(exc)
-                self._step = self.connection.joined_step
+                # without its traceback: the failed step's frames, and the activations they hold (on
+                # a GPU, device memory), are freed before the reconnect allocates its buffers
+                cause = exc.with_traceback(None)
+            self.connection.recover(cause)
+            del cause
+            self._step = self.connection.joined_step
             if self._step != step:
                 raise Resynced(step, self._step)
             rng.set_state(start)

@@ -4,12 +4,17 @@ server's state changes, and the caller loses nothing (its model keeps its weight
 from __future__ import annotations
 
 import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 from torch import nn
 
 from wstream.client import SGD, AdamW, Client, LayoutError, StateError
+
+if TYPE_CHECKING:
+    from wstream.server.inprocess import InProcessServer
 
 
 def on_device(stages: list[nn.Module]) -> list[str]:
@@ -315,7 +320,7 @@ def test_a_stage_that_changes_its_input_in_place_is_named(client: Client) -> Non
             trainer.step(torch.randn(2, 4), torch.randn(2, 4), torch.nn.functional.mse_loss)
 
 
-def test_job_operations_by_token_reuse_one_session(tmp_path: "Path") -> None:
+def test_job_operations_by_token_reuse_one_session(tmp_path: Path) -> None:
     """Found by review: ``Client.wait_step/save_job/set_schedule`` with a token opened a session
     per call, so a script polling ``wait_step`` crowded out the job's workers' sessions
     (``--max-sessions-per-job``). One handle per (job, token) is kept, and opened again when the
@@ -342,7 +347,7 @@ def test_job_operations_by_token_reuse_one_session(tmp_path: "Path") -> None:
             assert c.status().jobs == []
 
 
-def test_secrets_read_from_files_with_their_newline(client: Client, admin_server: "InProcessServer") -> None:
+def test_secrets_read_from_files_with_their_newline(client: Client, admin_server: InProcessServer) -> None:
     """Found by review: ``token=open(f).read()`` made a job that ``wstream --token-file f`` (which
     strips) could never open, and ``admin_secret=open(f).read()`` never matched the server's
     (stripped) secret. A new job's token with whitespace around it is refused; an admin secret
@@ -384,3 +389,15 @@ def test_a_cuda_trainer_without_cuda_is_refused_by_name(client: Client) -> None:
     with pytest.raises(ValueError, match="device 'cuda': .*train on 'cpu'"):
         job.trainer("cuda")
     assert [j.workers for j in client.status().jobs] == [[]]
+
+
+def test_a_cuda_device_without_an_index_gets_the_current_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review of the GPU paths: ``job.trainer("cuda")`` on a torchrun rank kept the device
+    without its index, so the helper threads' device guards (which start on device 0) did nothing
+    and every rank made a context on GPU 0. The current device's index is taken (the rank's)."""
+    from wstream.client import job_handle
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert job_handle.worker_device("cuda") == torch.device("cuda", 3)
+    assert job_handle.worker_device("cuda:1") == torch.device("cuda", 1)

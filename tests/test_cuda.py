@@ -94,11 +94,12 @@ def test_gradients_are_staged_in_fp32_and_copied_into_the_registered_slot() -> N
     scatter_grads(want, spec, [g.to(torch.bfloat16).float() for g in grads_cpu])
     stager = GradientStager(DEV, spec.numel, CudaCopyEngine(DEV, "d2h"))
     slot, reg = _registered(spec.numel)
+    on_device = [g.to(DEV, torch.bfloat16) for g in grads_cpu]  # (a copy from pageable memory syncs the stream: before the sleep)
     try:
         for _ in range(3):
             slot.fill_(float("nan"))
             torch.cuda._sleep(SLEEP_CYCLES)  # the gradients are "still being computed"
-            grads = [g.to(DEV, torch.bfloat16) for g in grads_cpu]
+            grads = [g * 1 for g in on_device]  # queued after the sleep, on the compute stream
             ticket = stager.write(slot, spec, grads)
             ticket.synchronize()
             assert torch.equal(slot, want)

@@ -254,3 +254,51 @@ def test_a_step_trained_again_after_a_lost_connection_draws_the_random_numbers_o
 
     monkeypatch.setattr(GradientPusher, "push", lose_the_connection_before_step_1_ends)
     assert_weights_equal(train("lost"), want, atol=0.0)
+
+
+def test_a_failed_steps_activations_are_freed_before_the_reconnect(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a review of the GPU paths: the reconnect ran inside the ``except`` block, whose
+    traceback kept the failed step's frames alive, and with them its run (kept activations, tapes,
+    gradient sums: device memory on a GPU) while the reconnect allocated its new buffers. The run
+    is freed first now."""
+    import gc
+    import weakref
+
+    from wstream.client import SessionExpiredError, trainer as trainer_module
+    from wstream.client.connection import WorkerConnection
+
+    runs: list[weakref.ref] = []
+
+    class Tracked(trainer_module.PlanRun):  # type: ignore[misc, name-defined]
+        __slots__ = ("__weakref__",)
+
+        def __init__(self, *args, **kw) -> None:  # type: ignore[no-untyped-def]
+            super().__init__(*args, **kw)
+            runs.append(weakref.ref(self))
+
+    alive_at_reconnect: list[bool] = []
+    recover = WorkerConnection.recover
+
+    def checked(self, cause):  # type: ignore[no-untyped-def]
+        gc.collect()
+        alive_at_reconnect.append(runs[-1]() is not None)
+        return recover(self, cause)
+
+    queue_push = GradientPusher.push
+    lost: list[int] = []
+
+    def lose_the_connection(pusher: GradientPusher, stage: int, step: int, *args: object, **kw: object) -> None:
+        if step == 1 and not lost:
+            lost.append(step)
+            raise SessionExpiredError("injected: the server forgot this worker")
+        queue_push(pusher, stage, step, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(trainer_module, "PlanRun", Tracked)
+    monkeypatch.setattr(WorkerConnection, "recover", checked)
+    monkeypatch.setattr(GradientPusher, "push", lose_the_connection)
+    job = client.create_job("freed", models.mixed(), optimizer=AdamW(lr=LR), token="t")
+    with job.trainer(reconnect_s=30) as trainer:
+        for t in range(2):
+            trainer.step(*models.batch("mixed", t), models.loss_fn)
+        assert trainer.reconnects == 1
+    assert alive_at_reconnect == [False]
