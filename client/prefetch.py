@@ -82,8 +82,12 @@ class WeightRing:
             self.resident -= 1
             self._cond.notify()
 
-    def release_all(self) -> None:
+    def release_all(self, consumed: CopyTicket = DONE) -> None:
+        """Every buffer free again (a step aborted): ``consumed`` marks the compute stream's work
+        so far, which the next copy into any of them waits for (kernels of the aborted step may
+        still read them; the old marks are older than those kernels)."""
         with self._cond:
+            self._consumed = [consumed] * len(self.buffers)
             self._free = deque(range(len(self.buffers)))
             self.resident = 0
             self._cond.notify_all()
@@ -163,7 +167,7 @@ class Prefetcher:
             self._orders.get_nowait()
         while not self._ready.empty():
             self._ready.get_nowait()
-        self._ring.release_all()
+        self._ring.release_all(self._engine.mark())
 
     close = reset
 

@@ -329,3 +329,22 @@ def test_scatter_grads_writes_every_piece_as_the_layout_says(case: str) -> None:
     scatter_grads(dst, spec, grads)  # grad mode on, as in a step
     assert torch.equal(dst[: layout.numel], want) and not dst.requires_grad
     assert torch.all(dst[layout.numel :] == 7.0)  # nothing past the push
+
+
+def test_an_aborted_steps_ring_buffers_are_refilled_only_after_its_queued_reads() -> None:
+    """Found by a review of the GPU paths: after an aborted step the ring's buffers were freed with
+    their old "consumed" marks, older than the aborted step's kernels still queued on the device,
+    so the next copy into a buffer could overwrite weights those kernels read. ``reset`` marks the
+    compute stream's work so far on every buffer (a CPU engine's mark is already done)."""
+    from wstream.client.prefetch import Prefetcher, WeightRing
+
+    class Engine:
+        marked = object()
+
+        def mark(self) -> object:
+            return self.marked
+
+    ring = WeightRing(3, 4, torch.float32, torch.device("cpu"))
+    prefetcher = Prefetcher(None, ring, Engine())  # type: ignore[arg-type]  (no stream: nothing is fetched)
+    prefetcher.reset()
+    assert [ring.consumed(i) for i in range(3)] == [Engine.marked] * 3
