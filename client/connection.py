@@ -261,7 +261,11 @@ class WorkerConnection:
         self.heartbeat.close()
         self.prefetcher.close()
         self.pusher.close()
-        self.release_host_memory()
+        self.release_host_memory()  # (after a device synchronize: no copy touches the old buffers now)
+        # the old ring and staging buffers go before the new connection allocates its own: on a GPU
+        # a ring sized close to the free memory (weight_budget) would not fit twice
+        self.ring.buffers.clear()
+        self.stager.buffers.clear()
         self._forget_joined()
         old_session, old_signer = self.session, self.sc.signer
         self.chan.close()

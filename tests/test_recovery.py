@@ -259,8 +259,8 @@ def test_a_step_trained_again_after_a_lost_connection_draws_the_random_numbers_o
 def test_a_failed_steps_activations_are_freed_before_the_reconnect(client: Client, monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by a review of the GPU paths: the reconnect ran inside the ``except`` block, whose
     traceback kept the failed step's frames alive, and with them its run (kept activations, tapes,
-    gradient sums: device memory on a GPU) while the reconnect allocated its new buffers. The run
-    is freed first now."""
+    gradient sums: device memory on a GPU), and the old weight ring and staging buffers were still
+    held, while the reconnect allocated new ones. All of them are freed first now."""
     import gc
     import weakref
 
@@ -284,6 +284,14 @@ def test_a_failed_steps_activations_are_freed_before_the_reconnect(client: Clien
         alive_at_reconnect.append(runs[-1]() is not None)
         return recover(self, cause)
 
+    old_buffers: list[int] = []
+    connect = WorkerConnection._connect_or_undo
+
+    def connecting(self):  # type: ignore[no-untyped-def]
+        if hasattr(self, "ring"):  # a reconnect: the old ring and staging buffers are gone already
+            old_buffers.append(len(self.ring.buffers) + len(self.stager.buffers))
+        return connect(self)
+
     queue_push = GradientPusher.push
     lost: list[int] = []
 
@@ -295,10 +303,12 @@ def test_a_failed_steps_activations_are_freed_before_the_reconnect(client: Clien
 
     monkeypatch.setattr(trainer_module, "PlanRun", Tracked)
     monkeypatch.setattr(WorkerConnection, "recover", checked)
+    monkeypatch.setattr(WorkerConnection, "_connect_or_undo", connecting)
     monkeypatch.setattr(GradientPusher, "push", lose_the_connection)
     job = client.create_job("freed", models.mixed(), optimizer=AdamW(lr=LR), token="t")
-    with job.trainer(reconnect_s=30) as trainer:
+    with job.trainer(reconnect_s=30, zero_copy=False) as trainer:  # (a ring that holds buffers)
+        assert len(trainer.connection.ring.buffers) > 0
         for t in range(2):
             trainer.step(*models.batch("mixed", t), models.loss_fn)
         assert trainer.reconnects == 1
-    assert alive_at_reconnect == [False]
+    assert alive_at_reconnect == [False] and old_buffers == [0]
