@@ -147,8 +147,7 @@ def test_a_loop_step_recovers_a_lost_connection_as_a_step_does(client: Client, m
     """Found by review: ``step_loop`` was not recovered as ``step`` is: a session lost at the body's
     push closed the trainer ("a step failed after gradients were sent") and every later call
     failed. It reconnects now and trains the step again, to the weights of a run without the loss."""
-    from wstream.client import SessionExpiredError
-    from wstream.client.push import GradientPusher
+    from test_recovery import lose_the_connection_once
 
     x, y = torch.randn(4, WIDTH), torch.zeros(4, WIDTH)
 
@@ -161,16 +160,7 @@ def test_a_loop_step_recovers_a_lost_connection_as_a_step_does(client: Client, m
         return job.state_dict(), reconnects
 
     want, none = train("kept")
-    queue_push = GradientPusher.push
-    lost: list[int] = []
-
-    def lose_the_connection_at_step_1(pusher: GradientPusher, stage: int, step: int, *args: object, **kw: object) -> None:
-        if step == 1 and not lost:
-            lost.append(step)
-            raise SessionExpiredError("injected: the server forgot this worker")
-        queue_push(pusher, stage, step, *args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(GradientPusher, "push", lose_the_connection_at_step_1)
+    lost = lose_the_connection_once(monkeypatch, at_step=1)
     got, reconnects = train("lost")
     assert lost and none == 0 and reconnects == 1
     assert all(torch.equal(got[k], want[k]) for k in want)

@@ -264,7 +264,7 @@ def test_a_failed_steps_activations_are_freed_before_the_reconnect(client: Clien
     import gc
     import weakref
 
-    from wstream.client import SessionExpiredError, trainer as trainer_module
+    from wstream.client import trainer as trainer_module
     from wstream.client.connection import WorkerConnection
 
     runs: list[weakref.ref] = []
@@ -292,19 +292,10 @@ def test_a_failed_steps_activations_are_freed_before_the_reconnect(client: Clien
             old_buffers.append(len(self.ring.buffers) + len(self.stager.buffers))
         return connect(self)
 
-    queue_push = GradientPusher.push
-    lost: list[int] = []
-
-    def lose_the_connection(pusher: GradientPusher, stage: int, step: int, *args: object, **kw: object) -> None:
-        if step == 1 and not lost:
-            lost.append(step)
-            raise SessionExpiredError("injected: the server forgot this worker")
-        queue_push(pusher, stage, step, *args, **kw)  # type: ignore[arg-type]
-
     monkeypatch.setattr(trainer_module, "PlanRun", Tracked)
     monkeypatch.setattr(WorkerConnection, "recover", checked)
     monkeypatch.setattr(WorkerConnection, "_connect_or_undo", connecting)
-    monkeypatch.setattr(GradientPusher, "push", lose_the_connection)
+    lose_the_connection_once(monkeypatch, at_step=1)
     job = client.create_job("freed", models.mixed(), optimizer=AdamW(lr=LR), token="t")
     with job.trainer(reconnect_s=30, zero_copy=False) as trainer:  # (a ring that holds buffers)
         assert len(trainer.connection.ring.buffers) > 0
@@ -312,3 +303,21 @@ def test_a_failed_steps_activations_are_freed_before_the_reconnect(client: Clien
             trainer.step(*models.batch("mixed", t), models.loss_fn)
         assert trainer.reconnects == 1
     assert alive_at_reconnect == [False] and old_buffers == [0]
+
+
+def lose_the_connection_once(monkeypatch: pytest.MonkeyPatch, *, at_step: int) -> list[int]:
+    """Make the first push of step ``at_step`` fail as when the server forgot this worker (its
+    session ended); returns the list the failure is noted in."""
+    from wstream.client import SessionExpiredError
+
+    queue_push = GradientPusher.push
+    lost: list[int] = []
+
+    def lose(pusher: GradientPusher, stage: int, step: int, *args: object, **kw: object) -> None:
+        if step == at_step and not lost:
+            lost.append(step)
+            raise SessionExpiredError("injected: the server forgot this worker")
+        queue_push(pusher, stage, step, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(GradientPusher, "push", lose)
+    return lost
