@@ -35,7 +35,6 @@ from .units import Units
 log = logging.getLogger(__name__)
 
 
-
 class JobClient(Protocol):
     """What a :class:`Job` needs of the ``Client`` that made it (``wstream.client.client``, which
     imports this module: a Protocol keeps the import one-way): its channel, its wait bound, and

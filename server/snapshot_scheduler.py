@@ -135,8 +135,7 @@ class SnapshotScheduler:
         if reason is None:
             self._leave_turns(job.name)
             return
-        busy = any(j.snapshot is not None for j in self.jobs.values())
-        if busy or (self._turns and self._turns[0] != job.name):  # one at a time, in turn: :meth:`_start_next`
+        if self._writing or (self._turns and self._turns[0] != job.name):  # one at a time, in turn: :meth:`_start_next`
             self._waiters.setdefault(job.name, [])[:0] = waiters  # (kept, first, for when it can start)
             if job.name not in self._turns:
                 self._turns.append(job.name)
@@ -192,7 +191,7 @@ class SnapshotScheduler:
                 self._turns.pop(0)
                 continue
             self.maybe_snapshot(job)
-            if any(j.snapshot is not None for j in self.jobs.values()) or (self._turns and self._turns[0] == name):
+            if self._writing or (self._turns and self._turns[0] == name):
                 return  # started, or waited for (rule 3)
         for other in [j for j in self.jobs.values() if j is not after] + ([after] if after is not None else []):
             if self.jobs.get(other.name) is other:
@@ -201,8 +200,13 @@ class SnapshotScheduler:
     def job_left(self) -> None:
         """A job left the table (dropped): with no snapshot under way, the next turn may start
         (the dropped job may have been the first, that the writer waited for)."""
-        if not any(j.snapshot is not None for j in self.jobs.values()):
+        if not self._writing:
             self._start_next(None)
+
+    @property
+    def _writing(self) -> bool:
+        """A snapshot is under way (NOTE [One snapshot at a time] rule 1)."""
+        return any(j.snapshot is not None for j in self.jobs.values())
 
     def _leave_turns(self, name: str) -> None:
         if name in self._turns:
