@@ -175,9 +175,21 @@ def exact_integer_buffers(spec: StageSpec) -> tuple[tuple[int, int, int], ...]:
     return tuple(out)
 
 
-def publish_integers(published: torch.Tensor, master: torch.Tensor, buffers: Iterable[tuple[int, int, int]]) -> None:
-    """Write ``buffers`` (:func:`exact_integer_buffers`) of the fp32 ``master`` into the 16-bit
-    ``published`` copy as int32 values (rule 1), after the rest of the copy is written."""
+def publish_master(
+    published: torch.Tensor,
+    master: torch.Tensor,
+    buffers: Iterable[tuple[int, int, int]],
+    ranges: Iterable[tuple[int, int]] | None = None,
+) -> None:
+    """Copy the fp32 ``master`` into its ``published`` copy (only ``ranges``, ``(start, end)``
+    element ranges, where given: the rest is written already), then ``buffers``
+    (:func:`exact_integer_buffers`; empty for an fp32 copy) as int32 values (rule 1). Every
+    publication goes through here, so none leaves an integer buffer cast."""
+    if ranges is None:
+        published.copy_(master)
+    else:
+        for start, end in ranges:
+            published[start:end].copy_(master[start:end])
     for _, offset, n in buffers:
         values = master[offset : offset + n].to(torch.int32).view(published.dtype)  # 2n 16-bit elements, the int32s' bytes
         published[offset : offset + 2 * n].copy_(values)

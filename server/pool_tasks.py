@@ -16,7 +16,7 @@ from typing import Protocol, Union
 import torch
 
 from wstream.protocol.grad_norm import accumulate, accumulate_with_norm, squared_norm
-from wstream.protocol.layout import publish_integers
+from wstream.protocol.layout import publish_master
 
 from .native import sum_with_norm as native_sum_with_norm
 from .snapshot import Snapshot
@@ -181,13 +181,8 @@ class UpdateTask:
                         buffer.add_(grad[at : at + n] / self.workers)
                     else:
                         torch.div(grad[at : at + n], self.workers, out=buffer)
-            if publish is not None and published:
-                for start, end in st.optimizer.untrained:  # frozen parameters, buffers, gaps
-                    publish[start:end].copy_(st.master[start:end])
-            elif publish is not None:
-                publish.copy_(st.master)
-            if publish is not None and st.exact_ints:  # NOTE [Integer buffers in a 16-bit published copy]
-                publish_integers(publish, st.master, st.exact_ints)
+            if publish is not None:  # where the optimizer wrote the trained parameters, the rest: frozen ones, buffers, gaps
+                publish_master(publish, st.master, st.exact_ints, st.optimizer.untrained if published else None)
         self.seconds = time.perf_counter() - t0
         return self
 

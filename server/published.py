@@ -17,7 +17,7 @@ import torch
 from wstream.protocol import LayoutError
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, frames_nbytes
-from wstream.protocol.layout import exact_integer_buffers, numel_of, publish_integers, push_layout, validate_groups, validate_stage
+from wstream.protocol.layout import exact_integer_buffers, numel_of, publish_master, push_layout, validate_groups, validate_stage
 from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
@@ -124,8 +124,7 @@ class PublishedStages:
             st.version = step
             published = st.slots[st.slot_for(step)]
             if published is not st.master:
-                published.copy_(st.master)
-                publish_integers(published, st.master, st.exact_ints)
+                publish_master(published, st.master, st.exact_ints)
 
     def append(self, index: int, spec: m.StageSpec, fill: Callable[[torch.Tensor], object]) -> StageState:
         """Reserve memory for stage ``index``, place it in the published segment, ``fill`` its
@@ -162,8 +161,7 @@ class PublishedStages:
         if self.double_buffer or pub_dtype != torch.float32:  # the master apart from the published copies
             master = torch.empty(numel, dtype=torch.float32)
             fill(master)
-            views[0].copy_(master)
-            publish_integers(views[0], master, exact_ints)
+            publish_master(views[0], master, exact_ints)
         else:  # fp32, one slot: the master is the published copy, updated in place
             master = views[0]
             fill(master)

@@ -11,8 +11,8 @@ validate is answered with an ``error`` reply and never leaves the loop.
 from __future__ import annotations
 
 import logging
-import select
 import os
+import select
 import signal
 import threading
 import time
