@@ -258,37 +258,40 @@ def stages_from_pretrained(
 
 def _initialized(layout: Layout, blocks_per_stage: int, seed: int | None) -> Iterator[nn.Module | Tied]:
     """The chain's stages materialized on the CPU and initialized by the model's own
-    ``_init_weights``, one at a time. A tensor it leaves untouched (NaN-filled first) is refused by
-    name rather than trained from whatever memory held."""
+    ``_init_weights``, one at a time, from the RNG seeded with ``seed`` when the first is built."""
     if seed is not None:
         torch.manual_seed(seed)
-    for item in _skeletons(layout, blocks_per_stage):
-        if isinstance(item, Tied):
-            yield item
-            continue
-        item.to_empty(device="cpu")
-        with torch.no_grad():
-            for t in (*item.parameters(), *item.buffers()):
-                if t.is_floating_point():
-                    t.fill_(float("nan"))
-            item.apply(layout.model._init_weights)
-        left = [n for n, t in (*item.named_parameters(), *item.named_buffers()) if t.is_floating_point() and t.isnan().any()]
-        if left:
-            raise UnsupportedModel(
-                f"{type(layout.model).__name__}._init_weights left {left[:3]} uninitialized: save the model with "
-                "save_pretrained and create the job from that folder"
-            )
-        yield item
+    yield from _materialized(layout, blocks_per_stage, lambda stage: _init_weights(layout, stage))
+
+
+def _init_weights(layout: Layout, stage: nn.Module) -> None:
+    """``stage``'s tensors by the model's ``_init_weights``. A tensor it leaves untouched
+    (NaN-filled first) is refused by name rather than trained from whatever memory held."""
+    with torch.no_grad():
+        for t in (*stage.parameters(), *stage.buffers()):
+            if t.is_floating_point():
+                t.fill_(float("nan"))
+        stage.apply(layout.model._init_weights)
+    left = [n for n, t in (*stage.named_parameters(), *stage.named_buffers()) if t.is_floating_point() and t.isnan().any()]
+    if left:
+        raise UnsupportedModel(
+            f"{type(layout.model).__name__}._init_weights left {left[:3]} uninitialized: save the model with "
+            "save_pretrained and create the job from that folder"
+        )
 
 
 def _filled(layout: Layout, blocks_per_stage: int, checkpoint: Checkpoint) -> Iterator[nn.Module | Tied]:
     """The chain's stages materialized on the CPU and filled from ``checkpoint``, one at a time."""
+    return _materialized(layout, blocks_per_stage, checkpoint.fill)
+
+
+def _materialized(layout: Layout, blocks_per_stage: int, fill: Callable[[nn.Module], object]) -> Iterator[nn.Module | Tied]:
+    """The chain's stages, each materialized on the CPU (uninitialized fp32) and ``fill``-ed, one
+    at a time; a :class:`Tied` position as it is."""
     for item in _skeletons(layout, blocks_per_stage):
-        if isinstance(item, Tied):
-            yield item
-            continue
-        item.to_empty(device="cpu")  # uninitialized fp32: every tensor is filled next
-        checkpoint.fill(item)
+        if not isinstance(item, Tied):
+            item.to_empty(device="cpu")
+            fill(item)
         yield item
 
 
