@@ -153,16 +153,10 @@ class Job:
 
         ``progress``: a progress bar on stderr (None: only when stderr is a terminal)."""
         with progress_bar(progress, self.num_params, f"pulling {self.name}") as bar:
-            counted: set[int] = set()  # a stage read again is not counted again
-
-            def pull(j: int) -> tuple[int, dict[str, torch.Tensor]]:
-                version, tensors = self._pull_versioned(j)
-                if j not in counted:
-                    counted.add(j)
-                    bar.update(sum(numel_of(p.shape) for p in self.unit_specs[j].params))
-                return version, tensors
-
-            _, stages = pull_consistent(pull, len(self.unit_specs), self.name)
+            _, stages = pull_consistent(
+                self._pull_versioned, len(self.unit_specs), self.name,
+                pulled=lambda j: bar.update(sum(numel_of(p.shape) for p in self.unit_specs[j].params)),
+            )
         return named_state(stages, units=self.units is not None)
 
     def pull_stage(self, stage: int) -> dict[str, torch.Tensor]:
@@ -281,14 +275,21 @@ T = TypeVar("T")
 
 
 def pull_consistent(
-    pull: Callable[[int], tuple[int, dict[str, torch.Tensor]]], stages: int, job: str
+    pull: Callable[[int], tuple[int, dict[str, torch.Tensor]]],
+    stages: int,
+    job: str,
+    *,
+    pulled: Callable[[int], object] = lambda j: None,
 ) -> tuple[int, list[dict[str, torch.Tensor]]]:
     """The step every stage was read at, and each stage's tensors of it: ``pull(j)`` gives stage
     j's (version, tensors), and a stage pulled at an older version than another is pulled again
     (its update was still to come; a pull waits for an update under way), until all agree. A job
     that keeps training faster than it is read is refused after a few rounds, rather than mixing
-    steps."""
-    got = [pull(j) for j in range(stages)]
+    steps. ``pulled(j)`` follows stage j's first pull only (a progress bar's count)."""
+    got = []
+    for j in range(stages):
+        got.append(pull(j))
+        pulled(j)
     for _ in range(CONSISTENT_PULL_ROUNDS):
         newest = max(v for v, _ in got)
         stale = [j for j, (v, _) in enumerate(got) if v != newest]

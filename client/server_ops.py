@@ -106,17 +106,15 @@ class ServerOperations:
         layout = self._admin_request(lambda sid: m.Describe(session=sid, job=name), m.Layout)
         total = sum(numel_of(p.shape) for s in layout.stages for p in s.params)
         with progress_bar(progress, total, f"pulling {name}") as bar:
-            counted: set[int] = set()  # a stage read again is not counted again
 
             def pull(i: int) -> tuple[int, dict[str, torch.Tensor]]:
                 assert self._admin is not None
                 reply, data = self._chan.request(m.Pull(session=self._admin.session, stage=i, job=name), m.Master)
-                if i not in counted:
-                    counted.add(i)
-                    bar.update(sum(numel_of(p.shape) for p in layout.stages[i].params))
                 return reply.version, stage_tensors(layout.stages[i], data)
 
-            step, stages = pull_consistent(pull, len(layout.stages), name)
+            step, stages = pull_consistent(
+                pull, len(layout.stages), name, pulled=lambda i: bar.update(sum(numel_of(p.shape) for p in layout.stages[i].params))
+            )
         out = named_state(stages, units=layout.units is not None)
         metadata = export_metadata(name, chain_layout(layout.stages, layout.units), layout.param_groups)
         save_file(out, os.fspath(path), metadata=metadata)

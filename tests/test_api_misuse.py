@@ -151,8 +151,10 @@ def test_a_state_dict_read_while_the_job_trains_is_of_one_step() -> None:
         at[j] = 1
         return version, {"w": torch.full((1,), float(version))}
 
-    step, got = pull_consistent(pull, 4, "j")
+    counted: list[int] = []
+    step, got = pull_consistent(pull, 4, "j", pulled=counted.append)
     assert calls == [0, 1, 2, 3, 1, 3] and step == 1 and all(t["w"].item() == 1.0 for t in got)
+    assert counted == [0, 1, 2, 3]  # a progress bar counts a stage read again once (it counted 6)
 
     ahead = iter(range(10**6))  # a job that trains faster than it is read
 
