@@ -38,150 +38,41 @@ mask, position ids and 4D masks of packed documents (NOTE [Packed sequences] the
 
 from __future__ import annotations
 
-import copy
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal, Protocol, Union
+from typing import Any, Literal
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 try:
-    from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+    from transformers import PretrainedConfig
 except ImportError as exc:  # an optional extra
     raise ImportError(
         "wstream.client.hf needs transformers: pip install -e '.[hf]' in a checkout of wstream (the hf extra)"
     ) from exc
 
 from safetensors import safe_open
-from safetensors.torch import save_file
 
-from wstream.protocol import LayoutError, ParamSpec, StageSpec, parse_size
-from wstream.protocol.layout import numel_of
+from wstream.protocol import LayoutError
 
-from .chain import progress_bar
 from .client import Client
-from .job_handle import Job, read_in_one_step
-from .hf_layout import FAMILIES, Layout, default_attn_implementation, layout_of
+from .hf_export import PulledStages, export_pretrained  # noqa: F401 - re-exported for users
+from .hf_layout import Layout, layout_of
 from .hf_layout import UnsupportedModel  # noqa: F401 - re-exported for users
 from .hf_masks import block_causal_mask  # noqa: F401 - re-exported for users
+from .hf_source import ATTN_IMPLEMENTATIONS, INDEX_FILE, SINGLE_FILE, Source, load_config, local_folder  # noqa: F401 - re-exported
 from .hf_stages import Blocks, Embedding, Head, TiedHead
-from .stages import DTYPE_OF_BUFFER, Tied
+from .job_handle import Job
+from .stages import Tied
 
 log = logging.getLogger(__name__)
 
-Source = Union[str, "os.PathLike[str]", PretrainedConfig]
-"""A ``save_pretrained`` folder (``config.json`` and safetensors weights) or a config."""
-
-ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
-"""The attention implementations a job may run with; None picks per model
-(:func:`~wstream.client.hf_layout.default_attn_implementation`)."""
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
 IGNORE_INDEX = -100
-
-
-# ---- where a model is: a local folder or the hub ---------------------------------------------------
-# NOTE [Local folders before the hub]
-# ``transformers`` takes a name that is not a folder for a hub repo id and asks the hub, retrying
-# for about 25 s without network, so a mistyped folder used to end in a connection error. Here:
-#   1. Weights are read from a local folder only (:class:`Checkpoint`), so creating a job, and
-#      exporting next to a source folder, check the folder first and name it when it is missing.
-#   2. A config alone (``attach_job_from_pretrained``) may come from the hub, but only for a name
-#      that can be nothing else: not a path object, not absolute or starting with ``.`` or ``~``,
-#      a valid ``namespace/name`` id, and not under a folder that exists here ("models/gtp2"
-#      where ./models exists is a typo of a local folder).
-#   3. ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) as set when called (``huggingface_hub``
-#      reads it once, at import): the hub is not asked; a hub id must be in the local cache.
-
-_TRUE = {"1", "ON", "YES", "TRUE"}
-
-
-def hub_offline() -> bool:
-    """Whether ``$HF_HUB_OFFLINE`` or ``$TRANSFORMERS_OFFLINE`` is set now (or was when
-    ``huggingface_hub`` was imported)."""
-    from huggingface_hub import constants
-
-    now = any(os.environ.get(name, "").strip().upper() in _TRUE for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-    return now or bool(constants.HF_HUB_OFFLINE)
-
-
-def looks_local(source: str | os.PathLike[str]) -> bool:
-    """Whether ``source`` can only mean a folder on this machine, not a hub repo id (NOTE above, 2)."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if not isinstance(source, str):
-        return True
-    if os.path.isabs(source) or source.startswith((".", "~")):
-        return True
-    head, sep, _ = source.replace(os.sep, "/").partition("/")
-    if sep and os.path.isdir(head):
-        return True
-    try:
-        validate_repo_id(source)
-    except HFValidationError:
-        return True
-    return False
-
-
-def local_folder(source: str | os.PathLike[str]) -> Path:
-    """``source`` as a ``save_pretrained`` folder on this machine (``~`` expanded): it must exist
-    and hold ``config.json``; ``FileNotFoundError`` names it otherwise, without asking the hub."""
-    folder = Path(os.path.expanduser(os.fspath(source)))
-    if not folder.is_dir():
-        if looks_local(source):
-            raise FileNotFoundError(
-                f"{os.fspath(source)}: no such folder (a save_pretrained folder, with config.json and safetensors "
-                "weights, was expected)"
-            )
-        raise FileNotFoundError(
-            f"{os.fspath(source)}: no such folder; wstream reads a local save_pretrained folder (config.json and "
-            f"safetensors weights), not the hub: download the model first "
-            f"(huggingface_hub.snapshot_download({os.fspath(source)!r}) returns its folder) and give that folder"
-        )
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{os.fspath(source)} is a folder without config.json: not a save_pretrained folder")
-    return folder
-
-
-def _config_location(source: str | os.PathLike[str]) -> tuple[str, bool]:
-    """Where :func:`load_config` reads ``source``'s config: a local folder (checked), or a hub id;
-    and whether the hub may not be asked (offline: its cache only)."""
-    if looks_local(source) or Path(os.path.expanduser(os.fspath(source))).is_dir():
-        return os.fspath(local_folder(source)), True
-    name = os.fspath(source)
-    if not hub_offline():
-        return name, False
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    if not isinstance(try_to_load_from_cache(name, "config.json"), str):
-        raise FileNotFoundError(
-            f"{name} is not a local folder and HF_HUB_OFFLINE is set: the hub is not asked, and its cache "
-            f"({constants.HF_HUB_CACHE}) holds no config of {name}"
-        )
-    return name, True
-
-
-# ---- configs and the chain -----------------------------------------------------------------------
-def load_config(source: Source, *, attn_implementation: str | None = None) -> PretrainedConfig:
-    """A copy of ``source``'s config (read from ``config.json`` for a folder, or a hub repo id's
-    when ``source`` can only be one: NOTE [Local folders before the hub]) that runs with
-    ``attn_implementation``: "sdpa" or "eager", explicit so results do not depend on what is
-    installed; None: "sdpa" where the model class supports it, else "eager" (Gemma2)."""
-    if attn_implementation is not None and attn_implementation not in ATTN_IMPLEMENTATIONS:
-        raise ValueError(f"attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, got {attn_implementation!r}")
-    if isinstance(source, PretrainedConfig):
-        config = copy.deepcopy(source)
-    else:
-        where, local_only = _config_location(source)
-        config = AutoConfig.from_pretrained(where, local_files_only=local_only)
-    config._attn_implementation = attn_implementation or default_attn_implementation(config)
-    return config
 
 
 def _block_ranges(config: PretrainedConfig, blocks_per_stage: int) -> list[range]:
@@ -397,163 +288,3 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     predicts label t + 1, labels of -100 are ignored, the mean over the rest (per micro-batch)."""
     logits = logits[..., :-1, :].float()
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[..., 1:].reshape(-1), ignore_index=IGNORE_INDEX)
-
-
-# ---- export --------------------------------------------------------------------------------------
-class PulledStages(Protocol):
-    """What an export reads of a job: a :class:`Job`, or its stages with adapters merged in
-    (``wstream.client.lora.MergedStages``)."""
-
-    name: str
-    specs: list[StageSpec]
-
-    @property
-    def num_stages(self) -> int: ...
-    @property
-    def num_params(self) -> int: ...
-    def pull_stage_versioned(self, stage: int) -> tuple[Any, dict[str, torch.Tensor]]: ...
-
-
-def export_pretrained(
-    job: PulledStages,
-    folder: str | os.PathLike[str],
-    config: Source,
-    *,
-    max_shard_size: int | str = "5GB",
-    dtype: torch.dtype = torch.float32,
-    progress: bool | None = None,
-) -> Path:
-    """Write the job's current weights as a ``save_pretrained`` folder that
-    ``AutoModelForCausalLM.from_pretrained(folder)`` loads: ``config.json`` and
-    ``model.safetensors`` (or shards of at most ``max_shard_size`` and their index).
-
-    ``config``: the model's config, or the folder the job was created from (then its tokenizer
-    and generation files are copied too). Stages are pulled one at a time and each shard is
-    written once complete, so memory holds about a shard and a stage. Tied weights are written
-    once, as ``save_pretrained`` does. ``dtype``: of the written tensors (the master is fp32);
-    the config records it (``dtype``), replacing the source's, so that ``from_pretrained`` loads
-    the tensors as written. Every tensor written is of one step of the job: read while it trains,
-    the export starts again when the job moves on (``StateError`` if it keeps moving on).
-    """
-    out = Path(folder)
-    stale = sorted(p.name for p in out.glob("model*.safetensors*"))
-    if stale:
-        raise FileExistsError(f"{out} already holds weights ({', '.join(stale[:3])}); export into an empty folder")
-    if not isinstance(config, PretrainedConfig):  # its other files are copied: a local folder
-        config = local_folder(config)
-    cfg = copy.deepcopy(config) if isinstance(config, PretrainedConfig) else load_config(config)
-    architecture = _check_names(job, cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    shards = _plan_shards(job, parse_size(max_shard_size), dtype.itemsize)
-    files = _shard_files(len(shards))
-    with progress_bar(progress, job.num_params, f"exporting {job.name}") as bar:
-        pending: dict[str, torch.Tensor] = {}
-        shard = 0
-
-        def use(stage: int, tensors: dict[str, torch.Tensor]) -> None:
-            nonlocal shard
-            pending.update((name, _written(t, dtype)) for name, t in tensors.items())
-            bar.update(job.specs[stage].numel)
-            while shard < len(shards) and shards[shard].keys() <= pending.keys():
-                save_file({k: pending.pop(k).contiguous() for k in shards[shard]}, out / files[shard], metadata={"format": "pt"})
-                shard += 1
-
-        def start_over() -> None:  # the job moved on under the export: nothing of the older step is kept
-            nonlocal shard
-            for name in files[:shard]:
-                (out / name).unlink(missing_ok=True)
-            pending.clear()
-            shard = 0
-            bar.reset()
-
-        try:
-            read_in_one_step(job.pull_stage_versioned, range(job.num_stages), job.name, use, start_over)
-        except BaseException:
-            start_over()  # no weights of a failed export are left to be taken for a whole one
-            raise
-    if len(shards) > 1:
-        weight_map = {name: files[k] for k, names in enumerate(shards) for name in names}
-        total = sum(_nbytes(p, dtype.itemsize) for s in job.specs for p in s.params)
-        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-        (out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-    # the dtype of the tensors written, whatever the source said: from_pretrained loads in the
-    # config's dtype by default, and fp32 weights under a bfloat16 label would be rounded silently
-    cfg.dtype = dtype
-    if not getattr(cfg, "architectures", None):  # as save_pretrained records the model class
-        cfg.architectures = [architecture]
-    cfg.save_pretrained(out)
-    if not isinstance(config, PretrainedConfig):
-        _copy_extras(Path(config), out)
-    log.info("exported job %r to %s (%d file%s)", job.name, out, len(shards), "" if len(shards) == 1 else "s")
-    return out
-
-
-def _check_names(job: PulledStages, config: PretrainedConfig) -> str:
-    """Refuse a job whose parameter names are not the model's (each once; a tied alias absent).
-    Returns the model's class name."""
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    family = FAMILIES.get(config.model_type)
-    saved = family.saved_name if family is not None else str
-    want = {saved(name) for name, _ in model.named_parameters()}  # as saved; tied aliases are left out
-    state = model.state_dict()
-    want |= {saved(name) for name, _ in model.named_buffers() if name in state}  # persistent buffers
-    got = [p.name for s in job.specs for p in s.params]
-    extra, missing = sorted(set(got) - want), sorted(want - set(got))
-    if extra or missing or len(got) != len(set(got)):
-        raise LayoutError(
-            f"job {job.name!r} does not hold a {config.model_type} model of this config: "
-            f"{len(missing)} missing (e.g. {missing[:3]}), {len(extra)} unknown (e.g. {extra[:3]})"
-        )
-    return type(model).__name__
-
-
-def _plan_shards(job: PulledStages, max_bytes: int, itemsize: int) -> list[dict[str, None]]:
-    """Tensor names per file, in stage order, each file at most ``max_bytes`` (unless one tensor
-    alone is larger), as ``save_pretrained`` cuts them."""
-    shards: list[dict[str, None]] = [{}]
-    size = 0
-    for spec in job.specs:
-        for p in spec.params:
-            nbytes = _nbytes(p, itemsize)
-            if shards[-1] and size + nbytes > max_bytes:
-                shards.append({})
-                size = 0
-            shards[-1][p.name] = None
-            size += nbytes
-    return shards
-
-
-def _written(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A pulled tensor as the export writes it: floating point in ``dtype``, an integer buffer as
-    it is (``stage_tensors`` gave it its own dtype)."""
-    return t.to(dtype) if t.is_floating_point() else t
-
-
-def _nbytes(p: ParamSpec, itemsize: int) -> int:
-    """Bytes the export writes for ``p``: ``itemsize`` per element, an integer buffer's own."""
-    if p.buffer:
-        dtype = DTYPE_OF_BUFFER[p.buffer]
-        if not dtype.is_floating_point:
-            return numel_of(p.shape) * dtype.itemsize
-    return numel_of(p.shape) * itemsize
-
-
-def _shard_files(n: int) -> list[str]:
-    if n == 1:
-        return [SINGLE_FILE]
-    return [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
-
-
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
-
-
-def _copy_extras(source: Path, out: Path) -> None:
-    """Copy the source folder's other files (tokenizer, generation config, ...), not its weights."""
-    for path in source.iterdir():
-        name = path.name
-        if not path.is_file() or name == "config.json" or name.endswith(WEIGHT_SUFFIXES) or ".index.json" in name:
-            continue
-        if (out / name).exists():
-            continue
-        shutil.copy2(path, out / name)

@@ -383,7 +383,7 @@ def export_merged(
     base job (``client.attach_job(name, token=...)``); ``config`` and ``options`` as for
     :func:`~wstream.client.hf.export_pretrained`; ``fan_in_fan_out`` (``Conv1D`` layers, whose
     weight is in x out): None reads it from ``config`` (GPT-2)."""
-    from .hf import export_pretrained
+    from .hf_export import export_pretrained
 
     if fan_in_fan_out is None:
         fan_in_fan_out = _conv1d_family(config)
@@ -395,7 +395,7 @@ CONV1D_FAMILIES = ("gpt2",)
 
 
 def _load_config(source: Any) -> Any:
-    from .hf import load_config
+    from .hf_source import load_config
 
     return load_config(source)
 
