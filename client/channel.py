@@ -21,6 +21,7 @@ import os
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -48,14 +49,24 @@ class Signer(Protocol):
 
 class Keyring:
     """Signs with the signer of each message's own session: for a channel that serves several
-    sessions (the client's own, used by every :class:`Job` handle). Holds its signers weakly: a
-    session's key goes when the last handle on it does."""
+    sessions (the client's own, used by every :class:`Job` handle). Keeps the newest
+    ``KEPT_SESSIONS`` signers (so that the client can leave their sessions when it closes, even
+    those of handles it no longer has), older ones weakly: their key goes when the last handle on
+    them does."""
+
+    KEPT_SESSIONS = 1024
 
     def __init__(self) -> None:
         self._signers: weakref.WeakValueDictionary[bytes, SessionSigner] = weakref.WeakValueDictionary()
+        self._kept: deque[SessionSigner] = deque(maxlen=self.KEPT_SESSIONS)
 
     def add(self, signer: SessionSigner) -> None:
         self._signers[signer.session] = signer
+        self._kept.append(signer)
+
+    def sessions(self) -> list[bytes]:
+        """The sessions whose signers are still held (by a handle, or the client's admin session)."""
+        return list(self._signers.keys())
 
     def sign(self, message: m.Message) -> m.Message:
         if not isinstance(message, m.SessionMessage):

@@ -16,7 +16,7 @@ import torch
 import zmq
 from torch import nn
 
-from wstream.protocol import AuthError, JobExistsError, LayoutError, StageSpec
+from wstream.protocol import AuthError, JobExistsError, LayoutError, ServerUnavailable, StageSpec, WstreamError
 from wstream.protocol import messages as m
 from wstream.protocol.auth import SessionSigner, base_proof, create_proof, secret_key, session_key
 from wstream.protocol.curve import ClientKeys, KeySource, uses_curve
@@ -319,8 +319,22 @@ class Client(ServerOperations):
         self._closed = True
         for trainer in list(self._trainers):
             trainer.close()
+        self._leave_sessions()
         self._chan.close("this Client is closed: make a new one")
         self.ctx.destroy(linger=0)  # closes any socket still open instead of waiting on it
+
+    def _leave_sessions(self) -> None:
+        """End this client's sessions on the server (its job handles' and its admin session), which
+        would otherwise stay open until evicted, counted as open in ``status`` and the metrics.
+        Best effort: a session the server ended already is refused, which is fine; a server that
+        does not answer ends the attempt (the channel then fails every later request at once)."""
+        for sid in self._keys.sessions():
+            try:
+                self._chan.request(m.Leave(session=sid), m.Ok, timeout_s=min(1.0, self.timeout_s))
+            except ServerUnavailable:
+                return
+            except WstreamError:
+                continue
 
     def __enter__(self) -> Client:
         return self

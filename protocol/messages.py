@@ -585,7 +585,9 @@ class JobInfo(Struct, frozen=True, kw_only=True):
     name: str
     stages: int
     """The stages of the chain the job was made from (``Job.num_stages`` on a client), whether the
-    server holds them one each or cut into transfer units (``units``)."""
+    server holds them one each or cut into transfer units (``units``). While the job is created
+    (not ``ready``): the server stages uploaded so far (how many chain stages units hold is told by
+    the seal)."""
     params: int
     step: int
     ready: bool
@@ -616,8 +618,8 @@ class JobInfo(Struct, frozen=True, kw_only=True):
     worker. Workers quote it when a wait of theirs lasts."""
     units: int | None = None
     """How many server stages (transfer units, ``JobOptions.units``) hold the ``stages``; None: one
-    server stage per stage (or a server from before this field, whose ``stages`` counted server
-    stages). Per-stage metrics and the stage numbers of fetches, pushes and timelines count these."""
+    server stage per stage, or a job not sealed yet (or a server from before this field, whose
+    ``stages`` counted server stages). Per-stage metrics and the stage numbers of fetches, pushes and timelines count these."""
 
 
 class Layout(Message, tag="layout"):

@@ -303,7 +303,7 @@ class Handlers:
 
     def _on_leave(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
         assert isinstance(msg, m.Leave)
-        self.sessions.job_session(msg.session)
+        self.sessions.known(msg.session)  # a worker's, a job handle's or an admin session (a Client that closes)
         self.end_session(msg.session, "left")
         return Outgoing(identity, m.Ok(id=msg.id))
 

@@ -137,7 +137,7 @@ HELP: dict[str, str] = {
     "wstream_job_ready": "1 once the job is sealed (its weights are all uploaded).",
     "wstream_job_step": "Steps every stage of the job has completed.",
     "wstream_job_steps_per_second": f"Steps completed per second over the last {RATE_WINDOW_S} s.",
-    "wstream_job_stages": "Stages of the chain the job was made from.",
+    "wstream_job_stages": "Stages of the chain the job was made from (once it is sealed).",
     "wstream_job_units": "Server stages holding them (transfer units; the stage label of per-stage metrics counts these, chain_stages names the chain's stages each holds).",
     "wstream_job_parameters": "Elements of the job's stages: trained and frozen parameters and buffers.",
     "wstream_job_workers": "Workers attached to the job now, readers (which fetch and never push) included.",
@@ -160,7 +160,7 @@ HELP: dict[str, str] = {
     "wstream_job_updates_in_flight": "Stage updates handed to the optimizer pool, queued or running.",
     "wstream_bytes_served_total": (
         "Bytes of weights served, by op (fetch, pull) and via (shm: bytes a reply pointed at in "
-        "shared memory; frames: bytes sent in data frames)."
+        "shared memory; frames: bytes sent in data frames); a fetch of a job on a base counts the base's stage too."
     ),
     "wstream_gradients_received_total": "Gradients accepted (one per stage, step and worker).",
     "wstream_gradient_bytes_received_total": "Bytes of the gradients accepted.",
@@ -172,6 +172,22 @@ HELP: dict[str, str] = {
     "wstream_snapshot_failures_total": "Snapshots that failed.",
     "wstream_job_last_snapshot_step": "Step of the job's newest durable snapshot (absent: none yet).",
 }
+
+
+HISTOGRAMS = ("wstream_optimizer_seconds", "wstream_snapshot_seconds")
+SUMMARIES = ("wstream_stage_optimizer_seconds",)
+_FAMILY_KINDS: dict[str, type[Metric]] = {
+    "gauge": GaugeMetricFamily, "counter": CounterMetricFamily, "histogram": HistogramMetricFamily, "summary": SummaryMetricFamily,
+}
+
+
+def _kind(name: str) -> str:
+    """The type of the family ``name`` (counters end in ``_total``)."""
+    if name in HISTOGRAMS:
+        return "histogram"
+    if name in SUMMARIES:
+        return "summary"
+    return "counter" if name.endswith("_total") else "gauge"
 
 
 class _Families:
@@ -210,7 +226,10 @@ class ServerCollector(Collector):
         self._server = server
 
     def describe(self) -> list[Metric]:
-        return []  # families depend on the jobs present; nothing to check at registration
+        """Every family this collector may yield, empty: the registry learns the names from it, so
+        the endpoint's ``?name[]=`` filter finds them (which families a scrape has depends on the
+        jobs present)."""
+        return [_FAMILY_KINDS[_kind(name)](name, doc) for name, doc in HELP.items()]
 
     def collect(self) -> Iterator[Metric]:
         srv = self._server
@@ -241,8 +260,9 @@ def _collect_job(out: _Families, job: JobView, now: float, stage_limit: int) -> 
     out.gauge("wstream_job_ready", int(job.ready), job=name)
     out.gauge("wstream_job_step", job.step, job=name)
     out.gauge("wstream_job_steps_per_second", c.steps.rate(now), job=name)
-    out.gauge("wstream_job_stages", job.num_chain_stages, job=name)
-    out.gauge("wstream_job_units", len(stages), job=name)
+    if job.ready:  # until the seal says how many chain stages units hold, neither count is known
+        out.gauge("wstream_job_stages", job.num_chain_stages, job=name)
+        out.gauge("wstream_job_units", len(stages), job=name)
     out.gauge("wstream_job_parameters", job.num_params, job=name)
     out.gauge("wstream_job_workers", len(workers), job=name)
     for kind, nbytes in job.memory_by_kind(workers).items():
@@ -265,7 +285,7 @@ def _collect_job(out: _Families, job: JobView, now: float, stage_limit: int) -> 
     out.counter("wstream_gradients_received_total", c.gradients, job=name)
     out.counter("wstream_gradient_bytes_received_total", c.gradient_bytes, job=name)
     out.histogram("wstream_optimizer_seconds", c.optimizer, job=name)
-    if len(stages) <= stage_limit:
+    if job.ready and len(stages) <= stage_limit:  # (a unit names its chain stages from the seal on)
         for st in stages:  # ``stage``: the server's stage (a unit); ``chain_stages``: the chain's it holds
             labels = {"job": name, "stage": str(st.index), "chain_stages": st.chain_stages}
             out.summary("wstream_stage_optimizer_seconds", st.updates, st.optimizer_s, **labels)
@@ -281,7 +301,7 @@ class MetricsEndpoint:
     """``http://ADDR:PORT/metrics`` for one server, on a daemon thread, from a registry of its own."""
 
     def __init__(self, server: ServerView, addr: str, port: int) -> None:
-        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry = CollectorRegistry(auto_describe=True)  # ProcessCollector's names too, for ?name[]=
         self.registry.register(ServerCollector(server))
         ProcessCollector(registry=self.registry)  # process_* : CPU, resident memory, open fds
         self._httpd, self._thread = start_http_server(port, addr=addr, registry=self.registry)

@@ -78,7 +78,12 @@ class Server:
         self.counters = ServerCounters()
         outbox = Outbox(self.transport.send, self.counters.errors)
         self.snapshots = SnapshotScheduler(store, config, self.jobs, outbox)
-        self.metrics: MetricsEndpoint | None = None
+        self._sessions = SessionTable(config)
+        self.handlers = Handlers(
+            config, self.jobs, self.memory, self._sessions, self.snapshots, outbox, self.counters,
+            submit=self._updates.submit, stop=self.stop, started=self.started,
+        )
+        self.metrics: MetricsEndpoint | None = None  # last: a scrape reads everything above
         if config.metrics_port is not None:
             try:
                 self.metrics = MetricsEndpoint(self, config.metrics_addr, config.metrics_port)
@@ -87,11 +92,6 @@ class Server:
                 if store is not None:
                     store.close()
                 raise OSError(f"cannot serve metrics on {config.metrics_addr}:{config.metrics_port}: {exc}") from None
-        self._sessions = SessionTable(config)
-        self.handlers = Handlers(
-            config, self.jobs, self.memory, self._sessions, self.snapshots, outbox, self.counters,
-            submit=self._updates.submit, stop=self.stop, started=self.started,
-        )
 
     @property
     def sessions(self) -> Mapping[bytes, Session]:

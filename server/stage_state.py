@@ -224,7 +224,7 @@ class StageState:
         *, copy: bool = False,
     ) -> Outgoing:
         """The ``weights`` of ``version`` (its slot; in data frames unless ``shm``), followed by the
-        base's stage when the job has a base; the bytes are counted in ``served``. ``copy``: the
+        base's stage when the job has a base; the bytes of both are counted in ``served``. ``copy``: the
         frames are a copy of the version, not the slot itself (a reader's: NOTE [Versions and who
         may read what] rule 8), one per version for all its replies still queued, as ``pull``'s."""
         k = self.slot_for(version)
@@ -235,7 +235,8 @@ class StageState:
             offset=self.slot_offsets[k],
             base_offset=base.slot_offsets[0] if base is not None else None,
         )
-        served["fetch", "shm" if shm else "frames"] += self.slots[k].nbytes
+        # the base's stage is served too, in the same reply: to this job, whose worker fetched it
+        served["fetch", "shm" if shm else "frames"] += self.slots[k].nbytes + (base.slots[0].nbytes if base is not None else 0)
         frames: list[object] = []
         if not shm:
             if copy:

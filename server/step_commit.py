@@ -370,7 +370,7 @@ class StepCommit:
             st.gathered.clear()
             source = st.held.source if st.held is not None else None
             submit(UpdateTask(
-                self.job, st, grad_scale=workers / clip, lr=lr, apply=not skipped, workers=workers, source=source, submitted_ns=now,
+                self.job, st, grad_scale=workers / clip, lr=lr, apply=not skipped and st.trained, workers=workers, source=source, submitted_ns=now,
                 resubmit=submit,
             ))
         self.open_step = t + 1
