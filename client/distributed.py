@@ -89,6 +89,20 @@ class AllReduceGradients:
         self._max_numel = max_numel
         self._flat: torch.Tensor | None = None
 
+    def same_micro_batches(self, k: int, device: torch.device) -> None:
+        """Refuse the step on every rank unless every rank splits it into ``k`` micro-batches: the
+        ranks agree on each micro-batch's loss (:meth:`all_finite`), so different counts would pair
+        one rank's agreement with another's stage all-reduce (gloo aborts, NCCL may hang)."""
+        counts = torch.tensor([float(k), -float(k)], device=device)
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=self.group)
+        most, fewest = int(counts[0].item()), int(-counts[1].item())
+        if most != fewest:
+            raise ValueError(
+                f"micro_batches={k} on this rank, but the ranks use {fewest} to {most}: with reduce='allreduce' every "
+                "rank must split its batch into as many micro-batches (they all-reduce in lockstep); give every rank "
+                "the same micro_batches, or use reduce='server'"
+            )
+
     def all_finite(self, finite: bool, device: torch.device) -> bool:
         """Whether every rank's value is finite, ``finite`` being this rank's: a one-number
         all-reduce, so that the ranks refuse a step together, at the same point of their

@@ -378,5 +378,7 @@ class PlanExecutor(StageBackward):
             device = next((g.device for g in grads if g is not None), self.device)
             mean = self.allreduce.mean(runner.spec, grads, device)
             if not self.reader:
-                pusher.push(stage, run.step, flat_spec(runner.spec), [mean], borrowed=True)  # the next stage's mean reuses it
+                pusher.push(  # borrowed: the next stage's mean reuses it; its norm is of the gradient part only
+                    stage, run.step, flat_spec(runner.spec), [mean], borrowed=True, grad_numel=push_layout(runner.spec).grad_numel
+                )
         run.pushed = True

@@ -107,7 +107,7 @@ class GradientStager:
 
     def write_measured(
         self, slot: torch.Tensor, spec: StageSpec, grads: list[torch.Tensor | None], *, stage: int = -1,
-        step: int = -1, borrowed: bool = False,
+        step: int = -1, borrowed: bool = False, grad_numel: int | None = None,
     ) -> tuple[CopyTicket, Callable[[], float]]:
         """:meth:`write`, and the squared norm of the gradient part, the float a push carries
         (``Push.sumsq``): ``squared_norm`` of the fp32 gradient written (buffers left out; NOTE
@@ -116,9 +116,10 @@ class GradientStager:
         stream, its one float copied with the gradient. Call
         the function once the ticket is done. ``borrowed``: the caller reuses ``grads``' memory
         once this returns (a CPU worker then writes them at once, not deferred); ``stage`` and
-        ``step`` name the write in a timeline."""
+        ``step`` name the write in a timeline. ``grad_numel``: how many leading elements are the
+        gradient, for a push already flat (``flat_spec``, whose layout cannot tell its buffers)."""
         numel = push_layout(spec).numel
-        grad_numel = grad_layout(spec).numel
+        grad_numel = grad_layout(spec).numel if grad_numel is None else grad_numel
         if not self.buffers:
             if borrowed or not self.deferred:
                 sumsq = _write_and_measure(slot[:numel], spec, grads, grad_numel)

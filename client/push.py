@@ -92,16 +92,20 @@ class GradientPusher:
 
     # ---- the compute thread ----------------------------------------------------------------------
     def push(
-        self, stage: int, step: int, spec: StageSpec, grads: list[torch.Tensor | None], *, borrowed: bool = False
+        self, stage: int, step: int, spec: StageSpec, grads: list[torch.Tensor | None], *, borrowed: bool = False,
+        grad_numel: int | None = None,
     ) -> None:
         """Write the stage's per-parameter gradients (and its buffers' values: ``push_layout``)
         into a free slot and have ``push`` sent. On a CPU worker the write itself runs on the
         sender thread (``GradientStager``, deferred) unless ``borrowed``: the caller reuses the
-        gradients' memory once this returns."""
+        gradients' memory once this returns; ``grad_numel``: the gradient part of a push already
+        flat (the rest is its buffers' values, left out of its norm)."""
         slot = self._acquire(stage)
         t0 = time.monotonic_ns()
         numel = push_layout(spec).numel  # the stage's gradient (frozen parameters have none), then its buffers
-        ticket, sumsq = self._stager.write_measured(self._slots[slot], spec, grads, stage=stage, step=step, borrowed=borrowed)
+        ticket, sumsq = self._stager.write_measured(
+            self._slots[slot], spec, grads, stage=stage, step=step, borrowed=borrowed, grad_numel=grad_numel
+        )
         frames: list[object] = [] if self._shm else list(tensor_frames(self._slots[slot][:numel]))
         msg = m.Push(session=self._sc.session, stage=stage, step=step, slot=slot, numel=numel)
         with self._cond:

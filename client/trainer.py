@@ -488,6 +488,8 @@ class Trainer:
 
     def _step_once(self, inputs: Any, targets: Any, loss_fn: LossFn, k: int) -> float:
         check_micro_batches(inputs, targets, k)
+        if self.executor.allreduce is not None:
+            self.executor.allreduce.same_micro_batches(k, self.device)
         inputs, targets = place(inputs, self.device, self.compute_dtype), place(targets, self.device)
         lanes = split_micro_batches(inputs, k, what="inputs")
         lane_targets = split_micro_batches(targets, k, what="targets")

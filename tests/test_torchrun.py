@@ -175,3 +175,68 @@ def test_found_by_review_from_torchrun_starts_the_group_for_one_rank_too(monkeyp
     monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # outside torchrun, one process needs no group
     from_torchrun()
     assert not dist.is_initialized()
+
+
+@pytest.mark.server_process  # torchrun ranks in other processes
+def test_found_by_review_allreduce_ranks_with_different_micro_batches_are_told_why(server: ServerProcess, tmp_path: Path) -> None:
+    """The ranks agree on each micro-batch's loss (a one-number all-reduce per micro-batch), so a
+    rank with 2 micro-batches paired its second agreement with the other rank's stage all-reduce:
+    gloo aborted the process with a size mismatch (NCCL, which checks no sizes, could hang or mix
+    a gradient with a flag). Every rank now refuses the step at its start, naming the counts."""
+    with Client(server.address, timeout=30) as c:
+        c.create_job("ar-k", models.mixed(), optimizer=AdamW(), token="t")
+    log = tmp_path / "torchrun.log"
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+        str(HERE / "worker_main.py"), server.address, "ar-k", "t", "mixed", "2", "-1",
+        str(tmp_path / "ar-k-{rank}.json"), "--reduce", "allreduce", "--micro-batches", "2,1",
+    ]
+    with open(log, "wb") as out:
+        rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=240).returncode
+    text = log.read_text(errors="replace")
+    assert rc != 0
+    assert "EnforceNotMet" not in text and "doesn't match" not in text, text
+    assert text.count("micro_batches=") >= 2, text  # each rank says so
+    assert "micro_batches=2 on this rank" in text and "micro_batches=1 on this rank" in text, text
+
+
+def test_found_by_review_allreduce_clips_by_the_gradient_norm_without_the_buffers(
+    client: Client, one_rank_group: None
+) -> None:
+    """With ``reduce="allreduce"`` rank 0 pushes the mean as one flat run, and the squared norm it
+    sent counted the buffers' values after the gradient (BatchNorm's running statistics): a
+    grad_norm 4x torch's, and clipping by it changed the weights (1.9e-3 off after 3 steps). The
+    push now measures the gradient part only, as ``reduce="server"`` does."""
+    from torch import nn
+
+    from wstream.client import SGD
+
+    def chain() -> list[nn.Module]:
+        torch.manual_seed(0)
+        return [nn.Sequential(nn.Linear(12, 16, bias=False), nn.BatchNorm1d(16), nn.ReLU()), nn.Linear(16, 5)]
+
+    def data(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        g = torch.Generator().manual_seed(t)
+        return torch.randn(16, 12, generator=g), torch.randn(16, 5, generator=g)
+
+    clip = 0.05
+    ref = nn.Sequential(*chain())
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    norms = []
+    for t in range(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(data(t)[0]), data(t)[1]).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
+        opt.step()
+    job = client.create_job("ar-bn-clip", chain(), optimizer=SGD(lr=0.1, clip_grad_norm=clip), token="t")
+    seen = []
+    with job.trainer(reduce="allreduce") as trainer:
+        for t in range(3):
+            trainer.step(*data(t), nn.functional.mse_loss)
+            seen.append(trainer.stats().grad_norm)
+    assert seen == pytest.approx(norms, rel=1e-5)
+    got = job.state_dict()
+    for k, v in ref.state_dict().items():
+        if v.is_floating_point():
+            torch.testing.assert_close(got[k], v, atol=1e-6, rtol=1e-5)
+

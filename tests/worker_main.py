@@ -73,6 +73,7 @@ def main() -> None:
     p.add_argument("--barrier", help="directory: announce the join there and wait for its 'go' file")
     p.add_argument("--warmup-width", type=int, default=0, help="initialize torch's kernels before measuring")
     p.add_argument("--reduce", default="server", choices=["server", "allreduce"])
+    p.add_argument("--micro-batches", default="1", help="micro-batches per step, or one per rank: '2,1'")
     args = p.parse_args()
     if args.rank < 0:  # torchrun
         launch = from_torchrun()
@@ -107,7 +108,8 @@ def main() -> None:
         for _ in range(args.steps):
             x, y = models.batch(args.model, trainer.step_index, args.data_offset + args.rank)
             t0 = time.perf_counter()
-            losses.append(trainer.step(x, y, models.loss_fn))
+            k = [int(v) for v in args.micro_batches.split(",")]
+            losses.append(trainer.step(x, y, models.loss_fn, micro_batches=k[args.rank % len(k)]))
             step_s.append(time.perf_counter() - t0)
         peak_anon = sampler.stop()
         stats = trainer.stats()
