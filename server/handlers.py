@@ -246,6 +246,14 @@ class Handlers:
         assert isinstance(msg, m.CreateJob)
         self.sessions.nonces.take(msg.nonce)
         if msg.name in self.jobs:  # before the admin check: create_job(exist_ok=True) attaches instead
+            other = self.jobs[msg.name]
+            if not other.sealed:  # (exist_ok cannot attach to it: a creator that died leaves it so)
+                idle = time.monotonic() - other.last_activity
+                left = max(0.0, self.config.creation_timeout_s - idle)
+                raise JobExistsError(
+                    f"a job named {msg.name!r} is still being created (no stage added for {idle:.0f} s); if its creator "
+                    f"died it is dropped {left:.0f} s from now (--creation-timeout), or drop it with the admin secret"
+                )
             raise JobExistsError(f"a job named {msg.name!r} already exists on this server")
         why = self.snapshots.unresumed.get(msg.name)
         if why is not None:

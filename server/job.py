@@ -228,7 +228,7 @@ class Job:
             "published": p.nbytes,
             "private": max(0, p.reserved - p.nbytes),  # 0 once closed
             "gradients": sum(w.reserved for w in workers),
-            "reserve": p.slack,
+            "reserve": p.ahead,
         }
 
     def stage(self, index: int) -> StageState:

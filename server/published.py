@@ -18,7 +18,8 @@ from wstream.protocol import LayoutError
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, frames_nbytes
 from wstream.protocol.layout import exact_integer_buffers, numel_of, publish_master, push_layout, validate_groups, validate_stage
-from wstream.protocol.shm import create_segment, grow_segment, map_segment, truncate_segment, unlink_segment
+from wstream.protocol import MemoryLimitError, format_bytes
+from wstream.protocol.shm import SHM_DIR, create_segment, grow_segment, map_segment, shm_free_bytes, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
 from .optimizer import StageOptimizer, state_bytes_per_element, state_nbytes
@@ -37,9 +38,21 @@ def grown_capacity(capacity: int, needed: int) -> int:
     return max(needed, capacity + step)
 
 
+def check_shm_room(nbytes: int, what: str) -> None:
+    """Refuse a job whose published weights cannot fit in /dev/shm's free space now (it would be
+    refused at a stage, after weights travelled)."""
+    free = shm_free_bytes()
+    if nbytes > free:
+        raise MemoryLimitError(
+            f"{what} needs {format_bytes(nbytes)} ({nbytes} bytes) of shared memory for its published weights, "
+            f"but {SHM_DIR} has {format_bytes(free)} ({free} bytes) free"
+        )
+
+
 class PublishedStages:
     """The stages of job ``name`` in one shared-memory segment at ``path``. ``total_numel``, when
-    the job says it up front, is checked against free memory at once and sizes the segment.
+    the job says it up front, is reserved at once (checked against the memory limit and /dev/shm's
+    free space) and sizes the segment.
     ``groups``: the job's parameter groups (``JobOptions.param_groups``), which its stages'
     parameters name by index. ``on_base``: the job trains on a frozen base (its stages may be
     empty)."""
@@ -67,27 +80,54 @@ class PublishedStages:
         self.dtype = dtype  # of the published copies
         self.memory = memory
         expected: int | None = None  # the published segment's final size, if known (huge pages)
+        self.promised = 0
+        """What the job said it will hold (from ``total_numel``): reserved whole at its creation, so
+        that jobs created at once cannot each pass a check that only one of them fits."""
         if total_numel is not None:
             state = 0 if frozen else total_numel * state_bytes_per_element(optimizer)  # at most
             pub, priv = stage_bytes(total_numel, state, dtype, double_buffer, grad_numel=0 if frozen else total_numel)
-            memory.check(pub + priv, f"job {name!r}")
+            check_shm_room(pub, f"job {name!r}")
+            self.promised = pub + priv
             expected = pub
         self.stages: list[StageState] = []
         self.reserved = 0
+        """The bytes of the stages added: their published slots and private memory."""
+        self.slack = 0
+        """The segment's room beyond the stages in it (reserved too, until seal truncates it)."""
+        self.held = 0
+        """What the job holds in the memory account: the stages', and ahead of them the larger of
+        the segment's slack and what is left of the promise (:meth:`_hold`)."""
         self.num_params = 0
         self.max_stage_numel = 0
-        # the segment's room beyond the stages in it is reserved too, until seal truncates it
-        memory.reserve(SEGMENT_START, f"job {name!r} (its first shared-memory block)")
-        self.slack = SEGMENT_START
+        start = SEGMENT_START if expected is None else max(1, min(SEGMENT_START, expected))  # a small job: no more
+        self._hold(0, start, f"job {name!r} (its first shared-memory block)")
         try:
-            self.path = create_segment(SEGMENT_START, expected=expected)
+            self.path = create_segment(start, expected=expected)
         except BaseException:
-            memory.release(SEGMENT_START)
+            memory.release(self.held)
             raise
         self.nbytes = 0  # bytes in use
         self._expected = expected  # the segment grows no further than this (but for what a stage needs)
-        self._capacity = SEGMENT_START
+        self._capacity = start
         self._mapping = map_segment(self.path, self._capacity)
+
+    @property
+    def ahead(self) -> int:
+        """Bytes held beyond the stages added: the segment's slack, or the rest of the promise."""
+        return self.held - self.reserved
+
+    def _hold(self, reserved: int, slack: int, what: str) -> None:
+        """Make the account hold what the job holds with ``reserved`` bytes of stages and ``slack``
+        bytes of segment room ahead (at least the promise while the job is created); refused (with
+        nothing changed) when the increase does not fit."""
+        target = max(reserved + slack, self.promised)
+        if target > self.held:
+            self.memory.reserve(target - self.held, what)
+        else:
+            self.memory.release(self.held - target)
+        self.held = target
+        self.reserved = reserved
+        self.slack = slack
 
     def stage(self, index: int) -> StageState:
         if index >= len(self.stages):
@@ -142,14 +182,12 @@ class PublishedStages:
                 capacity = max(offset + pub, min(capacity, self._expected))
         slack = capacity - offset - pub
         what = f"job {self.name!r} stage {index}"
-        self.memory.check(pub + priv + max(0, slack - self.slack), what)
+        self.memory.check(max(self.reserved + pub + priv + slack, self.promised) - self.held, what)
         if capacity != self._capacity:
             grow_segment(self.path, capacity)
             self._capacity = capacity
             self._mapping = map_segment(self.path, capacity)  # older views keep older maps
-        self.memory.reserve(pub + priv, what)
-        self._set_slack(slack)
-        self.reserved += pub + priv
+        self._hold(self.reserved + pub + priv, slack, what)
         self.nbytes = offset + pub
         pub_dtype = DTYPES[self.dtype]
         slot_nbytes = pub // 2 if self.double_buffer else pub
@@ -185,20 +223,14 @@ class PublishedStages:
         return st
 
     def seal(self) -> None:
-        """Truncate the segment to the stages in it and release the room reserved ahead."""
+        """Truncate the segment to the stages in it and release the room reserved ahead (and what
+        is left of the promise)."""
         truncate_segment(self.path, self.nbytes)
-        self._set_slack(0)
-
-    def _set_slack(self, slack: int) -> None:
-        if slack > self.slack:
-            self.memory.reserve(slack - self.slack, f"job {self.name!r} (shared-memory room)")
-        else:
-            self.memory.release(self.slack - slack)
-        self.slack = slack
+        self.promised = 0
+        self._hold(self.reserved, 0, f"job {self.name!r}")
 
     def close(self) -> None:
         """Unlink the segment and release the memory reserved."""
         unlink_segment(self.path)
-        self.memory.release(self.reserved + self.slack)
-        self.reserved = 0
-        self.slack = 0
+        self.memory.release(self.held)
+        self.held = self.reserved = self.slack = self.promised = 0

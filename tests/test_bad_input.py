@@ -220,6 +220,11 @@ def test_found_by_fuzzing_deep_nesting_waiting_fetches_and_abandoned_creation(tm
                                     nonce=nonce, client_nonce=mine)
             assert reply["op"] == "attached", reply
             assert c.status().memory_used == 2**20
+            # a creator run again at once is told the job is still being created and when it goes
+            # (it used to hear "already exists", with a hint at exist_ok=True, which cannot help)
+            with pytest.raises(JobExistsError, match=r"still being created .* dropped \d+ s from now") as exists:
+                c.create_job("abandoned", models.mixed(), optimizer=AdamW(), token="t")
+            assert "exist_ok" not in "".join(getattr(exists.value, "__notes__", []))
             deadline = time.monotonic() + 30
             while c.status().jobs and time.monotonic() < deadline:
                 time.sleep(0.1)

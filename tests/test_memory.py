@@ -159,3 +159,68 @@ def test_a_job_that_said_its_size_and_fits_is_not_refused_for_the_segments_growt
     with InProcessServer(bind=[f"ipc://{tmp_path}/b.sock"], memory_limit=needs + 2**20) as tight, Client(tight.address) as c:
         c.create_job("fits", stages(), optimizer=SGD(), token="t", unit_bytes=None)
         assert c.status().memory_used == needs
+
+
+@pytest.mark.parametrize("widths", [[100], [700, 700, 700], [1001] * 3])
+def test_found_by_review_a_job_is_admitted_under_a_limit_of_exactly_its_bytes(tmp_path: Path, widths: list[int]) -> None:
+    """A stage's published bytes inside the room already reserved ahead were demanded again (and a
+    small job the 1 MiB first block): a job of B bytes was refused under a limit of B, naming a
+    stage, or its first block, that fitted."""
+    from torch import nn
+
+    from wstream.client import SGD, Client
+    from wstream.server.inprocess import InProcessServer
+
+    def stages() -> list[nn.Module]:
+        return [nn.Linear(n, n) for n in widths]
+
+    with InProcessServer(bind=[f"ipc://{tmp_path}/a.sock"], memory_limit=2**31) as big, Client(big.address) as c:
+        c.create_job("j", stages(), optimizer=SGD(lr=0.1), token="t", unit_bytes=None)
+        needs = c.status().memory_used
+    with InProcessServer(bind=[f"ipc://{tmp_path}/b.sock"], memory_limit=needs) as tight, Client(tight.address) as c:
+        c.create_job("j", stages(), optimizer=SGD(lr=0.1), token="t", unit_bytes=None)
+        assert c.status().memory_used == needs
+
+
+def test_found_by_review_a_job_that_said_its_size_holds_it_from_its_creation() -> None:
+    """Jobs created at once each passed a check at creation that only one of them fitted, then
+    reserved stage by stage: under contention every one was refused mid-upload (1 trial in 10 with
+    3 clients admitted none). The size a job says is reserved whole at its creation, so the second
+    is refused at once, before any weight travels, and the first keeps its room."""
+    from wstream.protocol import AdamW, MemoryLimitError
+    from wstream.server.memory import MemoryAccount
+    from wstream.server.published import PublishedStages
+
+    numel = 2_000_000
+    account = MemoryAccount(40 * 2**20)  # one job of 2 M parameters (16 bytes each) fits, two do not
+
+    def job(name: str) -> PublishedStages:
+        return PublishedStages(name, AdamW(), "float32", False, False, account, total_numel=numel, groups=())
+
+    first = job("a")
+    try:
+        assert account.used >= 16 * numel  # held whole from the start, not stage by stage
+        with pytest.raises(MemoryLimitError, match="job 'b' .*needs"):
+            job("b")
+        assert account.used == first.held
+    finally:
+        first.close()
+    assert account.used == 0
+
+
+def test_found_by_review_a_job_whose_weights_cannot_fit_in_dev_shm_is_refused_at_creation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/dev/shm's free space was found short only when the segment grew, after stages had been
+    uploaded; a job that says its size is refused at creation, naming /dev/shm."""
+    from torch import nn
+
+    from wstream.client import SGD, Client, MemoryLimitError
+    from wstream.server import published
+    from wstream.server.inprocess import InProcessServer
+
+    monkeypatch.setattr(published, "shm_free_bytes", lambda: 3 * 2**20)
+    with InProcessServer(bind=[f"ipc://{tmp_path}/a.sock"], memory_limit=2**31) as srv, Client(srv.address) as c:
+        with pytest.raises(MemoryLimitError, match=r"job 'big' needs .* of shared memory .*/dev/shm has 3.00 MiB"):
+            c.create_job("big", [nn.Linear(1024, 1024) for _ in range(4)], optimizer=SGD(), token="t", unit_bytes=None)
+        assert c.status().memory_used == 0 and not c.status().jobs
