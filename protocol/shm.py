@@ -271,17 +271,38 @@ def _space(directory: str) -> str:
 _OWN_STAMP: tuple[int, int] | None = None  # (pid, stamp) of this process, kept: a fork gets its own
 
 
+WALL_CLOCK_STAMPS = 10**10
+"""Stamps from here up are an older server's: its start as wall-clock time (hundredths of a second)."""
+
+
 def segment_stamp(pid: int | None = None) -> int:
-    """The start time of process ``pid`` (default: this one) in hundredths of a second, as a
-    segment's name carries its creator's: a pid alone does not tell a live creator from an
-    earlier process that had the same pid (a server restarted in a container is pid 1 again)."""
+    """The start time of process ``pid`` (default: this one), as a segment's name carries its
+    creator's: a pid alone does not tell a live creator from an earlier process that had the same
+    pid (a server restarted in a container is pid 1 again). On Linux it is the process's start in
+    clock ticks after boot (``/proc/PID/stat``), which no change of the wall clock moves: a start
+    time read as wall-clock time (``psutil``'s) is boot time plus that, and a clock step in
+    between made a live server's stamp read differently, so another server reaped its segments."""
     global _OWN_STAMP
     me = os.getpid()
     if pid is not None and pid != me:
-        return int(psutil.Process(pid).create_time() * 100)
+        return _start_ticks(pid)
     if _OWN_STAMP is None or _OWN_STAMP[0] != me:
-        _OWN_STAMP = (me, int(psutil.Process(me).create_time() * 100))
+        _OWN_STAMP = (me, _start_ticks(me))
     return _OWN_STAMP[1]
+
+
+def _start_ticks(pid: int) -> int:
+    """Process ``pid``'s start in clock ticks after boot (``psutil.NoSuchProcess`` if it is gone);
+    where there is no ``/proc``, its start as wall-clock time, in hundredths of a second."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            raise psutil.NoSuchProcess(pid) from None
+        return int(psutil.Process(pid).create_time() * 100)
+    # "pid (comm) state ... starttime": comm may hold spaces and ')', so fields count from the last ')'
+    return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
 def _creator_alive(name: str) -> bool | None:
@@ -296,7 +317,10 @@ def _creator_alive(name: str) -> bool | None:
     if len(parts) == 2:  # pid-random: before the start time was in the name
         return pid == os.getpid() or psutil.pid_exists(pid)
     try:
-        return segment_stamp(pid) == int(parts[1])
+        stamp = int(parts[1])
+        if stamp >= WALL_CLOCK_STAMPS:  # an older server's name: its start as wall-clock time
+            return int(psutil.Process(pid).create_time() * 100) == stamp
+        return segment_stamp(pid) == stamp
     except (psutil.NoSuchProcess, psutil.ZombieProcess, ValueError):
         return False
     except psutil.AccessDenied:

@@ -66,6 +66,36 @@ def test_stale_segments_of_a_dead_server_are_reaped(tmp_path: Path) -> None:
         assert srv.stop() == 0
 
 
+def test_found_by_review_a_clock_step_does_not_make_a_live_servers_segments_look_stale(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A segment's name carried its creator's start as wall-clock time (psutil: boot time plus
+    ticks), and another server read it again after a clock step (NTP, a VM's resync) as a different
+    number: a live server's segments were reaped. The stamp is now the start in ticks after boot."""
+    import psutil
+
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / "shm").mkdir()
+        ours = tmp_path / "shm" / f"{PREFIX}{live.pid}-{segment_stamp(live.pid)}-{'ab' * 16}"
+        ours.write_bytes(b"x")
+        # an older server's name, stamped with its start as wall-clock time: still told alive
+        older = tmp_path / "shm" / f"{PREFIX}{live.pid}-{int(psutil.Process(live.pid).create_time() * 100)}-{'cd' * 16}"
+        older.write_bytes(b"x")
+        assert reap_stale_segments([str(tmp_path / "shm")]) == []  # both told alive
+        import psutil._pslinux as linux
+
+        real_boot_time = linux.boot_time
+        monkeypatch.setattr(linux, "boot_time", lambda: real_boot_time() + 1.0)  # the clock stepped by 1 s
+        reap_stale_segments([str(tmp_path / "shm")])  # (an older server's name may go: its stamp moved)
+        assert ours.exists()
+    finally:
+        live.kill()
+        live.wait()
+    left = sorted(str(p) for p in (tmp_path / "shm").iterdir())
+    assert sorted(reap_stale_segments([str(tmp_path / "shm")])) == left and str(ours) in left  # its creator gone: reaped
+
+
 def test_status_command_prints_jobs_workers_steps_and_memory(tmp_path: Path) -> None:
     srv = start_server(tmp_path, "--memory-limit", "1GiB")
     try:
