@@ -266,6 +266,7 @@ class WorkerConnection:
         # a ring sized close to the free memory (weight_budget) would not fit twice
         self.ring.buffers.clear()
         self.stager.buffers.clear()
+        self._unmap()  # the new connection maps the job's segments afresh
         self._forget_joined()
         old_session, old_signer = self.session, self.sc.signer
         self.chan.close()
@@ -309,7 +310,15 @@ class WorkerConnection:
             log.warning("leave failed (the server will detach this worker when its lease ends): %s", exc)
         self.pusher.close()
         self.release_host_memory()
+        self._unmap()
         self.chan.close()
+
+    def _unmap(self) -> None:
+        """Let the job's segments go now (the threads that read them have stopped): a closed
+        trainer kept them mapped until Python's cyclic collector ran, pages the server's account
+        no longer counts once the job is dropped or this worker left."""
+        self.sc.published = None
+        self.sc.base_published = None
 
     def _register(self, mapping: torch.Tensor, what: str) -> None:
         """Page-lock ``mapping`` for DMA (nothing on a CPU worker); undone by ``release_host_memory``."""

@@ -70,6 +70,7 @@ class GradientPusher:
     ) -> None:
         self._sc = sc
         self._slots = slots
+        self._nslots = len(slots)
         self._shm = shm
         self._stager = stager
         self._step_ring = step_ring  # slot k is stage k's (Join.step_ring)
@@ -88,7 +89,7 @@ class GradientPusher:
     @property
     def slots(self) -> int:
         """Slots of the ring (a step ring: one per server stage)."""
-        return len(self._slots)
+        return self._nslots
 
     # ---- the compute thread ----------------------------------------------------------------------
     def push(
@@ -223,6 +224,7 @@ class GradientPusher:
         self._wake.wake()
         self._thread.join()
         self._wake.close()
+        self._slots = []  # the ring's views: its mapping goes with the last of them, not at a garbage collection
 
     # ---- the sender thread -----------------------------------------------------------------------
     def _run(self) -> None:

@@ -216,6 +216,34 @@ def test_a_dropped_job_is_freed_at_once_not_by_a_later_garbage_collection(server
         gc.enable()
 
 
+@pytest.mark.server_process  # the worker's mappings are told apart from the server's by process
+@pytest.mark.parametrize("transport", [{}, {"zero_copy": False}, {"step_ring": True}])
+def test_found_by_review_a_closed_trainer_unmaps_the_jobs_segments_at_once(server: Any, transport: dict[str, bool]) -> None:
+    """A closed trainer kept the published segment and its gradient ring mapped until Python's
+    cyclic collector ran (a loop of create, train, drop held 6 jobs' segments, 200 MB of /dev/shm
+    the server's account had released). Without any collection, closing unmaps them."""
+    import gc
+
+    from torch import nn
+
+    def mapped() -> set[str]:
+        with open("/proc/self/maps") as f:
+            return {parts[5] for parts in (line.split() for line in f) if len(parts) > 5 and f"{SHM_DIR}/{PREFIX}" in parts[5]}
+
+    before = mapped()
+    gc.disable()
+    try:
+        with Client(server.address, timeout=30) as c:
+            job = c.create_job("unmapped", [nn.Linear(64, 64) for _ in range(3)], optimizer=AdamW(), token="t", unit_bytes=None)
+            with job.trainer(**transport) as trainer:
+                trainer.step(torch.randn(4, 64), torch.randn(4, 64), torch.nn.functional.mse_loss)
+                assert mapped() - before, "the worker maps nothing: the test would prove nothing"
+            assert mapped() == before  # the trainer is still referenced, and no collection ran
+            job.drop()
+    finally:
+        gc.enable()
+
+
 def test_a_worker_of_a_dropped_job_does_not_train_the_job_created_again_under_its_name(client: Client) -> None:
     """Found by review: a worker whose job was dropped and created again (same name, token and
     layout) reconnected to the new job and trained it with its own step's gradients (the new
