@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import sys
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
@@ -119,7 +120,9 @@ class ServerCounters:
 
 class Timeline:
     """A job's last :data:`~wstream.protocol.messages.MAX_TRACE_EVENTS` trace events (gradients
-    gathered, updates queued and run, fetches deferred), returned by ``timeline``; loop thread only."""
+    gathered, updates queued and run, fetches deferred), returned by ``timeline``; loop thread only.
+    Always on, so a trace asked for later finds the server's side of the steps it covers: about
+    12 MiB per job once full (docs/operating.md, sizing), outside the memory limit."""
 
     __slots__ = ("dropped", "events")
 
@@ -130,8 +133,8 @@ class Timeline:
     def add(self, name: str, cat: str, lane: str, start_ns: int, end_ns: int, stage: int, step: int) -> None:
         if len(self.events) == self.events.maxlen:
             self.dropped += 1
-        self.events.append(
-            m.TraceEvent(name=name, cat=cat, lane=lane, start_ns=start_ns, dur_ns=end_ns - start_ns, stage=stage, step=step)
+        self.events.append(  # the name interned: the same few per stage, step after step (a quarter of the bytes)
+            m.TraceEvent(name=sys.intern(name), cat=cat, lane=lane, start_ns=start_ns, dur_ns=end_ns - start_ns, stage=stage, step=step)
         )
 
     def since(self, since_ns: int) -> list[m.TraceEvent]:
