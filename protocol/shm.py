@@ -260,6 +260,19 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
+def room_for_segment(expected: int) -> int | None:
+    """Free bytes where a segment expected to grow to ``expected`` bytes would be made, when that
+    is /dev/shm and it has a size; None otherwise (hugetlbfs: :class:`HugePagePolicy` chose it for
+    having the pages; a tmpfs mounted without a size reports none free, and takes any)."""
+    directory, _ = _policy.directory_for(expected)
+    if directory != SHM_DIR:
+        return None
+    st = os.statvfs(SHM_DIR)
+    if st.f_blocks == 0:
+        return None
+    return shm_free_bytes()
+
+
 def _space(directory: str) -> str:
     """What is free where a segment did not fit, for the error."""
     if directory == SHM_DIR:

@@ -19,7 +19,7 @@ from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, frames_nbytes
 from wstream.protocol.layout import exact_integer_buffers, numel_of, publish_master, push_layout, validate_groups, validate_stage
 from wstream.protocol import MemoryLimitError, format_bytes
-from wstream.protocol.shm import SHM_DIR, create_segment, grow_segment, map_segment, shm_free_bytes, truncate_segment, unlink_segment
+from wstream.protocol.shm import SHM_DIR, create_segment, grow_segment, map_segment, room_for_segment, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
 from .optimizer import StageOptimizer, state_bytes_per_element, state_nbytes
@@ -39,10 +39,10 @@ def grown_capacity(capacity: int, needed: int) -> int:
 
 
 def check_shm_room(nbytes: int, what: str) -> None:
-    """Refuse a job whose published weights cannot fit in /dev/shm's free space now (it would be
-    refused at a stage, after weights travelled)."""
-    free = shm_free_bytes()
-    if nbytes > free:
+    """Refuse a job whose published weights cannot fit in /dev/shm's free space now, where its
+    segment would be made there (it would be refused at a stage, after weights travelled)."""
+    free = room_for_segment(nbytes)
+    if free is not None and nbytes > free:
         raise MemoryLimitError(
             f"{what} needs {format_bytes(nbytes)} ({nbytes} bytes) of shared memory for its published weights, "
             f"but {SHM_DIR} has {format_bytes(free)} ({free} bytes) free"
@@ -100,7 +100,7 @@ class PublishedStages:
         self.num_params = 0
         self.max_stage_numel = 0
         start = SEGMENT_START if expected is None else max(1, min(SEGMENT_START, expected))  # a small job: no more
-        self._hold(0, start, f"job {name!r} (its first shared-memory block)")
+        self._hold(0, start, f"job {name!r}" if self.promised > start else f"job {name!r} (its first shared-memory block)")
         try:
             self.path = create_segment(start, expected=expected)
         except BaseException:

@@ -219,8 +219,39 @@ def test_found_by_review_a_job_whose_weights_cannot_fit_in_dev_shm_is_refused_at
     from wstream.server import published
     from wstream.server.inprocess import InProcessServer
 
-    monkeypatch.setattr(published, "shm_free_bytes", lambda: 3 * 2**20)
+    monkeypatch.setattr(published, "room_for_segment", lambda expected: 3 * 2**20)
     with InProcessServer(bind=[f"ipc://{tmp_path}/a.sock"], memory_limit=2**31) as srv, Client(srv.address) as c:
         with pytest.raises(MemoryLimitError, match=r"job 'big' needs .* of shared memory .*/dev/shm has 3.00 MiB"):
             c.create_job("big", [nn.Linear(1024, 1024) for _ in range(4)], optimizer=SGD(), token="t", unit_bytes=None)
         assert c.status().memory_used == 0 and not c.status().jobs
+
+
+def test_found_by_review_the_dev_shm_room_check_looks_where_the_segment_goes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The room check compared every job with /dev/shm's free space: a segment bound for huge
+    pages (hugetlbfs) was refused by a small /dev/shm, and a tmpfs mounted without a size (which
+    reports 0 free and takes anything) refused every job that said its size."""
+    import os as os_module
+    from types import SimpleNamespace
+
+    from wstream.protocol import SGD, shm
+    from wstream.server.memory import MemoryAccount
+    from wstream.server.published import PublishedStages
+
+    from wstream.server import published
+
+    monkeypatch.setattr(shm, "shm_free_bytes", lambda: 64 * 2**20)  # a small /dev/shm
+    monkeypatch.setattr(published, "shm_free_bytes", lambda: 64 * 2**20, raising=False)  # (where it was read before)
+    huge = tmp_path / "hugepages"
+    huge.mkdir()
+    policy = shm._policy
+    try:
+        shm.configure_huge_pages("on", mounts=[shm.HugePageMount(str(huge), 4096)])
+        assert shm.room_for_segment(400 * 2**20) is None  # bound for the huge pages, not /dev/shm
+        job = PublishedStages("big", SGD(), "float32", False, False, MemoryAccount(2**34), total_numel=100_000_000, groups=())
+        job.close()
+    finally:
+        shm._policy = policy
+    real = os_module.statvfs
+    monkeypatch.setattr(shm.os, "statvfs", lambda path: SimpleNamespace(f_blocks=0, f_bavail=0, f_frsize=4096) if path == shm.SHM_DIR else real(path))
+    assert shm.room_for_segment(400 * 2**20) is None  # a tmpfs without a size
+
