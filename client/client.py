@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any, Literal
@@ -319,24 +320,45 @@ class Client(ServerOperations):
         if self._closed:
             return
         self._closed = True
-        for trainer in list(self._trainers):
-            trainer.close()
-        self._leave_sessions()
-        self._chan.close("this Client is closed: make a new one")
-        self.ctx.destroy(linger=0)  # closes any socket still open instead of waiting on it
+        try:
+            for trainer in list(self._trainers):
+                trainer.close()
+        finally:
+            self._chan.close("this Client is closed: make a new one")  # a thread's request in it ends now
+            try:
+                self._leave_sessions()
+            finally:
+                self.ctx.destroy(linger=0)  # closes any socket still open instead of waiting on it
+
+    LEAVE_BUDGET_S = 0.5
+    """How long a closing Client spends leaving its sessions, at most (a server that does not
+    answer costs this much; one that answers, a round trip per session)."""
 
     def _leave_sessions(self) -> None:
         """End this client's sessions on the server (its job handles' and its admin session), which
         would otherwise stay open until evicted, counted as open in ``status`` and the metrics.
-        Best effort: a session the server ended already is refused, which is fine; a server that
-        does not answer ends the attempt (the channel then fails every later request at once)."""
-        for sid in self._keys.sessions():
-            try:
-                self._chan.request(m.Leave(session=sid), m.Ok, timeout_s=min(1.0, self.timeout_s))
-            except ServerUnavailable:
-                return
-            except WstreamError:
-                continue
+        Best effort, on a channel of its own (the shared one is closed first, so no other thread's
+        request waits for this or sees its session end), within :attr:`LEAVE_BUDGET_S`: a session
+        the server ended already is refused, which is fine; a server that does not answer in time
+        ends the attempt."""
+        sessions = self._keys.sessions()
+        if not sessions:
+            return
+        deadline = time.monotonic() + self.LEAVE_BUDGET_S
+        chan = Channel(self.ctx, self.address, timeout_s=self.LEAVE_BUDGET_S, signer=self._keys, curve=self.curve)
+        try:
+            for sid in sessions:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                try:
+                    chan.request(m.Leave(session=sid), m.Ok, timeout_s=left)
+                except ServerUnavailable:
+                    return
+                except WstreamError:
+                    continue
+        finally:
+            chan.close()
 
     def __enter__(self) -> Client:
         return self

@@ -182,3 +182,35 @@ def test_a_job_cut_into_units_reports_no_chain_count_before_its_seal(metered: In
     assert after[("wstream_job_stages", frozenset({"job": "u"}.items()))] == 400
     chain_stages = sorted(dict(k[1])["chain_stages"] for k in after if k[0] == "wstream_stage_optimizer_last_seconds")
     assert chain_stages and all("-" in c for c in chain_stages)
+
+
+def test_found_by_review_closing_a_client_does_not_wait_for_another_threads_request(metered: InProcessServer) -> None:
+    """Leaving its sessions, a closing Client queued behind another thread's held request on its
+    channel (a ``wait_step`` of 30 s: close took as long). The shared channel is closed first, as
+    before, which ends that request; the sessions are left on a channel of their own."""
+    with Client(metered.address, timeout=30) as c:
+        c.create_job("w", [nn.Linear(4, 4)], optimizer=AdamW(), token="t")
+    c = Client(metered.address, timeout=30)
+    job = c.attach_job("w", token="t")
+    outcome: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            job.wait_step(5, timeout=30)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - what ended the wait is the point
+            outcome.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    while not any(s.job is not None for s in metered.server.sessions.values()):
+        pass
+    import time
+
+    time.sleep(0.3)  # the waiter is inside its request
+    c.close()
+    waiter.join()
+    from wstream.client import WaitTimeoutError
+
+    assert outcome and not isinstance(outcome[0], WaitTimeoutError), outcome  # interrupted, not waited out
+    assert not metered.server.sessions  # and the handle's session was left
