@@ -213,7 +213,7 @@ def create_segment(nbytes: int, *, expected: int | None = None) -> str:
     """Create a preallocated segment of ``nbytes`` (at least one page) and return its path.
     ``expected``: the size it will grow to, if known (decides huge pages under ``auto``)."""
     directory, page = _policy.directory_for(nbytes if expected is None else max(expected, nbytes))
-    path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{segment_stamp()}-{secrets.token_hex(16)}")
+    path = os.path.join(directory, f"{PREFIX}{os.getpid()}-{segment_stamps()}-{secrets.token_hex(16)}")
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     try:
         os.posix_fallocate(fd, 0, round_up(nbytes, page))
@@ -284,10 +284,6 @@ def _space(directory: str) -> str:
 _OWN_STAMP: tuple[int, int] | None = None  # (pid, stamp) of this process, kept: a fork gets its own
 
 
-WALL_CLOCK_STAMPS = 10**10
-"""Stamps from here up are an older server's: its start as wall-clock time (hundredths of a second)."""
-
-
 def segment_stamp(pid: int | None = None) -> int:
     """The start time of process ``pid`` (default: this one), as a segment's name carries its
     creator's: a pid alone does not tell a live creator from an earlier process that had the same
@@ -318,22 +314,47 @@ def _start_ticks(pid: int) -> int:
     return int(stat[stat.rindex(b")") + 2 :].split()[19])
 
 
+def segment_stamps(pid: int | None = None) -> str:
+    """What a segment's name carries of its creator after its pid: ``<start as wall-clock time,
+    1/100 s>-<start in ticks after boot>`` (NOTE in :func:`_creator_alive`)."""
+    me = os.getpid()
+    target = me if pid is None else pid
+    global _OWN_WALL_STAMP
+    if target == me and _OWN_WALL_STAMP is not None and _OWN_WALL_STAMP[0] == me:
+        wall = _OWN_WALL_STAMP[1]
+    else:
+        wall = int(psutil.Process(target).create_time() * 100)
+        if target == me:
+            _OWN_WALL_STAMP = (me, wall)
+    return f"{wall}-{segment_stamp(pid)}"
+
+
+_OWN_WALL_STAMP: tuple[int, int] | None = None
+
+
 def _creator_alive(name: str) -> bool | None:
     """Whether the process that made segment ``name`` (without its directory) still runs; None
-    when the name is not a wstream segment's. Names of older servers carry no start time: their
-    pid alone decides (and this process's pid is taken as alive)."""
+    when the name is not a wstream segment's.
+
+    # NOTE [Segment names across server versions]
+    # 1. ``pid-random``: the oldest servers' names; the pid alone decides (this process's is alive).
+    # 2. ``pid-wall-random``: the creator's start as wall-clock time. Read again after a clock step
+    #    (NTP, a VM's resync) it differs, so a live server's segments looked stale: kept only to
+    #    read those servers' names.
+    # 3. ``pid-wall-ticks-random`` (now): the start in ticks after boot decides, which no clock
+    #    step moves; the wall-clock stamp stays second, where servers of rule 2 read theirs, so an
+    #    older server starting beside a newer one does not take its segments for stale ones."""
     parts = name[len(PREFIX) :].split("-")
     try:
         pid = int(parts[0])
     except ValueError:
         return None
-    if len(parts) == 2:  # pid-random: before the start time was in the name
+    if len(parts) == 2:  # rule 1
         return pid == os.getpid() or psutil.pid_exists(pid)
     try:
-        stamp = int(parts[1])
-        if stamp >= WALL_CLOCK_STAMPS:  # an older server's name: its start as wall-clock time
-            return int(psutil.Process(pid).create_time() * 100) == stamp
-        return segment_stamp(pid) == stamp
+        if len(parts) == 3:  # rule 2
+            return int(psutil.Process(pid).create_time() * 100) == int(parts[1])
+        return segment_stamp(pid) == int(parts[2])  # rule 3
     except (psutil.NoSuchProcess, psutil.ZombieProcess, ValueError):
         return False
     except psutil.AccessDenied:

@@ -16,7 +16,7 @@ import torch
 import models
 from conftest import start_server
 from wstream.client import AdamW, Client
-from wstream.protocol.shm import PREFIX, SHM_DIR, reap_stale_segments, segment_paths, segment_stamp
+from wstream.protocol.shm import PREFIX, SHM_DIR, reap_stale_segments, segment_paths, segment_stamp, segment_stamps
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP], ids=["SIGTERM", "SIGINT", "SIGHUP"])
@@ -49,9 +49,10 @@ def test_stale_segments_of_a_dead_server_are_reaped(tmp_path: Path) -> None:
     # a segment of an earlier process that had this very pid (a server restarted in a container is
     # pid 1 again): named with its creator's start time, which is not this process's (defect seen:
     # a segment of this pid was never reaped, one more copy of every job per restart)
-    same_pid = tmp_path / "shm" / f"{PREFIX}{os.getpid()}-{segment_stamp() - 100}-{'ef' * 16}"
+    wall = segment_stamps().split("-")[0]
+    same_pid = tmp_path / "shm" / f"{PREFIX}{os.getpid()}-{wall}-{segment_stamp() - 100}-{'ef' * 16}"
     same_pid.write_bytes(b"x")
-    mine = tmp_path / "shm" / f"{PREFIX}{os.getpid()}-{segment_stamp()}-{'12' * 16}"  # named as this process names its own
+    mine = tmp_path / "shm" / f"{PREFIX}{os.getpid()}-{segment_stamps()}-{'12' * 16}"  # named as this process names its own
     mine.write_bytes(b"x")
     assert sorted(reap_stale_segments([str(tmp_path / "shm")])) == sorted([str(alone), str(same_pid)])
     assert alive.exists() and mine.exists()  # this (live) process's segments are kept
@@ -77,8 +78,11 @@ def test_found_by_review_a_clock_step_does_not_make_a_live_servers_segments_look
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         (tmp_path / "shm").mkdir()
-        ours = tmp_path / "shm" / f"{PREFIX}{live.pid}-{segment_stamp(live.pid)}-{'ab' * 16}"
+        ours = tmp_path / "shm" / f"{PREFIX}{live.pid}-{segment_stamps(live.pid)}-{'ab' * 16}"
         ours.write_bytes(b"x")
+        # a server of the version before reads the field after the pid as the start in wall-clock
+        # time: it finds the creator's there, so it does not reap a newer server's live segments
+        assert int(ours.name[len(PREFIX):].split("-")[1]) == int(psutil.Process(live.pid).create_time() * 100)
         # an older server's name, stamped with its start as wall-clock time: still told alive
         older = tmp_path / "shm" / f"{PREFIX}{live.pid}-{int(psutil.Process(live.pid).create_time() * 100)}-{'cd' * 16}"
         older.write_bytes(b"x")
