@@ -25,7 +25,7 @@ from wstream.protocol.layout import describe_mismatch, without_groups
 
 from .chain import check_before_upload, layout_on, to_skeletons, walk_chain
 from .channel import Channel, Keyring, SharedChannel, Signer, attach_session, challenge, client_nonce, curve_keys
-from .creation import ChainUpload, chain_numel, unit_size
+from .creation import ChainUpload, chain_numel, trained_numel, unit_size
 from .endpoint import Closeable, WorkerEndpoint
 from .env import check_new_token, job_token, server_address
 from .groups import GroupAssigner, ParamGroup
@@ -210,16 +210,16 @@ class Client(ServerOperations):
             raise ValueError("base= and base_token= go together")
         unit_size_ = unit_size(unit_bytes, options)
         published = getattr(torch, options.dtype)  # what workers read the weights and buffers in
-        total = None
+        total = trained = None
         if isinstance(stages, Sequence):  # known up front: check it, and let the server refuse, before uploading
             check_before_upload(stages, groups, on_base=base is not None, published=published)
-            total = chain_numel(stages, on_base=base is not None)
+            total, trained = chain_numel(stages, on_base=base is not None), trained_numel(stages)
         nonce, mine = challenge(self._chan), client_nonce()
         proof = base_proof(secret_key(base_token), base, nonce, mine) if base and base_token else None
         secret = self._admin_secret()
         admin = None if secret is None else create_proof(secret_key(secret), name, nonce, mine)
         request = m.CreateJob(
-            name=name, token=token, nonce=nonce, client_nonce=mine, options=options, total_numel=total,
+            name=name, token=token, nonce=nonce, client_nonce=mine, options=options, total_numel=total, trained_numel=trained,
             base_proof=proof, admin_proof=admin,
         )
         try:

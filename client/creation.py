@@ -57,6 +57,15 @@ def chain_numel(stages: Iterable[nn.Module | Tied], *, on_base: bool) -> int:
     )
 
 
+def trained_numel(stages: Iterable[nn.Module | Tied]) -> int:
+    """The elements of a (checked) list of stages that get gradients or are pushed: parameters
+    that require a gradient, and buffers (``CreateJob.trained_numel``)."""
+    modules = [s for s in stages if not isinstance(s, Tied)]
+    return sum(p.numel() for s in modules for p in s.parameters() if p.requires_grad) + sum(
+        b.numel() for s in modules for b in s.buffers()
+    )
+
+
 class ChainUpload:
     """The upload of one chain into a just-created job (its ``session``): :meth:`run` walks the
     chain, sends each server stage (a module's, or a transfer unit of several), seals the job, and

@@ -21,7 +21,7 @@ from torch import nn
 
 from wstream.client import Client, local_server
 
-VERSION = 10
+VERSION = 11
 ATTACH_LABEL = b"wstream/attach/5\0"  # the labels of the keys and proofs date from protocol 5
 
 

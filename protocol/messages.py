@@ -15,7 +15,7 @@ from msgspec import Meta, Struct
 
 from .lr_schedules import Constant, Schedule
 
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 """Carried in every header; a server answers any other value with ``version_mismatch``.
 docs/protocol.md lists what changed in each version."""
 
@@ -272,7 +272,9 @@ class CreateJob(Message, tag="create_job"):
     The token travels in clear here, once (the server must learn the job's secret); ``nonce`` (from
     a ``challenge``) and ``client_nonce`` derive the returned session's key as ``attach`` does.
     ``total_numel``, when the creator knows it, lets the server refuse a job that cannot fit before
-    any weights travel."""
+    any weights travel, and hold its size from then on; ``trained_numel`` (protocol 11), the part of
+    it that gets gradients (parameters that require them, and buffers), which alone has optimizer
+    state and an accumulator: without it every element is counted as trained."""
 
     name: JobName
     token: Token
@@ -280,6 +282,7 @@ class CreateJob(Message, tag="create_job"):
     client_nonce: ClientNonce
     options: JobOptions
     total_numel: Numel | None = None
+    trained_numel: Numel | None = None
     base_proof: Proof | None = None
     """With ``options.base``: :func:`wstream.protocol.auth.base_proof` with the base's token."""
     admin_proof: Proof | None = None

@@ -25,6 +25,7 @@ import torch
 
 from wstream.protocol import LayoutError, NotReadyError, StaleStepError, StateError
 from wstream.protocol import messages as m
+from wstream.protocol.layout import push_layout
 
 from .counters import JobCounters, Timeline
 from .job_key import JobKey, token_verifier
@@ -46,7 +47,9 @@ log = logging.getLogger(__name__)
 class Job:
     """A job: its stages in shared memory, its optimizer, its workers and sessions."""
 
-    def __init__(self, record: JobRecord, memory: MemoryAccount, total_numel: int | None = None) -> None:
+    def __init__(
+        self, record: JobRecord, memory: MemoryAccount, total_numel: int | None = None, trained_numel: int | None = None
+    ) -> None:
         self.name = record.name
         self.incarnation = record.incarnation  # JobRecord.incarnation
         self.key = JobKey(record.name, record.verifier)  # checks attach and base proofs
@@ -59,7 +62,7 @@ class Job:
         self.memory = memory
         self.published = PublishedStages(
             record.name, options.optimizer, options.dtype, self.double_buffer, options.frozen, memory, total_numel,
-            groups=options.param_groups,  # groups: the job's parameter groups
+            trained_numel=trained_numel, groups=options.param_groups,  # groups: the job's parameter groups
             on_base=options.base is not None,
         )
         self.stages: list[StageState] = self.published.stages
@@ -82,7 +85,7 @@ class Job:
 
     @classmethod
     def create(cls, msg: m.CreateJob, memory: MemoryAccount) -> Job:
-        return cls(JobRecord(msg.name, token_verifier(msg.token), msg.options, []), memory, msg.total_numel)
+        return cls(JobRecord(msg.name, token_verifier(msg.token), msg.options, []), memory, msg.total_numel, msg.trained_numel)
 
     @classmethod
     def restore(
@@ -95,7 +98,8 @@ class Job:
         base: Job | None = None,
     ) -> Job:
         """The job as a snapshot of ``step`` holds it: sealed, every stage at version ``step``."""
-        job = cls(record, memory, sum(s.numel for s in record.specs))
+        trained = sum(push_layout(s, cache=False).numel for s in record.specs)  # gradients and buffers: what has state
+        job = cls(record, memory, sum(s.numel for s in record.specs), trained)
         job.base = base
         try:
             job.published.load(record.specs, stages, step)

@@ -52,7 +52,8 @@ def check_shm_room(nbytes: int, what: str) -> None:
 class PublishedStages:
     """The stages of job ``name`` in one shared-memory segment at ``path``. ``total_numel``, when
     the job says it up front, is reserved at once (checked against the memory limit and /dev/shm's
-    free space) and sizes the segment.
+    free space) and sizes the segment; ``trained_numel``, the part of it with optimizer state and
+    an accumulator (None: all of it).
     ``groups``: the job's parameter groups (``JobOptions.param_groups``), which its stages'
     parameters name by index. ``on_base``: the job trains on a frozen base (its stages may be
     empty)."""
@@ -67,6 +68,7 @@ class PublishedStages:
         memory: MemoryAccount,
         total_numel: int | None = None,
         *,
+        trained_numel: int | None = None,
         groups: Sequence[m.GroupSpec],
         on_base: bool = False,
     ) -> None:
@@ -84,8 +86,8 @@ class PublishedStages:
         """What the job said it will hold (from ``total_numel``): reserved whole at its creation, so
         that jobs created at once cannot each pass a check that only one of them fits."""
         if total_numel is not None:
-            state = 0 if frozen else total_numel * state_bytes_per_element(optimizer)  # at most
-            pub, priv = stage_bytes(total_numel, state, dtype, double_buffer, grad_numel=0 if frozen else total_numel)
+            trained = 0 if frozen else total_numel if trained_numel is None else min(trained_numel, total_numel)
+            pub, priv = stage_bytes(total_numel, trained * state_bytes_per_element(optimizer), dtype, double_buffer, grad_numel=trained)
             check_shm_room(pub, f"job {name!r}")
             self.promised = pub + priv
             expected = pub

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -255,3 +256,40 @@ def test_found_by_review_the_dev_shm_room_check_looks_where_the_segment_goes(tmp
     monkeypatch.setattr(shm.os, "statvfs", lambda path: SimpleNamespace(f_blocks=0, f_bavail=0, f_frsize=4096) if path == shm.SHM_DIR else real(path))
     assert shm.room_for_segment(400 * 2**20) is None  # a tmpfs without a size
 
+
+
+def test_found_by_review_a_job_with_frozen_parameters_holds_what_it_needs_while_it_is_created(tmp_path: Path) -> None:
+    """The size a job says is held from its creation; it counted every element as trained
+    (optimizer state and an accumulator: 12 more bytes each with AdamW), so a job of mostly frozen
+    parameters held four times its need until its seal and refused others that fitted. The client
+    says which elements are trained (protocol 11)."""
+    from torch import nn
+
+    from wstream.client import Client
+    from wstream.server.inprocess import InProcessServer
+
+    def stages() -> list[nn.Module]:
+        torch.manual_seed(0)
+        out = [nn.Linear(500, 500), nn.Linear(500, 500), nn.Linear(500, 10)]
+        for s in out[:2]:
+            s.requires_grad_(False)
+        return out
+
+    with InProcessServer(bind=[f"ipc://{tmp_path}/a.sock"], memory_limit=2**31) as srv, Client(srv.address) as c:
+        c.create_job("frozen", stages(), optimizer=AdamW(), token="t", unit_bytes=None)
+        needs = c.status().memory_used
+        held = []
+        real_hold = type(srv.server.jobs["frozen"].published)._hold
+
+        def spy(self: Any, reserved: int, slack: int, what: str) -> None:
+            real_hold(self, reserved, slack, what)
+            held.append(self.held)
+
+        import wstream.server.published as published
+
+        published.PublishedStages._hold = spy  # type: ignore[method-assign]
+        try:
+            c.create_job("frozen2", stages(), optimizer=AdamW(), token="t", unit_bytes=None)
+        finally:
+            published.PublishedStages._hold = real_hold  # type: ignore[method-assign]
+    assert held and max(held) <= needs + 2**20, (max(held), needs)  # never much above what it holds sealed
