@@ -225,7 +225,7 @@ class Client(ServerOperations):
         try:
             created, _ = self._chan.request(request, m.Attached)
         except JobExistsError as exc:
-            if "still being created" in exc.message:  # nothing to attach to yet, with exist_ok or without
+            if exc.being_created:  # nothing to attach to yet, with exist_ok or without
                 raise
             if not exist_ok:
                 exc.add_note("create_job(..., exist_ok=True) attaches to it when it is this job; attach_job(name) attaches")

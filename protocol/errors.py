@@ -75,6 +75,13 @@ class UnknownJobError(WstreamError):
 class JobExistsError(WstreamError):
     code = ErrorCode.JOB_EXISTS
 
+    BEING_CREATED = "is still being created"
+    """In the message when the job's creation is not sealed yet: nothing to attach to (``exist_ok``)."""
+
+    @property
+    def being_created(self) -> bool:
+        return self.BEING_CREATED in self.message
+
 
 class MemoryLimitError(WstreamError):
     code = ErrorCode.MEMORY_LIMIT

@@ -281,7 +281,7 @@ def _space(directory: str) -> str:
     return f"{directory} has {huge_pages_free(page)} bytes of free huge pages ({page}-byte pages)"
 
 
-_OWN_STAMP: tuple[int, int] | None = None  # (pid, stamp) of this process, kept: a fork gets its own
+_OWN_STAMPS: tuple[int, int, int] | None = None  # (pid, ticks, wall) of this process, kept: a fork gets its own
 
 
 def segment_stamp(pid: int | None = None) -> int:
@@ -291,45 +291,45 @@ def segment_stamp(pid: int | None = None) -> int:
     clock ticks after boot (``/proc/PID/stat``), which no change of the wall clock moves: a start
     time read as wall-clock time (``psutil``'s) is boot time plus that, and a clock step in
     between made a live server's stamp read differently, so another server reaped its segments."""
-    global _OWN_STAMP
-    me = os.getpid()
-    if pid is not None and pid != me:
+    if pid is not None and pid != os.getpid():
         return _start_ticks(pid)
-    if _OWN_STAMP is None or _OWN_STAMP[0] != me:
-        _OWN_STAMP = (me, _start_ticks(me))
-    return _OWN_STAMP[1]
+    return _own_stamps()[1]
+
+
+def segment_stamps(pid: int | None = None) -> str:
+    """What a segment's name carries of its creator after its pid: ``<start as wall-clock time,
+    1/100 s>-<start in ticks after boot>`` (NOTE in :func:`_creator_alive`)."""
+    if pid is not None and pid != os.getpid():
+        return f"{_wall_stamp(pid)}-{_start_ticks(pid)}"
+    _, ticks, wall = _own_stamps()
+    return f"{wall}-{ticks}"
+
+
+def _own_stamps() -> tuple[int, int, int]:
+    global _OWN_STAMPS
+    me = os.getpid()
+    if _OWN_STAMPS is None or _OWN_STAMPS[0] != me:
+        _OWN_STAMPS = (me, _start_ticks(me), _wall_stamp(me))
+    return _OWN_STAMPS
+
+
+def _wall_stamp(pid: int) -> int:
+    """Process ``pid``'s start as wall-clock time, in hundredths of a second (older servers' stamp)."""
+    return int(psutil.Process(pid).create_time() * 100)
 
 
 def _start_ticks(pid: int) -> int:
     """Process ``pid``'s start in clock ticks after boot (``psutil.NoSuchProcess`` if it is gone);
-    where there is no ``/proc``, its start as wall-clock time, in hundredths of a second."""
+    where there is no ``/proc``, its start as wall-clock time."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except FileNotFoundError:
         if os.path.isdir("/proc/self"):
             raise psutil.NoSuchProcess(pid) from None
-        return int(psutil.Process(pid).create_time() * 100)
+        return _wall_stamp(pid)
     # "pid (comm) state ... starttime": comm may hold spaces and ')', so fields count from the last ')'
     return int(stat[stat.rindex(b")") + 2 :].split()[19])
-
-
-def segment_stamps(pid: int | None = None) -> str:
-    """What a segment's name carries of its creator after its pid: ``<start as wall-clock time,
-    1/100 s>-<start in ticks after boot>`` (NOTE in :func:`_creator_alive`)."""
-    me = os.getpid()
-    target = me if pid is None else pid
-    global _OWN_WALL_STAMP
-    if target == me and _OWN_WALL_STAMP is not None and _OWN_WALL_STAMP[0] == me:
-        wall = _OWN_WALL_STAMP[1]
-    else:
-        wall = int(psutil.Process(target).create_time() * 100)
-        if target == me:
-            _OWN_WALL_STAMP = (me, wall)
-    return f"{wall}-{segment_stamp(pid)}"
-
-
-_OWN_WALL_STAMP: tuple[int, int] | None = None
 
 
 def _creator_alive(name: str) -> bool | None:
@@ -353,7 +353,7 @@ def _creator_alive(name: str) -> bool | None:
         return pid == os.getpid() or psutil.pid_exists(pid)
     try:
         if len(parts) == 3:  # rule 2
-            return int(psutil.Process(pid).create_time() * 100) == int(parts[1])
+            return _wall_stamp(pid) == int(parts[1])
         return segment_stamp(pid) == int(parts[2])  # rule 3
     except (psutil.NoSuchProcess, psutil.ZombieProcess, ValueError):
         return False

@@ -251,7 +251,7 @@ class Handlers:
                 idle = time.monotonic() - other.last_activity
                 left = max(0.0, self.config.creation_timeout_s - idle)
                 raise JobExistsError(
-                    f"a job named {msg.name!r} is still being created (no stage added for {idle:.0f} s); if its creator "
+                    f"a job named {msg.name!r} {JobExistsError.BEING_CREATED} (no stage added for {idle:.0f} s); if its creator "
                     f"died it is dropped {left:.0f} s from now (--creation-timeout), or drop it with the admin secret"
                 )
             raise JobExistsError(f"a job named {msg.name!r} already exists on this server")

@@ -14,11 +14,10 @@ from typing import Any
 
 import torch
 
-from wstream.protocol import LayoutError
+from wstream.protocol import LayoutError, MemoryLimitError, format_bytes
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, frames_nbytes
 from wstream.protocol.layout import exact_integer_buffers, numel_of, publish_master, push_layout, validate_groups, validate_stage
-from wstream.protocol import MemoryLimitError, format_bytes
 from wstream.protocol.shm import SHM_DIR, create_segment, grow_segment, map_segment, room_for_segment, truncate_segment, unlink_segment
 
 from .memory import MemoryAccount
@@ -118,11 +117,15 @@ class PublishedStages:
         """Bytes held beyond the stages added: the segment's slack, or the rest of the promise."""
         return self.held - self.reserved
 
+    def _target(self, reserved: int, slack: int) -> int:
+        """What the job holds in the account with ``reserved`` bytes of stages and ``slack`` ahead."""
+        return max(reserved + slack, self.promised)
+
     def _hold(self, reserved: int, slack: int, what: str) -> None:
         """Make the account hold what the job holds with ``reserved`` bytes of stages and ``slack``
         bytes of segment room ahead (at least the promise while the job is created); refused (with
         nothing changed) when the increase does not fit."""
-        target = max(reserved + slack, self.promised)
+        target = self._target(reserved, slack)
         if target > self.held:
             self.memory.reserve(target - self.held, what)
         else:
@@ -184,7 +187,7 @@ class PublishedStages:
                 capacity = max(offset + pub, min(capacity, self._expected))
         slack = capacity - offset - pub
         what = f"job {self.name!r} stage {index}"
-        self.memory.check(max(self.reserved + pub + priv + slack, self.promised) - self.held, what)
+        self.memory.check(self._target(self.reserved + pub + priv, slack) - self.held, what)
         if capacity != self._capacity:
             grow_segment(self.path, capacity)
             self._capacity = capacity
