@@ -173,12 +173,19 @@ class Channel:
         while True:
             if stop is not None and stop.is_set():
                 raise InterruptedError("channel wait interrupted by shutdown")
+            if self._closed is not None:  # closed by another thread (a Client's): its wait ends here
+                raise StateError(self._closed)
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             if remaining_ms <= 0:
                 return None
-            if self._sock.poll(min(remaining_ms, _POLL_SLICE_MS), zmq.POLLIN):
-                frames = self._sock.recv_multipart(copy=False)
-                return decode_reply(frames[0].buffer), frames[1:]
+            try:
+                if self._sock.poll(min(remaining_ms, _POLL_SLICE_MS), zmq.POLLIN):
+                    frames = self._sock.recv_multipart(copy=False)
+                    return decode_reply(frames[0].buffer), frames[1:]
+            except zmq.ZMQError:
+                if self._closed is not None:  # the socket went from under the poll all the same
+                    raise StateError(self._closed) from None
+                raise
 
     def request(
         self,
@@ -321,3 +328,19 @@ class SharedChannel(Channel):
     ) -> tuple[R, list[zmq.Frame]]:
         with self._lock:
             return super().request(msg, reply_type, frames, **kwargs)
+
+    CLOSE_WAIT_S = 1.0
+    """How long :meth:`close` waits for a request under way to see the close (it does within one
+    poll slice) before it closes the socket all the same."""
+
+    def close(self, why: str = "this connection to the server is closed") -> None:
+        """Close, from any thread: a request under way in another thread ends with a
+        :class:`StateError` saying ``why`` (within a poll slice), and the socket is closed once it has
+        let go of it (ZeroMQ sockets must not be closed under a thread using them)."""
+        self._closed = why
+        got = self._lock.acquire(timeout=self.CLOSE_WAIT_S)
+        try:
+            self._sock.close(linger=0)
+        finally:
+            if got:
+                self._lock.release()

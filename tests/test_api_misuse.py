@@ -403,3 +403,32 @@ def test_a_cuda_device_without_an_index_gets_the_current_ones(monkeypatch: pytes
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
     assert job_handle.worker_device("cuda") == torch.device("cuda", 3)
     assert job_handle.worker_device("cuda:1") == torch.device("cuda", 1)
+
+
+def test_a_request_under_way_when_its_client_closes_says_the_client_closed(server: object) -> None:
+    """Found by review: a thread waiting in a Job handle's request (``wait_step`` of a step the job
+    never reaches) while another thread closed the Client got a bare ZMQError from under its poll
+    (the socket was closed beneath it). It now gets the closed Client's StateError, and the
+    socket is closed by the thread using it, not from under it."""
+    address = server.address  # type: ignore[attr-defined]
+    client = Client(address, timeout=30)
+    job = client.create_job("held", [nn.Linear(4, 4) for _ in range(2)], optimizer=SGD(), token="t")
+    started, errors = threading.Event(), []
+
+    def wait() -> None:
+        started.set()
+        try:
+            job.wait_step(5, timeout=60)
+        except BaseException as exc:  # noqa: BLE001 - asserted below
+            errors.append(exc)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    started.wait(30)
+    while not client._chan._lock.locked():  # the request is in its poll  # noqa: ASYNC110
+        threading.Event().wait(0.01)
+    client.close()
+    waiter.join(60)
+    assert not waiter.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], StateError), errors
+    assert "this Client is closed" in str(errors[0])
