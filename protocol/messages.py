@@ -621,8 +621,9 @@ class JobInfo(Struct, frozen=True, kw_only=True):
     worker. Workers quote it when a wait of theirs lasts."""
     units: int | None = None
     """How many server stages (transfer units, ``JobOptions.units``) hold the ``stages``; None: one
-    server stage per stage, or a job not sealed yet (or a server from before this field, whose
-    ``stages`` counted server stages). Per-stage metrics and the stage numbers of fetches, pushes and timelines count these."""
+    server stage per stage, or a job not sealed yet whose creator gave no units in its options (the
+    client gives them at the seal), or a server from before this field, whose ``stages`` counted
+    server stages. Per-stage metrics and the stage numbers of fetches, pushes and timelines count these."""
 
 
 class Layout(Message, tag="layout"):
