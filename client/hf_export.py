@@ -50,7 +50,7 @@ def export_pretrained(
     config: Source,
     *,
     max_shard_size: int | str = "5GB",
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | str = torch.float32,
     progress: bool | None = None,
 ) -> Path:
     """Write the job's current weights as a ``save_pretrained`` folder that
@@ -60,11 +60,13 @@ def export_pretrained(
     ``config``: the model's config, or the folder the job was created from (then its tokenizer
     and generation files are copied too). Stages are pulled one at a time and each shard is
     written once complete, so memory holds about a shard and a stage. Tied weights are written
-    once, as ``save_pretrained`` does. ``dtype``: of the written tensors (the master is fp32);
+    once, as ``save_pretrained`` does. ``dtype``: of the written tensors (the master is fp32), a
+    floating-point torch dtype or its name ("bfloat16");
     the config records it (``dtype``), replacing the source's, so that ``from_pretrained`` loads
     the tensors as written. Every tensor written is of one step of the job: read while it trains,
     the export starts again when the job moves on (``StateError`` if it keeps moving on).
     """
+    dtype = _float_dtype(dtype)
     out = Path(folder)
     stale = sorted(p.name for p in out.glob("model*.safetensors*"))
     if stale:
@@ -152,6 +154,16 @@ def _plan_shards(job: PulledStages, max_bytes: int, itemsize: int) -> list[dict[
             shards[-1][p.name] = None
             size += nbytes
     return shards
+
+
+def _float_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``dtype`` (a torch dtype or its name, "bfloat16"), refused by name unless floating point."""
+    got = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(got, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is not a torch dtype: give one, or its name ('float32', 'bfloat16', 'float16')")
+    if not got.is_floating_point:
+        raise ValueError(f"dtype {dtype!r} is not floating point: the weights are written as float32, bfloat16 or float16")
+    return got
 
 
 def _written(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

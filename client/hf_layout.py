@@ -159,8 +159,8 @@ def layout_of(config: PretrainedConfig) -> Layout:
         )
     attn = config._attn_implementation
     with torch.device("meta"):
-        try:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn)
+        try:  # fp32 modules whatever dtype the config names (transformers builds in it): a job's master is fp32
+            model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=torch.float32)
         except ValueError as exc:
             if attn == "sdpa" and "scaled_dot_product_attention" in str(exc):
                 raise UnsupportedModel(

@@ -206,6 +206,49 @@ def test_export_writes_the_dtype_of_the_weights_it_saved(client: Client, tmp_pat
         assert torch.equal(state[name], want.to(dtype)), name  # bit for bit, in the dtype written
 
 
+@pytest.mark.parametrize("label", ["bfloat16", "float16"])
+def test_a_job_holds_the_checkpoints_fp32_weights_whatever_dtype_its_config_names(
+    client: Client, tmp_path: Path, label: str
+) -> None:
+    """Found by review: fp32 tensors under a config that says bfloat16 or float16 (a label
+    transformers 5 builds its modules in) were rounded to that dtype in every block and untied head
+    (22 of 30 tensors of a tiny Llama differed, by up to 2.4e-4), and a value past float16's range
+    became inf; the embedding, built anew in fp32, was exact. The fp32 job holds the checkpoint's
+    tensors bit for bit, as ``from_pretrained(dtype=torch.float32)`` does."""
+    folder = save_model("llama", tmp_path / "model")
+    path = folder / "model.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(path)
+    down = next(k for k in tensors if k.endswith("down_proj.weight"))
+    tensors[down][0, 0] = 7e4  # past float16's largest finite value (65504)
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["dtype"] = label
+    (folder / "config.json").write_text(json.dumps(config))
+    job = create_job_from_pretrained(client, "label", folder, token="t", optimizer=AdamW(lr=1e-2))
+    held = weights_by_name(job.state_dict())
+    assert held.keys() == tensors.keys()
+    different = [k for k, t in tensors.items() if not torch.equal(held[k], t)]
+    assert not different, different
+    assert held[down][0, 0].item() == 7e4
+
+
+def test_export_takes_a_dtype_by_name_and_refuses_one_that_is_not_floating_point(client: Client, tmp_path: Path) -> None:
+    """Found by review: ``dtype="bfloat16"`` (as ``create_job`` takes it) raised AttributeError
+    after making the folder, and ``dtype=torch.int8`` wrote truncated integer weights that only
+    transformers refused to load."""
+    folder = save_model("gpt2", tmp_path / "model")
+    job = create_job_from_pretrained(client, "named", folder, token="t", optimizer=AdamW(lr=1e-2))
+    out = export_pretrained(job, tmp_path / "out", folder, dtype="bfloat16")
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.dtype == torch.bfloat16
+    for bad, words in ((torch.int8, "floating point"), ("int8", "floating point"), ("bf16", "not a torch dtype")):
+        with pytest.raises(ValueError, match=words):
+            export_pretrained(job, tmp_path / f"out-{bad}", folder, dtype=bad)
+        assert not (tmp_path / f"out-{bad}").exists()
+
+
 def test_creation_holds_one_stage_and_reads_only_its_tensors(
     client: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
