@@ -1,7 +1,7 @@
 """The wire protocol by hand: plain pyzmq and msgpack, no wstream code on this side of the socket.
 
 A job is created with the wstream client (the only use of the library here); then a DEALER socket
-speaks protocol 9 directly (``protocol/README.md``): ``status``; ``hello`` for a nonce; ``attach``
+speaks protocol 11 directly (``protocol/README.md``): ``status``; ``hello`` for a nonce; ``attach``
 with a proof of the job's token, computed with ``hmac``/``hashlib``; and a bad message, which gets
 an ``error`` reply while the server goes on.
 
