@@ -142,16 +142,6 @@ class GradientPusher:
             "wait commit", "for the step to commit (every worker's gradients)",
         )
 
-    def wait_stage(self, stage: int) -> None:
-        """Wait until no push of ``stage`` is unacknowledged (its gradient was gathered)."""
-
-        def done() -> bool:
-            return all(e.stage != stage for e in self._outstanding.values()) and all(
-                u.message.stage != stage for u in self._unsent
-            )
-
-        self._wait_until(done, f"wait update {stage}", f"for stage {stage}'s gradient to be taken")
-
     def _acquire(self, stage: int) -> int:
         """A free slot for ``stage``'s gradient: the lowest free one, or, in a step ring, the stage's
         own (free once the server's update read its last gradient)."""

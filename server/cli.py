@@ -44,15 +44,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--store", metavar="DIR", help="directory for snapshots; jobs found there are resumed at start")
     p.add_argument(
         "--snapshot-every", type=int, default=0, metavar="N",
-        help="snapshot each job every N steps (needs --store; 0: at creation, on 'wstream save' and at shutdown)",
+        help="snapshot each job every N steps (needs --store; default 0: at creation, on 'wstream save' and at shutdown only)",
     )
     p.add_argument("--keep-snapshots", type=int, default=3, metavar="K", help="snapshots kept per job (default 3)")
-    p.add_argument("--lease", type=float, default=30.0, metavar="SECONDS", help="detach workers silent this long")
+    p.add_argument("--lease", type=float, default=30.0, metavar="SECONDS", help="detach workers silent this long (default 30)")
     p.add_argument(
         "--creation-timeout", type=float, default=300.0, metavar="SECONDS",
         help="drop a job still being created that gets no stage for this long (default 300)",
     )
-    p.add_argument("--optimizer-workers", type=int, default=1, metavar="N", help="threads running stage updates")
+    p.add_argument("--optimizer-workers", type=int, default=1, metavar="N", help="threads running stage updates (default 1)")
     p.add_argument(
         "--torch-threads", type=int, default=None, metavar="N",
         help=f"torch intra-op threads of the updates (default: half the cores, here {default_compute_threads()}; "
@@ -91,8 +91,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--huge-pages", choices=["auto", "on", "off"], default=default_of("huge_pages"),
                    help="shared memory on hugetlbfs huge pages (faster GPU page-locking): auto (default), on, off")
-    p.add_argument("--nonce-ttl", type=float, default=30.0, metavar="SECONDS", help="lifetime of a handshake nonce")
-    p.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    p.add_argument("--nonce-ttl", type=float, default=30.0, metavar="SECONDS", help="lifetime of a handshake nonce (default 30)")
+    p.add_argument(
+        "--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="what the server logs (default INFO)"
+    )
     return p
 
 

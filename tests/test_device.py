@@ -269,7 +269,7 @@ def test_a_push_is_sent_only_once_its_copy_is_complete(client: Client) -> None:
         pusher.push(4, 0, spec, [torch.ones(5, 48)])
         assert pusher._unsent and not pusher._outstanding  # waiting for its copy, compute went on
         held.ticket.released.set()
-        pusher.wait_stage(4)  # sent, and acknowledged once gathered on the server
+        pusher.drain()  # sent, and acknowledged once gathered on the server
         assert not pusher._unsent and not pusher._outstanding
         assert pusher.stats.pushes == 1
         pusher._stager = held.inner  # type: ignore[assignment]
