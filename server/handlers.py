@@ -441,7 +441,11 @@ class Handlers:
         return None
 
 
-    def _on_set_schedule(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
+    def _on_set_schedule(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing | None:
+        """The change, answered at once without a store (or before the job's seal, whose creation
+        snapshot holds it), else once a snapshot holding it is durable, as ``save`` is: a server
+        killed after the answer comes back with the change (the steps since that snapshot replay
+        under it, as they ran)."""
         assert isinstance(msg, m.SetSchedule)
         job = self._job_of(self.sessions.known(msg.session), msg.job, "set the schedule of")
         if job.options.frozen:
@@ -449,7 +453,14 @@ class Handlers:
         if msg.lr is None and msg.schedule is None:
             raise StateError("set_schedule changes nothing: give lr, schedule or both")
         job.set_schedule(msg.lr, msg.schedule)
-        return Outgoing(identity, m.Ok(id=msg.id))
+        if not self.snapshots.enabled or not job.ready:
+            return Outgoing(identity, m.Ok(id=msg.id))
+        self.snapshots.request(job, Waiter(identity, msg.id, functools.partial(_ok, msg.id)), "schedule change")
+        return None
+
+
+def _ok(request_id: int, _step: int, _path: str) -> m.Message:
+    return m.Ok(id=request_id)
 
 
 def _saved(request_id: int, step: int, path: str) -> m.Message:

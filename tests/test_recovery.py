@@ -21,7 +21,7 @@ import torch
 import models
 from conftest import HERE, ServerProcess, start_server, wait_worker
 from test_equivalence import assert_weights_equal, reference_train
-from wstream.client import AdamW, Client, ServerUnavailable
+from wstream.client import AdamW, Client, ServerUnavailable, WarmupCosine
 from wstream.client.push import GradientPusher
 
 LR, WD = 3e-3, 0.05
@@ -321,3 +321,29 @@ def lose_the_connection_once(monkeypatch: pytest.MonkeyPatch, *, at_step: int) -
 
     monkeypatch.setattr(GradientPusher, "push", lose)
     return lost
+
+
+def test_a_schedule_change_answered_survives_a_server_killed_right_after(tmp_path: Path) -> None:
+    """Found by review: ``set_schedule`` was answered at once and reached the store only with the
+    next snapshot, so a server killed before it came back with the old lr for good (an idle job
+    snapshots at shutdown only). With a store, the answer now waits for a snapshot holding the
+    change, as ``save``'s does."""
+    args = ("--memory-limit", "2GiB", "--store", str(tmp_path / "store"), "--snapshot-every", "3")
+    srv = start_server(tmp_path, *args, name="srv0")
+    try:
+        with Client(srv.address, timeout=30) as c:
+            job = c.create_job("sched", models.mixed(), optimizer=AdamW(lr=LR), token="t")
+            with job.trainer() as trainer:
+                trainer.fit(lambda t: models.batch("mixed", t, 0), models.loss_fn, steps=5)
+            job.set_schedule(lr=1e-4, schedule=WarmupCosine(warmup_steps=2, total_steps=20))
+        srv.stop(signal.SIGKILL)
+        srv = start_server(tmp_path, *args, name="srv1", address=srv.address)
+        with Client(srv.address, timeout=30) as c:
+            info = c.status().jobs[0]
+            job = c.attach_job("sched", token="t")
+            assert info.step == 5, info
+            assert job.options.optimizer.lr == 1e-4
+            assert job.options.optimizer.schedule == WarmupCosine(warmup_steps=2, total_steps=20)
+    finally:
+        assert srv.stop() == 0
+        assert_clean_log(srv)
