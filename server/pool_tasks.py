@@ -7,9 +7,11 @@ stage's buffers).
 
 from __future__ import annotations
 
+import functools
+import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, Union
 
@@ -55,6 +57,9 @@ class GatherTask:
     sumsq: float | None = None
     """The worker's squared norm of its gradient (``Push.sumsq``): the stage's when it is the only
     gradient expected, so that no pass over the sum is needed."""
+    norms: tuple[float | None, ...] = ()
+    """Each source's own squared norm as its push said it (None: not said), in ``sources`` order:
+    the key of the order they are summed in (:func:`in_value_order`)."""
     seconds: float = 0.0
     submitted_ns: int = field(default_factory=time.monotonic_ns)
     started_ns: int = 0
@@ -71,24 +76,58 @@ class GatherTask:
                 attempt, count = st.acc
                 if attempt != self.attempt:
                     count = 0
-                total = count + len(self.sources)
+                sources = self.sources
+                if len(sources) + (count > 0) >= 3:  # a + b is b + a, in fp32 too; three terms are not
+                    sources = in_value_order(sources, self.norms)
+                total = count + len(sources)
                 last = total == self.expected
                 several = total > 1  # the norm of a sum of several workers' gradients: the native kernel's (NOTE [Native kernels] rule 3)
                 if last and not (total == 1 and self.sumsq is not None):
                     # the sum and its norm in one pass (NOTE [Gradient norms])
-                    norm = native_sum_with_norm(st.grad, self.sources, first=count == 0, norm_numel=st.grad_numel) if several else None
+                    norm = native_sum_with_norm(st.grad, sources, first=count == 0, norm_numel=st.grad_numel) if several else None
                     if norm is None:
-                        norm = accumulate_with_norm(st.grad, self.sources, first=count == 0, norm_numel=st.grad_numel)
+                        norm = accumulate_with_norm(st.grad, sources, first=count == 0, norm_numel=st.grad_numel)
                 else:  # no norm to take: a streamed copy or sum (NOTE [Native kernels] rule 1)
                     norm = self.sumsq
-                    if native_sum_with_norm(st.grad, self.sources, first=count == 0, norm_numel=0) is None:
-                        accumulate(st.grad, self.sources, first=count == 0)
+                    if native_sum_with_norm(st.grad, sources, first=count == 0, norm_numel=0) is None:
+                        accumulate(st.grad, sources, first=count == 0)
                 st.acc = (self.attempt, total)
                 if last:
                     assert norm is not None
                     st.sumsq = (self.attempt, total, norm)
         self.seconds = time.perf_counter() - t0
         return self
+
+
+def in_value_order(sources: Sequence[torch.Tensor], norms: Sequence[float | None] = ()) -> tuple[torch.Tensor, ...]:
+    """``sources`` in the order a sum of them is taken in (NOTE [Held gradient slots] rule 4): by
+    their squared norms (a push's own, else measured here), then by their first differing element;
+    equal ones in any order (it makes no difference). An fp32 sum of three or more terms depends on
+    their order: summed as they arrived, two runs on the same data differed in the last bit, and a
+    run in which a worker was restarted was not the run without it. In this order the sum is a
+    function of the gradients alone. A non-finite norm sorts last (its step is skipped anyway)."""
+    keyed = []
+    for k, source in enumerate(sources):
+        norm = norms[k] if k < len(norms) else None
+        keyed.append((squared_norm(source) if norm is None else norm, source))
+
+    def compare(x: tuple[float, torch.Tensor], y: tuple[float, torch.Tensor]) -> int:
+        (nx, tx), (ny, ty) = x, y
+        if nx != ny:
+            return _order(nx, ny)
+        differ = torch.ne(tx, ty)
+        if not bool(differ.any()):  # equal (or NaN where the other is NaN): either order sums the same
+            return 0
+        at = int(differ.nonzero()[0])
+        return _order(float(tx[at]), float(ty[at]))
+
+    return tuple(source for _, source in sorted(keyed, key=functools.cmp_to_key(compare)))
+
+
+def _order(a: float, b: float) -> int:
+    """-1, 0 or 1 as ``a`` sorts before, with or after ``b``: numbers ascending, NaN last."""
+    ka, kb = (math.isnan(a), 0.0 if math.isnan(a) else a), (math.isnan(b), 0.0 if math.isnan(b) else b)
+    return (ka > kb) - (ka < kb)
 
 
 @dataclass(slots=True)

@@ -145,10 +145,10 @@ class StageState:
     count), NOTE [Buffers] above."""
     gathered: set[int] = field(default_factory=set)
     """Workers whose gradient of the open step is in ``grad`` (their gather finished)."""
-    parked: dict[int, torch.Tensor] = field(default_factory=dict)
+    parked: dict[int, tuple[torch.Tensor, float | None]] = field(default_factory=dict)
     """Pending pushes of a multi-worker step left in their slots until the last expected one
     comes, when one gather sums them all (NOTE [Held gradient slots] in step_commit.py, rule 4):
-    worker id -> its slot's push-layout elements."""
+    worker id -> its slot's push-layout elements and the push's ``sumsq``."""
     gathering: int = 0
     """Gather tasks of this stage handed to the pool and not finished."""
     grad_lock: threading.Lock = field(default_factory=threading.Lock)

@@ -64,7 +64,10 @@ their completion, and the open step discarded when a worker leaves in the middle
 # 4. With several workers expected, a push is *parked*: left pending in its slot until the last
 #    expected worker's push of the stage comes, which gathers them all in one task (the sum
 #    written once: ``torch.add(a, b, out=grad)``, 12 bytes per parameter for two workers where a
-#    copy then an add moved 20). A parked slot waits only for the other workers' pushes of the
+#    copy then an add moved 20), in an order of their values, not of their arrival
+#    (``pool_tasks.in_value_order``: by each push's norm, then its elements), so that the fp32 sum
+#    of three or more is a function of the gradients alone, and a step trained again after a fault
+#    sums as it did. A parked slot waits only for the other workers' pushes of the
 #    same stage, which every worker pushes in the same order (its plan's BACKWARDs, from the last
 #    position down), so a worker ahead waits for one behind, never the reverse. A worker that
 #    leaves having pushed nothing stops being expected: the parked pushes then gather
@@ -235,7 +238,7 @@ class StepCommit:
             self.job.timeline.add(f"held {st.span}", "gather", "held gradients", now, now, st.index, self.open_step)
             return self.check_complete([st], submit)
         if expected > 1:  # NOTE [Held gradient slots] rule 4: one gather when the last of them comes
-            st.parked[worker.id] = source
+            st.parked[worker.id] = (source, msg.sumsq)
             self._gather_parked(st, expected_set, submit)
             return []
         st.gathering += 1
@@ -247,10 +250,11 @@ class StepCommit:
         parked or gathered (NOTE [Held gradient slots] rule 4)."""
         if not st.parked or not expected <= st.gathered | st.parked.keys():
             return
-        workers, sources = tuple(st.parked), tuple(st.parked.values())
+        workers = tuple(st.parked)
+        sources, norms = tuple(s for s, _ in st.parked.values()), tuple(n for _, n in st.parked.values())
         st.parked = {}
         st.gathering += 1
-        submit(GatherTask(self.job, st, workers, sources, self.attempt, len(expected)))
+        submit(GatherTask(self.job, st, workers, sources, self.attempt, len(expected), norms=norms))
 
     def commit(self, msg: m.Commit, identity: bytes, worker: Worker) -> Outgoing | None:
         """Answer when step ``msg.step`` commits (held until then; a delayed job's worker may
