@@ -54,7 +54,8 @@ class Checkpointing:
     """The checkpoint plan: ``"store_all"`` (keep every stage input), ``"sqrt"``,
     ``"sqrt_recursive"``, ``"dnc"`` (bisection) or ``"revolve"`` (binomial, with ``slots`` kept
     stage inputs), or ``"optimal"`` with ``memory_budget``: the least recomputation time within
-    that much activation memory, planned from a profile of the first batch; ``"auto"`` with
+    that much activation memory, planned from a profile of the first batch (and again for a batch larger in any dimension,
+    or another number of micro-batches); ``"auto"`` with
     ``memory_budget``: the fastest of all planners' plans that fits, by the same profile
     (``plan_summary()["schedule"]`` says which); or ``"min_peak"``: the kept subset of least peak
     memory; or ``"offload"`` with ``memory_budget``: every k-th stage input goes to host memory as

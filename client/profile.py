@@ -30,6 +30,28 @@ from .stages import StageRunner
 log = logging.getLogger(__name__)
 
 
+Shapes = tuple[tuple[int, ...] | None, ...]
+"""The shape of each item of a micro-batch's inputs (None: not a tensor)."""
+
+
+def shapes_of(inputs: Any) -> Shapes:
+    """The shapes of a micro-batch's input tensors (its boundary's items), for
+    :meth:`Planning.needs_profile`."""
+    return tuple(tuple(t.shape) if isinstance(t, torch.Tensor) else None for t in as_boundary(inputs))
+
+
+def within(shapes: Shapes, profiled: Shapes) -> bool:
+    """Whether every tensor of ``shapes`` is no larger in any dimension than ``profiled``'s."""
+    if len(shapes) != len(profiled):
+        return False
+    for new, old in zip(shapes, profiled):
+        if (new is None) != (old is None):
+            return False
+        if new is not None and old is not None and (len(new) != len(old) or any(a > b for a, b in zip(new, old))):
+            return False
+    return True
+
+
 class Planning:
     """The trainer's checkpoint plan: given up front, or made by ``from_profile`` from a profile of
     the first step (and again when the number of micro-batches changes)."""
@@ -50,23 +72,37 @@ class Planning:
         again whenever the number of micro-batches changes) scaled to ``k`` micro-batches."""
         self.profile_one: StageCosts | None = None
         self.k = 1
+        self.shapes: Shapes = ()
+        """The shapes of the profiled micro-batch's tensors: a larger batch is profiled again."""
         self.fetch_order = stages_of(plan.fetch_order()) if plan is not None else []
         """The weight stages a step fetches, in order."""
         self.taped = taped_advances(plan.actions) if plan is not None else frozenset()
         """The plan's ADVANCEs that may keep their graph (NOTE [Taped forwards and early stop])."""
 
-    def needs_profile(self, k: int) -> bool:
-        """Whether a step of ``k`` micro-batches must be profiled first."""
-        return self.plan is None or (self._from_profile is not None and k != self.k)
+    def needs_profile(self, k: int, shapes: Shapes = ()) -> bool:
+        """Whether a step of ``k`` micro-batches, the first of whose tensors have ``shapes``
+        (:func:`shapes_of`), must be profiled first: the plan is made from a profile, and none
+        was made yet, or ``k`` changed, or a tensor is larger in some dimension than the profiled
+        one's (its activations may be too: the plan made for the smaller ones could exceed the
+        budget). A batch no larger anywhere keeps the plan, which fits it too."""
+        if self.plan is None:
+            return True
+        if self._from_profile is None:
+            return False
+        if k != self.k:
+            return True
+        if not within(shapes, self.shapes):
+            log.info("a batch of shapes %s, larger than the profiled %s: profiled and planned again", shapes, self.shapes)
+            return True
+        return False
 
-    def plan_for(self, one: StageCosts, k: int) -> Plan:
-        """Make the plan for ``k`` micro-batches from ``one``, the profile of one; a budget no
-        plan fits is refused here, before any update."""
+    def plan_for(self, one: StageCosts, k: int, shapes: Shapes = ()) -> Plan:
+        """Make the plan for ``k`` micro-batches from ``one``, the profile of one of ``shapes``; a
+        budget no plan fits is refused here, before any update."""
         assert self._from_profile is not None
-        self.profile_one = one
-        self.profile = one.for_micro_batches(k)
-        self.plan = plan = self._from_profile(self.profile)
-        self.k = k
+        profile = one.for_micro_batches(k)
+        plan = self._from_profile(profile)  # (refused: the plan and its profile stay as they were)
+        self.profile_one, self.profile, self.plan, self.k, self.shapes = one, profile, plan, k, shapes
         self.fetch_order = self._stages_of(plan.fetch_order())
         self.taped = taped_advances(plan.actions)
         log.info(

@@ -39,7 +39,7 @@ from .loss_scale import scaler_for
 from .options import TrainerOptions
 from .plan_run import PlanRun
 from .plans import OnlineBisection, Plan, StageCosts
-from .profile import Planning, measure_profile
+from .profile import Planning, measure_profile, shapes_of
 from .rng import StageRng
 from .stages import StageRunner
 from .stats import TrainerStats, trainer_stats
@@ -494,11 +494,12 @@ class Trainer:
         lanes = split_micro_batches(inputs, k, what="inputs")
         lane_targets = split_micro_batches(targets, k, what="targets")
         conn, ex, planning = self.connection, self.executor, self.planning
-        if planning.needs_profile(k):
+        shapes = shapes_of(lanes[0])
+        if planning.needs_profile(k, shapes):
             one = measure_profile(
                 ex, conn.prefetcher, lanes[0], step=self._step, stage_bytes=conn.stage_bytes(), zero_copy=conn.zero_copy
             )
-            planning.plan_for(one, k)
+            planning.plan_for(one, k, shapes)
         plan = planning.plan
         assert plan is not None
         conn.prefetcher.start(self._step, planning.fetch_order)

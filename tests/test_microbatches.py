@@ -11,7 +11,7 @@ from torch import nn
 import models
 from test_equivalence import assert_weights_equal
 from wstream.client import SGD, AdamW, Client
-from wstream.client.plans import min_budget, simulate, store_all
+from wstream.client.plans import PlanError, StageCosts, min_budget, simulate, store_all
 from wstream.client.boundary import split_micro_batches
 
 STEPS = 4
@@ -112,6 +112,38 @@ def test_the_plan_is_remade_when_the_number_of_micro_batches_changes(client: Cli
         old = simulate(one.n, plan_one.actions, state_bytes=four.state_bytes, tape_bytes=four.tape_bytes)
         assert fits.peak_bytes <= budget < old.peak_bytes
         assert trainer.plan_summary()["peak_activation_bytes_measured"] <= budget
+
+
+def test_the_plan_is_remade_when_a_later_batch_is_larger(client: Client) -> None:
+    """Found by review: the plan was made from the first batch's profile and kept for every later
+    one, so a batch 4x as large ran it at 2.7x the budget (no new plan, no refusal, no warning).
+    A batch larger than the profiled one in any dimension is profiled and planned again (refused,
+    before any update, if no plan fits); a smaller one keeps the plan, which fits it too."""
+    job = client.create_job("grow", models.mixed(), optimizer=AdamW(lr=1e-3), token="t")
+    with job.trainer(zero_copy=False, schedule="min_peak") as probe:  # a profile, to pick a budget
+        probe.step(*models.batch("mixed", 0), models.loss_fn)
+        assert probe.profile is not None
+        one = probe.profile
+    four = StageCosts(one.forward_s, tuple(4 * b for b in one.state_bytes), tuple(4 * b for b in one.tape_bytes))
+    everything = simulate(one.n, store_all(one.n).actions, state_bytes=one.state_bytes, tape_bytes=one.tape_bytes)
+    budget = max(min_budget(four), everything.peak_bytes)  # the first batch keeps everything; 4x cannot
+    size = models.batch("mixed", 1)[0].shape[0]
+    with job.trainer(zero_copy=False, schedule="optimal", memory_budget=budget) as trainer:
+        trainer.step(*models.batch("mixed", 1), models.loss_fn)
+        plan_one = trainer.plan
+        assert plan_one is not None and plan_one.advances == one.n - 1  # no recomputation
+        trainer.step(*models.batch("mixed", 2, size=size // 2), models.loss_fn)  # smaller: the same plan
+        assert trainer.plan is plan_one
+        trainer.step(*models.batch("mixed", 3, size=4 * size), models.loss_fn)
+        plan_big = trainer.plan
+        assert plan_big is not None and plan_big is not plan_one
+        assert trainer.plan_summary()["peak_activation_bytes_measured"] <= budget
+        at = trainer.step_index
+        with pytest.raises(PlanError, match="budget"):  # no plan fits 16x: refused before any update
+            trainer.step(*models.batch("mixed", 4, size=16 * size), models.loss_fn)
+        assert trainer.step_index == at and trainer.plan is plan_big
+        trainer.step(*models.batch("mixed", 4, size=size), models.loss_fn)  # and the trainer goes on
+        assert trainer.step_index == at + 1
 
 
 def test_micro_batch_split_errors_name_what_was_wrong() -> None:
