@@ -135,6 +135,15 @@ def test_sqrt_segments() -> None:
     # the recursive variant trades recomputation for memory
     rec, flat = sqrt_segments(4096, recursive=True), sqrt_segments(4096)
     assert rec.peak_states < flat.peak_states and rec.advances > flat.advances
+
+    def kept(n: int) -> int:  # the docstring's sqrt n + n^(1/4) + ...: its recursion, one input per level
+        k = max(1, math.ceil(math.sqrt(n)))
+        return 2 if n <= 2 else k + kept(math.ceil(n / k))
+
+    for n in (16, 100, 1000, 10_000):  # found by review: the docstring said O(log n) memory
+        rec = sqrt_segments(n, recursive=True)
+        assert math.sqrt(n) <= rec.peak_slots <= kept(n), (n, rec.peak_slots, kept(n))
+        assert rec.advances <= n * (math.log2(math.log2(n)) + 1), (n, rec.advances)
     with pytest.raises(PlanError, match="segments"):
         sqrt_segments(10, segments=11)
 

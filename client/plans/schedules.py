@@ -59,8 +59,12 @@ def _reverse_storing_all(a: int, b: int, emit: Callable[[Action], None]) -> None
 def sqrt_segments(n: int, segments: int | None = None, *, recursive: bool = False) -> Plan:
     """Keep the input of each of ``segments`` (default ceil(sqrt n)) segments in the first sweep,
     then reverse segment by segment, keeping every input inside the segment. With
-    ``recursive=True`` a segment is itself split the same way until it is at most 2 stages long
-    (O(log n) memory, O(n log n) recomputation)."""
+    ``recursive=True`` a segment is itself split the same way (into ceil(sqrt len) parts) until it
+    is at most 2 stages long: about sqrt n + n^(1/4) + n^(1/8) + ... kept inputs, so Theta(sqrt n)
+    memory but about half the flat variant's (113 against 198 at n = 10^4), for about
+    n * log2(log2 n) recomputed forwards (3.2 n at 10^4, against n). Not O(log n): a constant
+    number of parts per level is what gives that (Chen et al.'s recursion), which is ``"dnc"``
+    (bisection)."""
     _check_n(n)
     k = segments if segments is not None else max(1, math.ceil(math.sqrt(n)))
     if not 1 <= k <= n:
