@@ -32,7 +32,7 @@ from .job_key import JobKey, token_verifier
 from .memory import MemoryAccount
 from .outgoing import Outgoing
 from .published import PublishedStages
-from .snapshot import JobRecord, Snapshot
+from .snapshot import Capture, JobRecord, Snapshot
 from .pool_tasks import PoolTask, UpdateTask
 from .stage_state import Deferred, StageState, align
 from .step_commit import CommitRecord, EndSession, StepCommit, Submit
@@ -102,7 +102,7 @@ class Job:
         job = cls(record, memory, sum(s.numel for s in record.specs), trained)
         job.base = base
         try:
-            job.published.load(record.specs, stages, step)
+            previous = job.published.load(record.specs, stages, step)
             job.versions.counts = Counter({step: len(job.stages)})
             job.step_commit.trained = sum(st.trained for st in job.stages)
             job.seal()
@@ -111,10 +111,17 @@ class Job:
             raise
         job.last_snapshot_step = step
         job.step_commit.open_step = step
-        job.versions.base_step = step  # the weights before ``step`` are gone: the first step reads ``step``
+        # a delayed job's step reads the version before it, when the snapshot kept it (NOTE
+        # [Consistent snapshots] rule 5 in snapshot.py); else it is gone, and step ``step`` reads ``step``
+        job.versions.base_step = step - 1 if previous and job.options.delayed_update else step
         return job
 
-    def snapshot_sources(self) -> list[tuple[threading.Lock, Callable[[], dict[str, torch.Tensor]]]]:
+    def reads_previous(self, step: int) -> bool:
+        """Whether step ``step`` reads the weights of the version before it (a delayed job's, NOTE
+        [Versions and who may read what] rule 5), which its snapshot then keeps too."""
+        return self.options.delayed_update and self.versions.read_version(step) == step - 1
+
+    def snapshot_sources(self) -> list[tuple[threading.Lock, Capture]]:
         """Per stage, the lock and the capture a snapshot writer takes it with."""
         return [(st.lock, st.capture) for st in self.stages]
 

@@ -155,9 +155,12 @@ class PublishedStages:
             )
         self.append(msg.index, msg.spec, lambda flat: copy_frames_into(flat, frames))
 
-    def load(self, specs: list[m.StageSpec], stages: Iterable[tuple[int, dict[str, torch.Tensor]]], step: int) -> None:
+    def load(self, specs: list[m.StageSpec], stages: Iterable[tuple[int, dict[str, torch.Tensor]]], step: int) -> bool:
         """Add every stage as a snapshot of ``step`` holds it (master and optimizer state), at
-        version ``step``."""
+        version ``step``; returns whether every stage's published copy of version ``step - 1`` was
+        in it too (a delayed job's, NOTE [Consistent snapshots] rule 5 in snapshot.py), and put
+        back in its slot."""
+        previous = True
         for i, tensors in stages:
             spec = specs[i]
             validate_groups(i, spec, len(self.groups))
@@ -170,6 +173,15 @@ class PublishedStages:
             published = st.slots[st.slot_for(step)]
             if published is not st.master:
                 publish_master(published, st.master, st.exact_ints)
+            before = tensors.get("previous")
+            slot = st.slots[st.slot_for(step - 1)]
+            if before is None or st.single_slot or step == 0:
+                previous = False
+            elif before.dtype != slot.dtype or before.numel() != slot.numel():
+                raise LayoutError(f"snapshot of job {self.name!r}: stage {i}'s previous weights do not fit its slot")
+            else:
+                slot.copy_(before)
+        return previous
 
     def append(self, index: int, spec: m.StageSpec, fill: Callable[[torch.Tensor], object]) -> StageState:
         """Reserve memory for stage ``index``, place it in the published segment, ``fill`` its

@@ -3,7 +3,8 @@
 Layout under the server's ``--store`` directory::
 
     job-<name>/step-000000001200/manifest.json        the job's metadata and every file's sha256
-    job-<name>/step-000000001200/shard-00000.safetensors   "<stage>.master", "<stage>.opt.<key>"
+    job-<name>/step-000000001200/shard-00000.safetensors   "<stage>.master", "<stage>.opt.<key>",
+                                                      "<stage>.previous" (a delayed job's, rule 5)
     job-<name>/.tmp-...                               a snapshot being written (removed at start)
 
 # NOTE [Consistent snapshots while training goes on]
@@ -24,6 +25,14 @@ Layout under the server's ``--store`` directory::
 # 4. Files are written to a temporary directory, each fsynced; the manifest (with every file's
 #    sha256) last; then the directory is renamed into place and its parent fsynced. A crash at
 #    any moment leaves either the complete new snapshot or none of it.
+# 5. A delayed job's step t reads the weights of version t - 1 (NOTE [Versions and who may read
+#    what] rule 5 in versions.py), which a snapshot of version t alone does not hold: restored
+#    from it, step t would read version t, and the run would leave the one never stopped. So its
+#    snapshot (``Snapshot.previous``) also keeps each stage's published copy of version t - 1
+#    (``previous``: the other slot, in the compute dtype, exactly what the workers read), captured
+#    before the update t -> t + 1 writes that slot (rule 2), and a restore puts it back in its slot
+#    (``Job.restore``). A snapshot without it (an older server's, or of the step a restore began
+#    at, whose version before is gone) restores as before: step t then reads version t.
 """
 
 from __future__ import annotations
@@ -156,6 +165,11 @@ class Waiter:
     reply: Callable[[int, str], m.Message]
 
 
+Capture = Callable[[bool], dict[str, torch.Tensor]]
+"""A stage's capture: copies of what a snapshot keeps of it (with the published copy of the version
+before, when told: rule 5)."""
+
+
 @dataclass(slots=True)
 class Snapshot:
     """One snapshot of one job in progress (see the NOTE above)."""
@@ -176,8 +190,10 @@ class Snapshot:
     cond: threading.Condition = field(default_factory=threading.Condition)
     path: Path | None = None
     bytes_written: int = 0
+    previous: bool = False
+    """Capture each stage's published copy of version ``step - 1`` too (rule 5)."""
 
-    def capture_before_update(self, index: int, lock: threading.Lock, capture: Callable[[], dict[str, torch.Tensor]],
+    def capture_before_update(self, index: int, lock: threading.Lock, capture: Capture,
                               nbytes: int, resume: Callable[[], None]) -> bool:
         """Called by the update of ``index`` from version ``step``: capture first (rule 2). False:
         no room (rule 3), the update must not run now; ``resume`` is called once there is."""
@@ -187,13 +203,13 @@ class Snapshot:
             if self.clone_bytes + nbytes > self.buffer_bytes and self.clone_bytes > 0:
                 self.parked[index] = (nbytes, resume)
                 return False
-            self.captured[index] = capture()
+            self.captured[index] = capture(self.previous)
             self.done.add(index)
             self.clone_bytes += nbytes
             return True
 
     def take(
-        self, index: int, lock: threading.Lock, capture: Callable[[], dict[str, torch.Tensor]]
+        self, index: int, lock: threading.Lock, capture: Capture
     ) -> tuple[dict[str, torch.Tensor], bool]:
         """The writer's turn for ``index``: the clone an update made (and True: :meth:`release` it),
         or a capture now (False). Told under the lock: an update may capture the stage until then."""
@@ -201,7 +217,7 @@ class Snapshot:
             if index in self.captured:
                 return self.captured.pop(index), True
             self.done.add(index)
-            tensors = capture()
+            tensors = capture(self.previous)
             resumed = self._resumable()  # the update of ``index``, if parked, has nothing to capture now
         for resume in resumed:
             resume()
@@ -336,7 +352,7 @@ class SnapshotStore:
     def write(
         self,
         snap: Snapshot,
-        stages: list[tuple[threading.Lock, Callable[[], dict[str, torch.Tensor]]]],
+        stages: list[tuple[threading.Lock, Capture]],
     ) -> Path | None:
         """Write ``snap``; returns its directory, or None when it was cancelled (job dropped)."""
         job_dir = self.job_dir(snap.record.name)
@@ -374,7 +390,7 @@ class SnapshotStore:
         return final
 
     def _write_shards(
-        self, snap: Snapshot, stages: list[tuple[threading.Lock, Callable[[], dict[str, torch.Tensor]]]], tmp: Path
+        self, snap: Snapshot, stages: list[tuple[threading.Lock, Capture]], tmp: Path
     ) -> list[dict[str, Any]] | None:
         files: list[dict[str, Any]] = []
         shard: dict[str, torch.Tensor] = {}

@@ -141,10 +141,15 @@ class SnapshotScheduler:
                 self._turns.append(job.name)
             return
         self._leave_turns(job.name)
-        snap = Snapshot(job.record(), step, self.buffer_bytes, reason, waiters=waiters)
+        snap = self._snapshot_of(job, step, reason, waiters)
         job.record_changed = False  # (a change from now on is for the next one)
         job.snapshot = snap
         self._writer.submit(self._write, job, snap)
+
+    def _snapshot_of(self, job: Job, step: int, reason: str, waiters: list[Waiter] | None = None) -> Snapshot:
+        """A snapshot of ``job`` at ``step``, keeping the weights the next step reads where they are
+        not the step's own (a delayed job's: NOTE [Consistent snapshots] rule 5 in snapshot.py)."""
+        return Snapshot(job.record(), step, self.buffer_bytes, reason, waiters=waiters or [], previous=job.reads_previous(step))
 
     def _write(self, job: Job, snap: Snapshot) -> None:
         """On the writer thread; the result goes back to the loop."""
@@ -297,7 +302,7 @@ class SnapshotScheduler:
                 if step is None:
                     log.warning("job %r is in the middle of a step: it will resume from its last snapshot", job.name)
                 continue
-            snap = Snapshot(job.record(), step, self.buffer_bytes, "shutdown")
+            snap = self._snapshot_of(job, step, "shutdown")
             try:
                 path = store.write(snap, job.snapshot_sources())
                 job.last_snapshot_step, job.last_snapshot_path = step, None if path is None else str(path)

@@ -189,11 +189,15 @@ class StageState:
         """The stage in a timeline span's name: ``"3"``, or a unit's ``"3 (300-399)"``."""
         return str(self.index) if self.chain is None else f"{self.index} ({self.chain_stages})"
 
-    def capture(self) -> dict[str, torch.Tensor]:
-        """Copies of what a snapshot keeps of this stage (call with ``lock`` held)."""
+    def capture(self, previous: bool = False) -> dict[str, torch.Tensor]:
+        """Copies of what a snapshot keeps of this stage (call with ``lock`` held); ``previous``:
+        the published copy of the version before too (a delayed job's, NOTE [Consistent snapshots]
+        rule 5 in snapshot.py)."""
         out = {"master": self.master.clone()}
         for k, v in self.optimizer.state_tensors().items():
             out[f"opt.{k}"] = v.clone()
+        if previous and not self.single_slot:
+            out["previous"] = self.slots[self.slot_for(self.version - 1)].clone()
         return out
 
     @property

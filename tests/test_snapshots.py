@@ -594,7 +594,7 @@ def test_a_parked_update_is_resumed_by_every_way_room_is_made() -> None:
     lock = threading.Lock()
     resumed: list[int] = []
 
-    def capture() -> dict[str, torch.Tensor]:
+    def capture(previous: bool = False) -> dict[str, torch.Tensor]:
         return {"w": torch.zeros(4)}  # 16 bytes: one fills the 8-byte buffer
 
     snap = snapshot()
@@ -773,6 +773,9 @@ class _StubJob:
 
     def snapshot_sources(self) -> list:
         return []
+
+    def reads_previous(self, step: int) -> bool:
+        return False
 
 
 def _scheduler(tmp_path: Path, names: str):  # type: ignore[no-untyped-def]
