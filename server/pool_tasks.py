@@ -115,8 +115,10 @@ def in_value_order(sources: Sequence[torch.Tensor], norms: Sequence[float | None
         (nx, tx), (ny, ty) = x, y
         if nx != ny:
             return _order(nx, ny)
-        differ = torch.ne(tx, ty)
-        if not bool(differ.any()):  # equal (or NaN where the other is NaN): either order sums the same
+        if torch.equal(tx, ty):  # (workers on the same data) either order sums the same
+            return 0
+        differ = torch.ne(tx, ty)  # equal norms of different gradients: rare, and a pass to find where
+        if not bool(differ.any()):  # NaN where the other is NaN, and equal elsewhere
             return 0
         at = int(differ.nonzero()[0])
         return _order(float(tx[at]), float(ty[at]))
