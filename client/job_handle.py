@@ -213,8 +213,8 @@ class Job:
         the change is durable (a server killed afterwards comes back with it), within ``timeout``
         seconds (default: the client's ``wait_timeout``); should that snapshot fail
         (``InternalError``), the change holds on the live job all the same, and the next snapshot
-        keeps it. A server with an admin secret refuses
-        this from a job session: use ``Client.set_schedule`` with ``admin_secret``."""
+        keeps it. A server with an admin secret refuses this from a job session: use
+        ``Client.set_schedule`` with ``admin_secret``."""
         with self._admin_hint("set_schedule"):
             self.client._chan.request(
                 m.SetSchedule(session=self.session, lr=lr, schedule=schedule), m.Ok,

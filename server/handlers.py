@@ -444,8 +444,9 @@ class Handlers:
     def _on_set_schedule(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing | None:
         """The change, answered at once without a store (or before the job's seal, whose creation
         snapshot holds it), else once a snapshot holding it is durable, as ``save`` is: a server
-        killed after the answer comes back with the change (the steps since that snapshot replay
-        under it, as they ran)."""
+        killed after the answer comes back with the change. (That snapshot is of the job's next
+        consistent step, the first the change applies to, so nothing trained before the change is
+        replayed under it.)"""
         assert isinstance(msg, m.SetSchedule)
         job = self._job_of(self.sessions.known(msg.session), msg.job, "set the schedule of")
         if job.options.frozen:
