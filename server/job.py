@@ -34,7 +34,7 @@ from .outgoing import Outgoing
 from .published import PublishedStages
 from .snapshot import Capture, JobRecord, Snapshot
 from .pool_tasks import PoolTask, UpdateTask
-from .stage_state import Deferred, StageState, align
+from .stage_state import Deferred, ReplyCopies, StageState, align
 from .step_commit import CommitRecord, EndSession, StepCommit, Submit
 from .versions import StageVersions
 from .workers import MAX_WAITING_FETCHES, Worker, WorkerTable
@@ -81,6 +81,7 @@ class Job:
         self.counters = JobCounters()  # bytes served, gradients, durations (server/counters.py)
         self.sealed = False
         self.timeline = Timeline()  # for ``timeline``
+        self.reply_copies = ReplyCopies()  # weight copies that replies not yet sent hold (bounded)
         self.last_activity = time.monotonic()  # of creation: an unsealed job idle too long is dropped
 
     @classmethod

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from wstream.protocol import GradientError, StaleStepError
+from wstream.protocol import GradientError, MemoryLimitError, StaleStepError, format_bytes
 from wstream.protocol import messages as m
 from wstream.protocol.frames import copy_frames_into, frames_nbytes, tensor_frames
 
@@ -94,17 +94,64 @@ class DeferredPush:
 SharedCopy = tuple[int, "weakref.ref[Any]"]
 """A copy of one version of a tensor that replies share: (version, weak reference to its bytes)."""
 
+REPLY_COPIES_STAGES = 8
+"""Copies that replies not yet sent may hold alive, per job, in bytes of its largest stage copied."""
 
-def shared_copy_frames(cached: SharedCopy | None, version: int, source: torch.Tensor) -> tuple[list[object], SharedCopy]:
+
+class ReplyCopies:
+    """The bytes of one job's weight copies that replies hold until ZeroMQ has sent them (``pull``,
+    a reader's ``fetch`` in data frames): a peer that asks and never reads keeps each alive in the
+    server's send queue, outside the memory limit (found by review: 16 MiB a step). At most
+    :data:`REPLY_COPIES_STAGES` times the largest copy made so far; past that a new copy is refused
+    (:class:`MemoryLimitError`) until replies are read. Copies go when their frames are sent,
+    from ZeroMQ's thread: hence the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.nbytes = 0
+        self.largest = 0
+        self.made = 0
+        self.refused = 0
+
+    def admit(self, nbytes: int, what: str) -> None:
+        with self._lock:
+            self.largest = max(self.largest, nbytes)
+            budget = REPLY_COPIES_STAGES * self.largest
+            if self.nbytes and self.nbytes + nbytes > budget:
+                self.refused += 1
+                raise MemoryLimitError(
+                    f"{what}: replies not read yet hold {format_bytes(self.nbytes)} of this job's weight copies "
+                    f"(at most {REPLY_COPIES_STAGES} of its largest stage, {format_bytes(budget)}): the peer that asked "
+                    "for them must read its replies before asking again"
+                )
+            self.nbytes += nbytes
+            self.made += 1
+
+    def _gone(self, nbytes: int) -> None:
+        with self._lock:
+            self.nbytes -= nbytes
+
+    def held_by(self, owner: object, nbytes: int) -> None:
+        """``owner`` holds ``nbytes`` admitted: they are given back when it goes."""
+        weakref.finalize(owner, self._gone, nbytes)
+
+
+def shared_copy_frames(
+    cached: SharedCopy | None, version: int, source: torch.Tensor, copies: ReplyCopies, what: str
+) -> tuple[list[object], SharedCopy]:
     """Data frames of a copy of ``source`` (holding ``version``): the ``cached`` copy while a reply
-    still queued keeps it alive and it is of that version, else a new one. The frames keep the
-    copy's bytes (a NumPy array) alive while they wait to be sent: that is what is shared."""
+    still queued keeps it alive and it is of that version, else a new one, if ``copies`` admits it.
+    The frames keep the copy's bytes (a NumPy array) alive while they wait to be sent: that is what
+    is shared."""
     if cached is not None and cached[0] == version:
         owner = cached[1]()
         if owner is not None:
             return list(tensor_frames(torch.from_numpy(owner))), cached
+    copies.admit(source.nbytes, what)
     frames: list[object] = list(tensor_frames(source.clone()))
-    return frames, (version, weakref.ref(frames[0].obj))  # type: ignore[attr-defined]
+    owner = frames[0].obj  # type: ignore[attr-defined]
+    copies.held_by(owner, source.nbytes)
+    return frames, (version, weakref.ref(owner))
 
 
 @dataclass(slots=True)
@@ -225,12 +272,13 @@ class StageState:
 
     def weights_reply(
         self, version: int, identity: bytes, request_id: int, shm: bool, base: StageState | None, served: dict[tuple[str, str], int],
-        *, copy: bool = False,
+        *, copy: ReplyCopies | None = None,
     ) -> Outgoing:
         """The ``weights`` of ``version`` (its slot; in data frames unless ``shm``), followed by the
-        base's stage when the job has a base; the bytes of both are counted in ``served``. ``copy``: the
-        frames are a copy of the version, not the slot itself (a reader's: NOTE [Versions and who
-        may read what] rule 8), one per version for all its replies still queued, as ``pull``'s."""
+        base's stage when the job has a base; the bytes of both are counted in ``served``. ``copy``
+        (the job's copies): the frames are a copy of the version, not the slot itself (a reader's:
+        NOTE [Versions and who may read what] rule 8), one per version for all its replies still
+        queued, as ``pull``'s."""
         k = self.slot_for(version)
         reply = m.Weights(
             id=request_id,
@@ -243,19 +291,19 @@ class StageState:
         served["fetch", "shm" if shm else "frames"] += self.slots[k].nbytes + (base.slots[0].nbytes if base is not None else 0)
         frames: list[object] = []
         if not shm:
-            if copy:
-                frames, self.served_copy = shared_copy_frames(self.served_copy, version, self.slots[k])
+            if copy is not None:
+                frames, self.served_copy = shared_copy_frames(self.served_copy, version, self.slots[k], copy, f"fetch of {self.what}")
             else:
                 frames = list(tensor_frames(self.slots[k]))
         if base is not None and not shm:  # the base's stage follows the stage's own bytes
             frames += tensor_frames(base.slots[0])
         return Outgoing(identity, reply, frames)
 
-    def master_reply(self, identity: bytes, request_id: int, served: dict[tuple[str, str], int]) -> Outgoing:
+    def master_reply(self, identity: bytes, request_id: int, served: dict[tuple[str, str], int], copies: ReplyCopies) -> Outgoing:
         """The ``master`` reply of ``pull``: a copy of the fp32 master, in data frames."""
         # the master changes in place with the next update: a copy, one per version for all the
-        # replies still waiting to be sent (a peer that pulls without reading held one each)
-        frames, self.pulled = shared_copy_frames(self.pulled, self.version, self.master)
+        # replies still waiting to be sent, as many as ``copies`` admits
+        frames, self.pulled = shared_copy_frames(self.pulled, self.version, self.master, copies, f"pull of {self.what}")
         served["pull", "frames"] += self.master.nbytes
         return Outgoing(identity, m.Master(id=request_id, stage=self.index, version=self.version), frames)
 

@@ -52,13 +52,21 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Protocol
 
-from wstream.protocol import InternalError, NotReadyError, SessionExpiredError, StaleStepError, StateError
+from wstream.protocol import InternalError, NotReadyError, SessionExpiredError, StaleStepError, StateError, WstreamError
 from wstream.protocol import messages as m
 
 from .counters import JobCounters, Timeline
 from .outgoing import Outgoing
-from .stage_state import Deferred, StageState
+from .stage_state import Deferred, ReplyCopies, StageState
 from .workers import MAX_WAITING_FETCHES, Worker
+
+
+def answered(reply: Callable[[], Outgoing], d: Deferred) -> Outgoing:
+    """A deferred request's reply, or its error (a copy refused: ``ReplyCopies``) as its answer."""
+    try:
+        return reply()
+    except WstreamError as exc:
+        return Outgoing.error(d.identity, d.request_id, exc)
 
 
 class ReadJob(Protocol):
@@ -78,6 +86,8 @@ class ReadJob(Protocol):
     def counters(self) -> JobCounters: ...
     @property
     def timeline(self) -> Timeline: ...
+    @property
+    def reply_copies(self) -> ReplyCopies: ...
     def stage(self, index: int) -> StageState: ...
 
 
@@ -167,7 +177,7 @@ class StageVersions:
     ) -> Outgoing:
         base = self.job.base.stages[st.index] if self.job.base is not None else None
         # NOTE rule 8: a reader's frames are a copy, unless the stage's weights never change (rule 7)
-        copy = reader and st.trained
+        copy = self.job.reply_copies if reader and st.trained else None
         return st.weights_reply(version, identity, request_id, shm, base, self.job.counters.served, copy=copy)
 
     def set_version(self, st: StageState, version: int) -> None:
@@ -187,7 +197,8 @@ class StageVersions:
         st.waiting_fetch = []
         for d in waiting:
             if d.step == st.version:
-                out.append(self.weights_reply(st, d.step, d.identity, d.request_id, d.shm, reader=d.worker is not None and d.worker.reader))
+                reader = d.worker is not None and d.worker.reader
+                out.append(answered(lambda d=d, reader=reader: self.weights_reply(st, d.step, d.identity, d.request_id, d.shm, reader=reader), d))
                 self.job.timeline.add(f"fetch {st.span} waited", "deferred", "deferred fetches", d.since_ns, time.monotonic_ns(), st.index, d.step)
                 if d.worker is not None:
                     d.worker.waiting -= 1
@@ -195,7 +206,7 @@ class StageVersions:
                 st.waiting_fetch.append(d)
         pulls = st.waiting_pull
         st.waiting_pull = []
-        out.extend(self.pull_reply(st, d.identity, d.request_id) for d in pulls)
+        out.extend(answered(lambda d=d: self.pull_reply(st, d.identity, d.request_id), d) for d in pulls)
         if self.waiting_step:
             out += self._steps_reached()
         return out
@@ -248,5 +259,5 @@ class StageVersions:
         return self.pull_reply(st, identity, msg.id)
 
     def pull_reply(self, st: StageState, identity: bytes, request_id: int) -> Outgoing:
-        return st.master_reply(identity, request_id, self.job.counters.served)
+        return st.master_reply(identity, request_id, self.job.counters.served, self.job.reply_copies)
 

@@ -13,6 +13,7 @@ from typing import Any
 import msgpack
 import pytest
 import torch
+import zmq
 from torch import nn
 
 import models
@@ -408,3 +409,48 @@ def test_found_by_review_readers_are_counted_against_the_session_limit(tmp_path:
             assert peer.attach("readers", "t").request("join", shm=True)[0]["op"] == "joined"  # a worker still joins
         finally:
             peer.close()
+
+
+def test_found_by_review_replies_left_unread_hold_a_bounded_number_of_weight_copies(server: Any) -> None:
+    """A ``pull`` is answered with a copy of the master (it changes with the next update), shared
+    by the replies of one version. A peer that pulled after every step without reading its replies
+    kept one copy per step alive in the server's send queue: 16 MiB a step, 2.6 GiB outside the
+    memory limit after 160 steps (found by review). Copies that unread replies hold are now
+    bounded per job (:data:`REPLY_COPIES_STAGES` of its largest stage): past that a pull is refused
+    by name, and once the replies are read the copies go and pulls are answered again."""
+    from wstream.server.stage_state import REPLY_COPIES_STAGES
+
+    job = server.inprocess.server.jobs  # the server's table, to watch the copies
+    client = Client(server.address, timeout=30)
+    stages = [nn.Linear(2048, 2048)]  # 16 MiB of fp32 master
+    handle = client.create_job("unread", stages, optimizer=AdamW(lr=1e-3), token="t")
+    peer = RawPeer(server.address)
+    session = peer.attach("unread", "t")
+    peer.sock.close()
+    peer.sock = peer.ctx.socket(zmq.DEALER)  # a peer that reads nothing: one message in its queue at most
+    peer.sock.rcvhwm = 1
+    peer.sock.linger = 0
+    peer.sock.connect(server.address)
+    copies = job["unread"].reply_copies
+    pulls = REPLY_COPIES_STAGES + 4
+    x = torch.randn(4, 2048)
+    with handle.trainer() as trainer:
+        for step in range(pulls):
+            trainer.step(x, x, torch.nn.functional.mse_loss)
+            trainer.wait_updates()
+            peer.sock.send_multipart([session.header("pull", stage=0)])  # a new version each time: a new copy
+    deadline = time.monotonic() + 30
+    while copies.made + copies.refused < pulls and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert copies.made + copies.refused == pulls and copies.refused > 0
+    assert copies.nbytes <= REPLY_COPIES_STAGES * 2048 * 2049 * 4
+    replies = []
+    while len(replies) < pulls and peer.sock.poll(20_000):
+        replies.append(msgpack.unpackb(peer.sock.recv_multipart()[0]))
+    refused = [r for r in replies if r["op"] == "error"]
+    assert [r["op"] for r in replies].count("master") >= REPLY_COPIES_STAGES - 1 and refused, [r["op"] for r in replies]
+    assert all(r["code"] == "memory_limit" and "not read" in r["message"] for r in refused), refused[0]
+    reply, frames = session.request("pull", stage=0)  # read now: the copies are gone
+    assert reply["op"] == "master" and len(b"".join(frames)) == 2048 * 2049 * 4
+    peer.close()
+    client.close()

@@ -109,11 +109,12 @@ def test_pull_replies_of_one_version_share_one_copy_of_the_master() -> None:
         def address(reply: object) -> int:
             return memoryview(reply.frames[0]).obj.__array_interface__["data"][0]  # type: ignore[attr-defined]
 
-        first, second = st.master_reply(b"a", 1, served), st.master_reply(b"b", 2, served)
+        copies = job.reply_copies
+        first, second = st.master_reply(b"a", 1, served, copies), st.master_reply(b"b", 2, served, copies)
         assert address(first) == address(second)  # one copy while both wait to be sent
         assert address(first) != st.master.data_ptr()  # a copy: the master changes with the next update
         job.versions.set_version(st, st.version + 1)  # (what an update's end does)
-        third = st.master_reply(b"c", 3, served)
+        third = st.master_reply(b"c", 3, served, copies)
         assert address(third) != address(first)
         del first, second
         assert bytes(memoryview(third.frames[0])) == torch.ones(spec.numel).numpy().tobytes()
