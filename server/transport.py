@@ -32,6 +32,13 @@ log = logging.getLogger(__name__)
 
 MAX_MESSAGES_PER_TURN = 256
 """Messages taken from the socket before the loop looks at its mailboxes again."""
+MAX_FRAMES_PER_TURN = 4096
+"""Frames read before the loop looks at its mailboxes again, whatever the messages' count: each
+frame is read one by one in Python (about 1.5 us), so a peer's messages of 65,536 frames, 256 to
+a turn, held every job's finished updates back for 25 s (found by review). A message is read
+whole, so a turn that passes this ends after it."""
+DROPPED_WARNING_EVERY_S = 10.0
+"""At most one warning this often about messages with frames dropped unread (they may come in floods)."""
 
 
 class Transport:
@@ -54,6 +61,9 @@ class Transport:
         # No frame may be longer than a header may be (data travels in CHUNK_BYTES frames): a peer
         # that sends a longer one is disconnected before the server holds it.
         self._sock.maxmsgsize = MAX_HEADER_BYTES
+        self._dropped = 0  # frames the last message had past the most any op takes
+        self._dropped_messages = 0
+        self._dropped_warned = -DROPPED_WARNING_EVERY_S
         self._authenticator: ThreadAuthenticator | None = None
         self.endpoints: list[str] = []
         self.curve_public_key: bytes | None = None
@@ -141,7 +151,8 @@ class Transport:
     ) -> None:
         """Until ``stop`` is set: poll the socket and ``wake_fds``; each turn call ``each_turn``
         (drain the mailboxes), then ``receive`` each waiting message (up to
-        :data:`MAX_MESSAGES_PER_TURN`), and ``tick(now)`` every ``tick_every_s`` (the first after 1 s)."""
+        :data:`MAX_MESSAGES_PER_TURN`, or until :data:`MAX_FRAMES_PER_TURN` frames were read),
+        and ``tick(now)`` every ``tick_every_s`` (the first after 1 s)."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         for fd in wake_fds:
@@ -151,12 +162,16 @@ class Transport:
             events = dict(poller.poll(timeout=500))
             each_turn()
             if self._sock in events:
+                read = 0
                 for _ in range(MAX_MESSAGES_PER_TURN):
                     try:
                         frames = self.receive_one()
                     except zmq.Again:
                         break
                     receive(frames[0].bytes, frames[1:])
+                    read += len(frames) + self._dropped
+                    if read >= MAX_FRAMES_PER_TURN:
+                        break
             now = time.monotonic()
             if now >= next_tick:
                 tick(now)
@@ -175,8 +190,16 @@ class Transport:
                 frames.append(frame)
             else:
                 dropped += 1
+        self._dropped = dropped
         if dropped:
-            log.warning("a message of %d frames: %d dropped unread", len(frames) + dropped, dropped)
+            self._dropped_messages += 1
+            now = time.monotonic()
+            if now >= self._dropped_warned + DROPPED_WARNING_EVERY_S:
+                log.warning(
+                    "a message of %d frames: %d dropped unread (%d such messages since the last warning)",
+                    len(frames) + dropped, dropped, self._dropped_messages,
+                )
+                self._dropped_warned, self._dropped_messages = now, 0
         return frames
 
     def send(self, out: Outgoing) -> None:

@@ -454,3 +454,46 @@ def test_found_by_review_replies_left_unread_hold_a_bounded_number_of_weight_cop
     assert reply["op"] == "master" and len(b"".join(frames)) == 2048 * 2049 * 4
     peer.close()
     client.close()
+
+
+def test_found_by_review_messages_of_many_frames_do_not_hold_the_mailboxes_back(tmp_path: Path) -> None:
+    """The loop read up to 256 messages a turn before draining its mailboxes (every job's finished
+    updates and snapshots): a peer sending messages of 65,536 empty frames (about 100 ms each to
+    read in Python) held them back 25 s a turn, and other jobs' workers waited on their weights for
+    minutes (found by review). A turn now ends once it has read MAX_FRAMES_PER_TURN frames."""
+    import threading
+
+    from wstream.server.config import ServerConfig
+    from wstream.server.transport import MAX_FRAMES_PER_TURN, Transport
+
+    transport = Transport(ServerConfig(bind=[f"ipc://{tmp_path}/t.sock"], memory_limit=2**20))
+    ctx = zmq.Context()
+    many = ctx.socket(zmq.DEALER)
+    many.linger = 0
+    many.connect(transport.endpoints[0])
+    events: list[object] = []
+    stop = threading.Event()
+    sent = 4
+
+    def receive(_identity: bytes, frames: list[Any]) -> None:
+        events.append(len(frames))
+        if sum(1 for e in events if e != "turn") == sent:
+            stop.set()
+
+    try:
+        for _ in range(sent):  # each longer than a turn may read
+            many.send_multipart([b"header", *([b""] * (MAX_FRAMES_PER_TURN + 10))])
+        serving = threading.Thread(
+            target=transport.serve, args=(stop, receive, [], lambda: events.append("turn"), lambda now: None, 60.0)
+        )
+        serving.start()
+        serving.join(60)
+        assert not serving.is_alive()
+        messages = [i for i, e in enumerate(events) if e != "turn"]
+        assert len(messages) == sent
+        assert all(any(events[k] == "turn" for k in range(a + 1, b)) for a, b in zip(messages, messages[1:])), events
+    finally:
+        stop.set()
+        many.close()
+        ctx.term()
+        transport.close()
