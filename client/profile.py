@@ -34,6 +34,10 @@ Shapes = tuple[tuple[int, ...] | None, ...]
 """The shape of each item of a micro-batch's inputs (None: not a tensor)."""
 
 
+PLANS_KEPT = 8
+"""Plans a trainer keeps, by the batch shapes they were made for."""
+
+
 def shapes_of(inputs: Any) -> Shapes:
     """The shapes of a micro-batch's input tensors (its boundary's items), for
     :meth:`Planning.needs_profile`."""
@@ -74,6 +78,10 @@ class Planning:
         self.k = 1
         self.shapes: Shapes = ()
         """The shapes of the profiled micro-batch's tensors: a larger batch is profiled again."""
+        self._made: dict[Shapes, tuple[StageCosts, StageCosts, Plan]] = {}
+        """The plans made for this ``k``, by the shapes they were profiled at (the newest
+        :data:`PLANS_KEPT`): batches whose shapes alternate (more sequences, or longer ones) each
+        reuse theirs instead of being profiled at every change."""
         self.fetch_order = stages_of(plan.fetch_order()) if plan is not None else []
         """The weight stages a step fetches, in order."""
         self.taped = taped_advances(plan.actions) if plan is not None else frozenset()
@@ -90,11 +98,16 @@ class Planning:
         if self._from_profile is None:
             return False
         if k != self.k:
+            self._made.clear()
             return True
-        if not within(shapes, self.shapes):
-            log.info("a batch of shapes %s, larger than the profiled %s: profiled and planned again", shapes, self.shapes)
-            return True
-        return False
+        if within(shapes, self.shapes):
+            return False
+        for made_for, made in reversed(self._made.items()):  # batches of shapes that come back: no new profile
+            if within(shapes, made_for):
+                self._use(made_for, *made)
+                return False
+        log.info("a batch of shapes %s, larger than the profiled %s: profiled and planned again", shapes, self.shapes)
+        return True
 
     def plan_for(self, one: StageCosts, k: int, shapes: Shapes = ()) -> Plan:
         """Make the plan for ``k`` micro-batches from ``one``, the profile of one of ``shapes``; a
@@ -102,9 +115,11 @@ class Planning:
         assert self._from_profile is not None
         profile = one.for_micro_batches(k)
         plan = self._from_profile(profile)  # (refused: the plan and its profile stay as they were)
-        self.profile_one, self.profile, self.plan, self.k, self.shapes = one, profile, plan, k, shapes
-        self.fetch_order = self._stages_of(plan.fetch_order())
-        self.taped = taped_advances(plan.actions)
+        self.k = k
+        self._use(shapes, one, profile, plan)
+        self._made[shapes] = (one, profile, plan)
+        while len(self._made) > PLANS_KEPT:
+            del self._made[next(iter(self._made))]
         log.info(
             "schedule %r from the profile (%d micro-batch%s): %d recomputed forwards, %d live inputs at most",
             plan.name,
@@ -114,6 +129,12 @@ class Planning:
             plan.peak_states,
         )
         return plan
+
+    def _use(self, shapes: Shapes, one: StageCosts, profile: StageCosts, plan: Plan) -> None:
+        """Make ``plan`` (from ``profile``, of a batch of ``shapes``) the one steps run."""
+        self.profile_one, self.profile, self.plan, self.shapes = one, profile, plan, shapes
+        self.fetch_order = self._stages_of(plan.fetch_order())
+        self.taped = taped_advances(plan.actions)
 
     def summary(self, stage_bytes: list[int], *, peak_boundary: int, tapes: Sequence[bool] = ()) -> dict[str, Any]:
         """What the plan costs per step: recomputation, memory (``peak_boundary``: the most a step

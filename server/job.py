@@ -104,6 +104,7 @@ class Job:
         job.base = base
         try:
             previous = job.published.load(record.specs, stages, step)
+            job.reply_copies.weights = sum(st.master.nbytes for st in job.stages)
             job.versions.counts = Counter({step: len(job.stages)})
             job.step_commit.trained = sum(st.trained for st in job.stages)
             job.seal()
@@ -136,6 +137,7 @@ class Job:
         self.published.add(msg, frames)
         self.versions.counts[0] += 1
         self.step_commit.trained += self.stages[-1].trained
+        self.reply_copies.weights += self.stages[-1].master.nbytes
         self.last_activity = time.monotonic()
 
     def seal(self, units: list[int] | None = None) -> None:

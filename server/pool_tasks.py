@@ -205,7 +205,8 @@ class UpdateTask:
         st = self.stage
         snap = self.job.snapshot
         if snap is not None and snap.step == st.version:  # NOTE [Consistent snapshots], rules 2 and 3
-            if not snap.capture_before_update(st.index, st.lock, st.capture, st.state_nbytes, self._resume):
+            nbytes = st.state_nbytes + (st.slots[0].nbytes if snap.previous else 0)  # (rule 5: the version before too)
+            if not snap.capture_before_update(st.index, st.lock, st.capture, nbytes, self._resume):
                 return PARKED
         with st.lock:
             target = st.slots[st.slot_for(st.version + 1)]

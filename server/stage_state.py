@@ -95,7 +95,8 @@ SharedCopy = tuple[int, "weakref.ref[Any]"]
 """A copy of one version of a tensor that replies share: (version, weak reference to its bytes)."""
 
 REPLY_COPIES_STAGES = 8
-"""Copies that replies not yet sent may hold alive, per job, in bytes of its largest stage copied."""
+"""Copies that replies not yet sent may hold alive, per job, in bytes of its largest stage copied,
+or twice the job's weights (a reader prefetching every stage at once), whichever is more."""
 
 
 class ReplyCopies:
@@ -110,19 +111,21 @@ class ReplyCopies:
         self._lock = threading.Lock()
         self.nbytes = 0
         self.largest = 0
+        self.weights = 0
+        """The job's weights in bytes (fp32), set as its stages are added."""
         self.made = 0
         self.refused = 0
 
     def admit(self, nbytes: int, what: str) -> None:
         with self._lock:
             self.largest = max(self.largest, nbytes)
-            budget = REPLY_COPIES_STAGES * self.largest
+            budget = max(REPLY_COPIES_STAGES * self.largest, 2 * self.weights)
             if self.nbytes and self.nbytes + nbytes > budget:
                 self.refused += 1
                 raise MemoryLimitError(
                     f"{what}: replies not read yet hold {format_bytes(self.nbytes)} of this job's weight copies "
-                    f"(at most {REPLY_COPIES_STAGES} of its largest stage, {format_bytes(budget)}): the peer that asked "
-                    "for them must read its replies before asking again"
+                    f"(at most {REPLY_COPIES_STAGES} of its largest stage or twice its weights, {format_bytes(budget)}): "
+                    "the peer that asked for them must read its replies before asking again"
                 )
             self.nbytes += nbytes
             self.made += 1
@@ -287,8 +290,6 @@ class StageState:
             offset=self.slot_offsets[k],
             base_offset=base.slot_offsets[0] if base is not None else None,
         )
-        # the base's stage is served too, in the same reply: to this job, whose worker fetched it
-        served["fetch", "shm" if shm else "frames"] += self.slots[k].nbytes + (base.slots[0].nbytes if base is not None else 0)
         frames: list[object] = []
         if not shm:
             if copy is not None:
@@ -297,6 +298,8 @@ class StageState:
                 frames = list(tensor_frames(self.slots[k]))
         if base is not None and not shm:  # the base's stage follows the stage's own bytes
             frames += tensor_frames(base.slots[0])
+        # (counted once served: a copy refused is not) the base's stage too, to this job, whose worker fetched it
+        served["fetch", "shm" if shm else "frames"] += self.slots[k].nbytes + (base.slots[0].nbytes if base is not None else 0)
         return Outgoing(identity, reply, frames)
 
     def master_reply(self, identity: bytes, request_id: int, served: dict[tuple[str, str], int], copies: ReplyCopies) -> Outgoing:

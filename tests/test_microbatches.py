@@ -146,6 +146,33 @@ def test_the_plan_is_remade_when_a_later_batch_is_larger(client: Client) -> None
         assert trainer.step_index == at + 1
 
 
+def test_batches_whose_shapes_alternate_reuse_their_plans() -> None:
+    """Found by review of the re-planning above: batches of the same tokens in alternating shapes,
+    (8, 32) then (4, 64), were each larger than the other in one dimension, so every step was
+    profiled again. A plan is kept by the shapes it was made for, and a batch those shapes hold
+    runs it without a new profile."""
+    from wstream.client.profile import Planning
+
+    made: list[StageCosts] = []
+
+    def plan_from(costs: StageCosts):  # type: ignore[no-untyped-def]
+        made.append(costs)
+        return store_all(costs.n)
+
+    planning = Planning(None, plan_from, lambda stages: stages)
+    wide, long = ((8, 32),), ((4, 64),)
+    one = StageCosts((1.0,) * 3, (4, 4, 4), (0, 0, 0))
+    assert planning.needs_profile(1, wide)
+    first = planning.plan_for(one, 1, wide)
+    assert planning.needs_profile(1, long)
+    second = planning.plan_for(one, 1, long)
+    for shapes, plans in ((wide, [first]), (long, [second]), (wide, [first]), (((2, 32),), [first, second]), (((8, 30),), [first])):
+        assert not planning.needs_profile(1, shapes)
+        assert any(planning.plan is p for p in plans) and planning.shapes in (wide, long)
+    assert len(made) == 2
+    assert planning.needs_profile(2, wide)  # another number of micro-batches: made again
+
+
 def test_micro_batch_split_errors_name_what_was_wrong() -> None:
     x = torch.zeros(4, 3)
     with pytest.raises(ValueError, match="a batch of 4 cannot make 5 micro-batches"):
