@@ -41,7 +41,7 @@ def test_a_resuming_server_logs_its_progress(
     record = JobRecord("j", b"k" * 32, JobOptions(optimizer=SGD()), specs)
     store = SnapshotStore(tmp_path, keep=1)
     try:
-        sources = [(threading.Lock(), lambda i=i: {"master": torch.full((16,), float(i))}) for i in range(4)]
+        sources = [(threading.Lock(), lambda previous=False, i=i: {"master": torch.full((16,), float(i))}) for i in range(4)]
         store.write(Snapshot(record, 7, 2**20, "test"), sources)
         with caplog.at_level(logging.INFO, logger="wstream.server.snapshot"):
             step, _, stages, path = store.load_latest("j")
