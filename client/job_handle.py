@@ -206,20 +206,15 @@ class Job:
             )
         return reply.step, reply.path
 
-    def set_schedule(self, schedule: Schedule | None = None, *, lr: float | None = None, timeout: float | None = None) -> None:
+    def set_schedule(self, schedule: Schedule | None = None, *, lr: float | None = None) -> None:
         """Change the job's base ``lr`` and/or learning-rate ``schedule`` (e.g.
         ``WarmupCosine(...)``), from the next step to commit on; the step index the schedule is
-        evaluated at stays the job's. On a server with a store it returns once a snapshot holding
-        the change is durable (a server killed afterwards comes back with it), within ``timeout``
-        seconds (default: the client's ``wait_timeout``); should that snapshot fail
-        (``InternalError``), the change holds on the live job all the same, and the next snapshot
-        keeps it. A server with an admin secret refuses this from a job session: use
-        ``Client.set_schedule`` with ``admin_secret``."""
+        evaluated at stays the job's. On a server with a store the change is on disk when this
+        returns (a server killed afterwards comes back with it, and the steps it trains again run
+        under the schedule they first ran under). A server with an admin secret refuses this from
+        a job session: use ``Client.set_schedule`` with ``admin_secret``."""
         with self._admin_hint("set_schedule"):
-            self.client._chan.request(
-                m.SetSchedule(session=self.session, lr=lr, schedule=schedule), m.Ok,
-                timeout_s=timeout or self.client.wait_timeout_s, held=True,
-            )
+            self.client._chan.request(m.SetSchedule(session=self.session, lr=lr, schedule=schedule), m.Ok)
         opt = self.options.optimizer
         opt = msgspec.structs.replace(opt, lr=opt.lr if lr is None else lr, schedule=schedule or opt.schedule)
         self.options = msgspec.structs.replace(self.options, optimizer=opt)

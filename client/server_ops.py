@@ -88,19 +88,15 @@ class ServerOperations:
         return wait_for_step(reached, step, timeout or self.wait_timeout_s)
 
     def set_schedule(
-        self, name: str, schedule: Schedule | None = None, *, lr: float | None = None, token: str | None = None,
-        timeout: float | None = None,
+        self, name: str, schedule: Schedule | None = None, *, lr: float | None = None, token: str | None = None
     ) -> None:
         """Change job ``name``'s base ``lr`` and/or learning-rate ``schedule`` from its next step
-        on (as :meth:`Job.set_schedule`, which says when it returns): with the admin secret, else
-        with the job's ``token`` (default ``$WSTREAM_TOKEN``; a server with an admin secret refuses it)."""
+        on (as :meth:`Job.set_schedule`): with the admin secret, else with the job's
+        ``token`` (default ``$WSTREAM_TOKEN``; a server with an admin secret refuses it)."""
         if self._admin_secret() is None:
-            self._with_token(name, token, lambda job: job.set_schedule(schedule, lr=lr, timeout=timeout))
+            self._with_token(name, token, lambda job: job.set_schedule(schedule, lr=lr))
             return
-        self._admin_request(
-            lambda sid: m.SetSchedule(session=sid, job=name, lr=lr, schedule=schedule), m.Ok,
-            timeout_s=timeout or self.wait_timeout_s, held=True,
-        )
+        self._admin_request(lambda sid: m.SetSchedule(session=sid, job=name, lr=lr, schedule=schedule), m.Ok)
 
     def export_job(self, name: str, path: str | os.PathLike[str], *, progress: bool | None = None) -> int:
         """Write job ``name``'s fp32 weights to a safetensors file, with the admin secret (no job

@@ -441,12 +441,10 @@ class Handlers:
         return None
 
 
-    def _on_set_schedule(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing | None:
-        """The change, answered at once without a store (or before the job's seal, whose creation
-        snapshot holds it), else once a snapshot holding it is durable, as ``save`` is: a server
-        killed after the answer comes back with the change. (That snapshot is of the job's next
-        consistent step, the first the change applies to, so nothing trained before the change is
-        replayed under it.)"""
+    def _on_set_schedule(self, identity: bytes, msg: m.Message, _data: list[Any]) -> Outgoing:
+        """The change, answered once the job's schedule log in the store holds it (NOTE [Schedule
+        changes kept between snapshots] in snapshot.py): a server killed after the answer comes
+        back with it. A job not sealed yet has no store directory: its creation snapshot holds it."""
         assert isinstance(msg, m.SetSchedule)
         job = self._job_of(self.sessions.known(msg.session), msg.job, "set the schedule of")
         if job.options.frozen:
@@ -454,14 +452,17 @@ class Handlers:
         if msg.lr is None and msg.schedule is None:
             raise StateError("set_schedule changes nothing: give lr, schedule or both")
         job.set_schedule(msg.lr, msg.schedule)
-        if not self.snapshots.enabled or not job.ready:
-            return Outgoing(identity, m.Ok(id=msg.id))
-        self.snapshots.request(job, Waiter(identity, msg.id, functools.partial(_ok, msg.id)), "schedule change")
-        return None
-
-
-def _ok(request_id: int, _step: int, _path: str) -> m.Message:
-    return m.Ok(id=request_id)
+        store = self.snapshots.store
+        if store is not None and job.ready:
+            try:
+                store.write_schedule_log(job.name, job.schedule_log_json())
+            except OSError as exc:
+                log.error("job %r: the schedule change could not be written to the store: %s", job.name, exc)
+                raise InternalError(
+                    f"the schedule of job {job.name!r} is changed on the live server, but the store could not keep it "
+                    f"({exc}): the next snapshot will"
+                ) from exc
+        return Outgoing(identity, m.Ok(id=msg.id))
 
 
 def _saved(request_id: int, step: int, path: str) -> m.Message:

@@ -32,7 +32,7 @@ from .job_key import JobKey, token_verifier
 from .memory import MemoryAccount
 from .outgoing import Outgoing
 from .published import PublishedStages
-from .snapshot import Capture, JobRecord, Snapshot
+from .snapshot import SCHEDULE_LOG_KEPT, Capture, JobRecord, Snapshot, SnapshotError
 from .pool_tasks import PoolTask, UpdateTask
 from .stage_state import Deferred, ReplyCopies, StageState, align
 from .step_commit import CommitRecord, EndSession, StepCommit, Submit
@@ -82,6 +82,8 @@ class Job:
         self.sealed = False
         self.timeline = Timeline()  # for ``timeline``
         self.reply_copies = ReplyCopies()  # weight copies that replies not yet sent hold (bounded)
+        self.schedule_log: list[tuple[int, Any]] = []  # (step, optimizer spec from then on): set_schedule's
+        self.pending_schedule: list[tuple[int, Any]] = []  # logged changes of steps a restored job has yet to open
         self.last_activity = time.monotonic()  # of creation: an unsealed job idle too long is dropped
 
     @classmethod
@@ -365,14 +367,44 @@ class Job:
         return self.versions.await_step(msg, identity)
 
     def set_schedule(self, lr: float | None, schedule: Any) -> None:
-        """A new base lr and/or schedule, used from the next commit on (``set_schedule``)."""
+        """A new base lr and/or schedule, used from the next commit on (``set_schedule``), noted in
+        :attr:`schedule_log` (NOTE [Schedule changes kept between snapshots] in snapshot.py)."""
         opt = self.options.optimizer
         new = msgspec.structs.replace(
             opt, lr=opt.lr if lr is None else lr, schedule=opt.schedule if schedule is None else schedule
         )
         self.options = msgspec.structs.replace(self.options, optimizer=new)
         self.record_changed = True
+        # changes of later steps (logged before a restore to an older snapshot, not replayed yet) are overtaken
+        kept = [(c, spec) for c, spec in self.schedule_log if c <= self.open_step]
+        self.schedule_log = [*kept, (self.open_step, new)][-SCHEDULE_LOG_KEPT:]
+        self.pending_schedule = []
         log.info("job %r: lr %g, schedule %r from step %d on", self.name, new.lr, new.schedule, self.open_step)
+
+    def schedule_log_json(self) -> list[dict[str, Any]]:
+        return [{"step": c, "optimizer": msgspec.to_builtins(spec)} for c, spec in self.schedule_log]
+
+    def resume_schedule(self, entries: list[dict[str, Any]]) -> None:
+        """Take the logged schedule changes of a restored job (at its open step s): the spec of
+        the last change with c <= s now, each later one when its step opens (:meth:`step_opened`)."""
+        kind = type(self.options.optimizer)
+        try:
+            log_ = [(int(e["step"]), msgspec.convert(e["optimizer"], kind)) for e in entries]
+        except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
+            raise SnapshotError(f"the schedule log of job {self.name!r} is damaged: {exc}") from exc
+        self.schedule_log = log_
+        s = self.open_step
+        due = [spec for c, spec in log_ if c <= s]
+        if due:
+            self.options = msgspec.structs.replace(self.options, optimizer=due[-1])
+        self.pending_schedule = [(c, spec) for c, spec in log_ if c > s]
+
+    def step_opened(self, step: int) -> None:
+        """The job gathers ``step`` now: a logged schedule change of that step takes effect."""
+        while self.pending_schedule and self.pending_schedule[0][0] <= step:
+            _, spec = self.pending_schedule.pop(0)
+            self.options = msgspec.structs.replace(self.options, optimizer=spec)
+            log.info("job %r: lr %g, schedule %r from step %d on (a change replayed)", self.name, spec.lr, spec.schedule, step)
 
     # ---- the pool's completions ----------------------------------------------------------------------
     def finish_task(self, task: PoolTask, error: BaseException | None, submit: Submit) -> list[Outgoing]:

@@ -33,6 +33,16 @@ Layout under the server's ``--store`` directory::
 #    before the update t -> t + 1 writes that slot (rule 2), and a restore puts it back in its slot
 #    (``Job.restore``). A snapshot without it (an older server's, or of the step a restore began
 #    at, whose version before is gone) restores as before: step t then reads version t.
+#
+# NOTE [Schedule changes kept between snapshots]
+# ``set_schedule`` changes a job's lr and schedule from its open step c on. Writing a whole
+# snapshot to keep it costs the job's size (seconds to minutes); instead each change is appended
+# to ``job-<name>/schedule-log.json`` as (c, the optimizer spec from then on), durably, before it is
+# answered. A job restored from a snapshot of step s takes, for each step t >= s, the spec of the
+# last change with c <= t, else the snapshot's own (a change made before the snapshot's record
+# was taken has c <= s and is in it already; one made after has c >= s): so the steps replayed
+# from s run under the specs they ran under, and a run killed after a change ends as one that
+# was not. The log keeps the newest SCHEDULE_LOG_KEPT changes.
 """
 
 from __future__ import annotations
@@ -164,6 +174,10 @@ class Waiter:
     request_id: int
     reply: Callable[[int, str], m.Message]
 
+
+SCHEDULE_LOG = "schedule-log.json"
+SCHEDULE_LOG_KEPT = 1024
+"""Schedule changes a job's log keeps (NOTE [Schedule changes kept between snapshots])."""
 
 Capture = Callable[[bool], dict[str, torch.Tensor]]
 """A stage's capture: copies of what a snapshot keeps of it (with the published copy of the version
@@ -343,6 +357,30 @@ class SnapshotStore:
 
     def jobs(self) -> list[str]:
         return sorted(p.name[4:] for p in self.root.glob("job-*") if p.is_dir())
+
+    # ---- schedule changes (NOTE [Schedule changes kept between snapshots]) -----------------------
+    def write_schedule_log(self, name: str, entries: list[dict[str, Any]]) -> None:
+        """Replace job ``name``'s log of schedule changes, durably (written, fsynced, renamed)."""
+        job_dir = self.job_dir(name)
+        tmp = job_dir / f"{SCHEDULE_LOG}.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, json.dumps(entries).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, job_dir / SCHEDULE_LOG)
+        _fsync_dir(job_dir)
+
+    def read_schedule_log(self, name: str) -> list[dict[str, Any]]:
+        """Job ``name``'s schedule changes, oldest first (none: an empty list)."""
+        try:
+            entries = json.loads((self.job_dir(name) / SCHEDULE_LOG).read_text())
+        except FileNotFoundError:
+            return []
+        if not isinstance(entries, list):
+            raise SnapshotError(f"{SCHEDULE_LOG} of job {name!r} is not a list")
+        return entries
 
     def snapshots(self, name: str) -> list[Path]:
         """This job's complete snapshots, newest first."""

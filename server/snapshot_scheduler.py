@@ -98,6 +98,10 @@ class SnapshotScheduler:
             )
             self.unresumed[name] = str(exc)
             return
+        try:  # the schedule changes since (NOTE [Schedule changes kept between snapshots] in snapshot.py)
+            job.resume_schedule(self.store.read_schedule_log(name))
+        except (SnapshotError, OSError, ValueError) as exc:  # written atomically: not expected
+            log.error("job %r: its schedule log could not be read (%s): it resumes with its snapshot's schedule", name, exc)
         self.jobs[name] = job
         log.info(
             "job %r resumed at step %d from %s (%d stages, %.2f s)",

@@ -159,6 +159,7 @@ class CommitJob(UpdatedJob, Protocol):
     @property
     def timeline(self) -> Timeline: ...
     def stage(self, index: int) -> StageState: ...
+    def step_opened(self, step: int) -> None: ...
 
 
 class StepCommit:
@@ -378,6 +379,7 @@ class StepCommit:
                 resubmit=submit,
             ))
         self.open_step = t + 1
+        self.job.step_opened(t + 1)  # (a schedule change replayed after a restore: NOTE [Schedule changes kept between snapshots])
         self.attempt += 1  # the accumulators start again for the next step
         self.contributors.clear()
         self._complete.clear()

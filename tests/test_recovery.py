@@ -326,24 +326,42 @@ def lose_the_connection_once(monkeypatch: pytest.MonkeyPatch, *, at_step: int) -
 def test_a_schedule_change_answered_survives_a_server_killed_right_after(tmp_path: Path) -> None:
     """Found by review: ``set_schedule`` was answered at once and reached the store only with the
     next snapshot, so a server killed before it came back with the old lr for good (an idle job
-    snapshots at shutdown only). With a store, the answer now waits for a snapshot holding the
-    change, as ``save``'s does."""
+    snapshots at shutdown only). Each change is now in the job's schedule log on disk before it is
+    answered, with the step it applies from: the restored job replays the steps since its snapshot
+    under the schedule they first ran under, and ends as a run never killed, bit for bit."""
     args = ("--memory-limit", "2GiB", "--store", str(tmp_path / "store"), "--snapshot-every", "3")
+    new = WarmupCosine(warmup_steps=2, total_steps=20)
+
+    def batch_of(t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return models.batch("mixed", t, 0)
+
+    def train(c: Client, name: str, steps: int) -> None:
+        with torch.device("meta"):
+            skeleton = models.mixed()
+        job = c.attach_job(name, token="t", stages=skeleton)
+        with job.trainer() as trainer:
+            trainer.fit(batch_of, models.loss_fn, steps=steps)
+
     srv = start_server(tmp_path, *args, name="srv0")
     try:
         with Client(srv.address, timeout=30) as c:
-            job = c.create_job("sched", models.mixed(), optimizer=AdamW(lr=LR), token="t")
-            with job.trainer() as trainer:
-                trainer.fit(lambda t: models.batch("mixed", t, 0), models.loss_fn, steps=5)
-            job.set_schedule(lr=1e-4, schedule=WarmupCosine(warmup_steps=2, total_steps=20))
-        srv.stop(signal.SIGKILL)
+            for name in ("whole", "killed"):
+                c.create_job(name, models.mixed(), optimizer=AdamW(lr=LR), token="t")
+                train(c, name, 5)
+                c.attach_job(name, token="t").set_schedule(new, lr=1e-4)
+            train(c, "whole", 9)
+            want = c.attach_job("whole", token="t").state_dict()
+        srv.stop(signal.SIGKILL)  # "killed" at step 5, its last snapshot of step 3
         srv = start_server(tmp_path, *args, name="srv1", address=srv.address)
         with Client(srv.address, timeout=30) as c:
-            info = c.status().jobs[0]
-            job = c.attach_job("sched", token="t")
-            assert info.step == 5, info
-            assert job.options.optimizer.lr == 1e-4
-            assert job.options.optimizer.schedule == WarmupCosine(warmup_steps=2, total_steps=20)
+            job = c.attach_job("killed", token="t")
+            at = [j.step for j in c.status().jobs if j.name == "killed"]
+            assert at == [3] and job.options.optimizer.lr == LR  # steps 3 and 4 ran under the old lr
+            train(c, "killed", 9)
+            job = c.attach_job("killed", token="t")
+            assert job.options.optimizer.lr == 1e-4 and job.options.optimizer.schedule == new
+            got = job.state_dict()
     finally:
         assert srv.stop() == 0
         assert_clean_log(srv)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

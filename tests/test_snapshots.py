@@ -351,7 +351,7 @@ def test_a_start_that_fails_while_resuming_removes_the_memory_of_the_jobs_it_res
 
 
 def test_a_crash_while_a_steps_snapshot_is_replaced_keeps_the_old_one(tmp_path: Path, monkeypatch) -> None:
-    """A snapshot at a step that has one already (a schedule change's) replaces it: a crash
+    """A ``save`` at a step that has a snapshot already (after a schedule change) replaces it: a crash
     between taking the old one away and putting the new one in place must leave the old one
     (defect seen: it was deleted first; with ``--keep-snapshots 1`` the job then had no snapshot
     and was not resumed)."""
@@ -373,9 +373,10 @@ def test_a_crash_while_a_steps_snapshot_is_replaced_keeps_the_old_one(tmp_path: 
     try:
         with Client(srv.address, timeout=30) as c:
             job = c.create_job("replace", models.mixed(), optimizer=AdamW(lr=1e-3), token="t")
+            job.set_schedule(lr=0.5)
             monkeypatch.setattr(snapshot_module.os, "rename", crash_at_the_new_one)
             with pytest.raises(InternalError, match="injected"):
-                job.set_schedule(lr=0.5)  # answered once its snapshot is durable: here, never
+                job.save()
     finally:
         srv.stop()  # (its shutdown snapshot fails the same way)
     monkeypatch.setattr(snapshot_module.os, "rename", rename)
@@ -383,7 +384,8 @@ def test_a_crash_while_a_steps_snapshot_is_replaced_keeps_the_old_one(tmp_path: 
     try:
         with Client(srv.address, timeout=30) as c:
             assert [(j.name, j.step) for j in c.status().jobs] == [("replace", 0)]
-            assert c.attach_job("replace", token="t").options.optimizer.lr == 1e-3  # the old one: the new never landed
+            # the old snapshot is put back, and the change comes from the schedule log (it was answered)
+            assert c.attach_job("replace", token="t").options.optimizer.lr == 0.5
     finally:
         srv.stop()
 
