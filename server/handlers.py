@@ -462,6 +462,8 @@ class Handlers:
                     f"the schedule of job {job.name!r} is changed on the live server, but the store could not keep it "
                     f"({exc}): the next snapshot will"
                 ) from exc
+            if job.schedule_log_long:  # (rule 5) a snapshot lets the log shed what it holds
+                self.snapshots.maybe_snapshot(job, "schedule log")
         return Outgoing(identity, m.Ok(id=msg.id))
 
 

@@ -82,7 +82,9 @@ class Job:
         self.sealed = False
         self.timeline = Timeline()  # for ``timeline``
         self.reply_copies = ReplyCopies()  # weight copies that replies not yet sent hold (bounded)
-        self.schedule_log: list[tuple[int, Any]] = []  # (step, optimizer spec from then on): set_schedule's
+        self.schedule_log: list[tuple[int, int, Any]] = []  # set_schedule's (number, step, optimizer spec from then on)
+        self.schedule_seq = 0  # the number of the newest change
+        self.last_snapshot_seq = 0  # the number of the last change the newest snapshot holds
         self.pending_schedule: list[tuple[int, Any]] = []  # logged changes of steps a restored job has yet to open
         self.last_activity = time.monotonic()  # of creation: an unsealed job idle too long is dropped
 
@@ -114,6 +116,7 @@ class Job:
             job.close()
             raise
         job.last_snapshot_step = step
+        job.schedule_seq = job.last_snapshot_seq = record.schedule_seq
         job.step_commit.open_step = step
         # a delayed job's step reads the version before it, when the snapshot kept it (NOTE
         # [Consistent snapshots] rule 5 in snapshot.py); else it is gone, and step ``step`` reads ``step``
@@ -130,7 +133,7 @@ class Job:
         return [(st.lock, st.capture) for st in self.stages]
 
     def record(self) -> JobRecord:
-        return JobRecord(self.name, self.key.vk, self.options, [s.spec for s in self.stages], self.incarnation)
+        return JobRecord(self.name, self.key.vk, self.options, [s.spec for s in self.stages], self.incarnation, self.schedule_seq)
 
     # ---- creation --------------------------------------------------------------------------------
     def add_stage(self, msg: m.AddStage, frames: list[Any]) -> None:
@@ -375,29 +378,46 @@ class Job:
         )
         self.options = msgspec.structs.replace(self.options, optimizer=new)
         self.record_changed = True
-        # changes of later steps (logged before a restore to an older snapshot, not replayed yet) are overtaken
-        kept = [(c, spec) for c, spec in self.schedule_log if c <= self.open_step]
-        self.schedule_log = [*kept, (self.open_step, new)][-SCHEDULE_LOG_KEPT:]
+        # NOTE [Schedule changes kept between snapshots] in snapshot.py: rules 1, 4 and 5
+        self.schedule_seq += 1
+        kept = [e for e in self.schedule_log if e[1] <= self.open_step]
+        kept.append((self.schedule_seq, self.open_step, new))
+        while len(kept) > SCHEDULE_LOG_KEPT and kept[0][0] <= self.last_snapshot_seq:
+            kept.pop(0)
+        self.schedule_log = kept
         self.pending_schedule = []
         log.info("job %r: lr %g, schedule %r from step %d on", self.name, new.lr, new.schedule, self.open_step)
 
+    @property
+    def schedule_log_long(self) -> bool:
+        """More changes since the newest snapshot than the log keeps (rule 5): a snapshot is due."""
+        return sum(1 for e in self.schedule_log if e[0] > self.last_snapshot_seq) > SCHEDULE_LOG_KEPT
+
     def schedule_log_json(self) -> list[dict[str, Any]]:
-        return [{"step": c, "optimizer": msgspec.to_builtins(spec)} for c, spec in self.schedule_log]
+        return [{"seq": n, "step": c, "optimizer": msgspec.to_builtins(spec)} for n, c, spec in self.schedule_log]
 
     def resume_schedule(self, entries: list[dict[str, Any]]) -> None:
-        """Take the logged schedule changes of a restored job (at its open step s): the spec of
-        the last change with c <= s now, each later one when its step opens (:meth:`step_opened`)."""
+        """Take the logged schedule changes of a restored job at its open step s, after those its
+        snapshot holds (NOTE [Schedule changes kept between snapshots] in snapshot.py, rule 3):
+        those of step s now, the later ones as their steps open (:meth:`step_opened`)."""
         kind = type(self.options.optimizer)
-        try:
-            log_ = [(int(e["step"]), msgspec.convert(e["optimizer"], kind)) for e in entries]
-        except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
-            raise SnapshotError(f"the schedule log of job {self.name!r} is damaged: {exc}") from exc
+        log_: list[tuple[int, int, Any]] = []
+        for e in entries:
+            try:
+                n, c = e["seq"], e["step"]
+                if type(n) is not int or type(c) is not int or n < 1 or not 0 <= c <= m.MAX_STEP:
+                    raise ValueError(f"seq {n!r} and step {c!r} must be whole numbers in range")
+                log_.append((n, c, msgspec.convert(e["optimizer"], kind)))
+            except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
+                raise SnapshotError(f"the schedule log of job {self.name!r} is damaged: {exc}") from exc
+        log_.sort(key=lambda e: e[0])
         self.schedule_log = log_
+        self.schedule_seq = max([self.schedule_seq, *(n for n, _, _ in log_)])
         s = self.open_step
-        due = [spec for c, spec in log_ if c <= s]
-        if due:
-            self.options = msgspec.structs.replace(self.options, optimizer=due[-1])
-        self.pending_schedule = [(c, spec) for c, spec in log_ if c > s]
+        after = [(c, spec) for n, c, spec in log_ if n > self.last_snapshot_seq]
+        for _, spec in [e for e in after if e[0] <= s]:
+            self.options = msgspec.structs.replace(self.options, optimizer=spec)
+        self.pending_schedule = [e for e in after if e[0] > s]
 
     def step_opened(self, step: int) -> None:
         """The job gathers ``step`` now: a logged schedule change of that step takes effect."""

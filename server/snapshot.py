@@ -36,13 +36,23 @@ Layout under the server's ``--store`` directory::
 #
 # NOTE [Schedule changes kept between snapshots]
 # ``set_schedule`` changes a job's lr and schedule from its open step c on. Writing a whole
-# snapshot to keep it costs the job's size (seconds to minutes); instead each change is appended
-# to ``job-<name>/schedule-log.json`` as (c, the optimizer spec from then on), durably, before it is
-# answered. A job restored from a snapshot of step s takes, for each step t >= s, the spec of the
-# last change with c <= t, else the snapshot's own (a change made before the snapshot's record
-# was taken has c <= s and is in it already; one made after has c >= s): so the steps replayed
-# from s run under the specs they ran under, and a run killed after a change ends as one that
-# was not. The log keeps the newest SCHEDULE_LOG_KEPT changes.
+# snapshot to keep it costs the job's size (seconds to minutes); instead:
+# 1. Each change gets the next number n of the job and is appended to
+#    ``job-<name>/schedule-log.json`` as (n, c, the optimizer spec from then on), durably, before
+#    it is answered (a failed write is answered ``internal``: the change holds on the live job).
+# 2. A snapshot's record says the number of the last change its options hold
+#    (``JobRecord.schedule_seq``).
+# 3. A job restored from a snapshot of step s applies the logged changes numbered after that, in
+#    order: those of step c = s at once (a change made after the record was taken has c >= s),
+#    the others as their step opens (``Job.step_opened``). So the steps replayed from s run under
+#    the specs they first ran under, and a run killed after a change ends as one that was not.
+#    Changes the snapshot holds are never applied again (a change whose log write failed is in
+#    the next snapshot, and an older logged one must not overwrite it).
+# 4. A change of a step past the open one (logged before a restore to an older snapshot, not
+#    replayed yet) is dropped when a new change comes: the new one overtakes it.
+# 5. The log keeps every change after the newest snapshot, and older ones up to
+#    SCHEDULE_LOG_KEPT in all (for a restore that falls back to an older snapshot); past that
+#    many since the newest snapshot, a snapshot is asked for, after which they can go.
 """
 
 from __future__ import annotations
@@ -137,6 +147,9 @@ class JobRecord:
     incarnation: bytes = field(default_factory=lambda: os.urandom(32))
     """Made at creation and kept across restarts (``Attached.incarnation``): a job dropped and
     created again under its name has another, so a worker of the old one cannot join the new."""
+    schedule_seq: int = 0
+    """The number of the last schedule change ``options`` holds (NOTE [Schedule changes kept
+    between snapshots]): a restore applies the logged ones after it."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -145,6 +158,7 @@ class JobRecord:
             "options": msgspec.to_builtins(self.options),
             "stages": [msgspec.to_builtins(s) for s in self.specs],
             "incarnation": self.incarnation.hex(),
+            "schedule_seq": self.schedule_seq,
         }
 
     @classmethod
@@ -163,6 +177,7 @@ class JobRecord:
             specs=[msgspec.convert(s, m.StageSpec) for s in d["stages"]],
             # a manifest from before protocol 9 has none: a new one (workers of before the restart had none either)
             incarnation=bytes.fromhex(d["incarnation"]) if "incarnation" in d else os.urandom(32),
+            schedule_seq=int(d.get("schedule_seq", 0)),
         )
 
 
@@ -336,7 +351,9 @@ class SnapshotStore:
             shutil.rmtree(dropped, ignore_errors=True)
             log.info("removed what was left of a dropped job, %s", dropped)
         for job_dir in self.root.glob("job-*"):
-            if job_dir.is_dir() and not any(job_dir.iterdir()):
+            if job_dir.is_dir() and not any(p.name.startswith("step-") for p in job_dir.iterdir()):
+                for left in job_dir.glob(f"{SCHEDULE_LOG}*"):  # a schedule log of a creation that never finished
+                    left.unlink()
                 try:
                     job_dir.rmdir()
                 except OSError as exc:  # (a mount point): left, as the other leftovers' errors are; it holds no snapshot
@@ -362,6 +379,7 @@ class SnapshotStore:
     def write_schedule_log(self, name: str, entries: list[dict[str, Any]]) -> None:
         """Replace job ``name``'s log of schedule changes, durably (written, fsynced, renamed)."""
         job_dir = self.job_dir(name)
+        job_dir.mkdir(exist_ok=True, mode=0o700)  # (a job whose creation snapshot is still being written)
         tmp = job_dir / f"{SCHEDULE_LOG}.tmp"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
@@ -378,6 +396,8 @@ class SnapshotStore:
             entries = json.loads((self.job_dir(name) / SCHEDULE_LOG).read_text())
         except FileNotFoundError:
             return []
+        except (ValueError, RecursionError) as exc:
+            raise SnapshotError(f"{SCHEDULE_LOG} of job {name!r} is not JSON: {exc}") from exc
         if not isinstance(entries, list):
             raise SnapshotError(f"{SCHEDULE_LOG} of job {name!r} is not a list")
         return entries

@@ -100,8 +100,8 @@ class SnapshotScheduler:
             return
         try:  # the schedule changes since (NOTE [Schedule changes kept between snapshots] in snapshot.py)
             job.resume_schedule(self.store.read_schedule_log(name))
-        except (SnapshotError, OSError, ValueError) as exc:  # written atomically: not expected
-            log.error("job %r: its schedule log could not be read (%s): it resumes with its snapshot's schedule", name, exc)
+        except Exception as exc:  # noqa: BLE001 - written atomically, so not expected: never a reason not to start
+            log.error("job %r: its schedule log could not be read (%r): it resumes with its snapshot's schedule", name, exc)
         self.jobs[name] = job
         log.info(
             "job %r resumed at step %d from %s (%d stages, %.2f s)",
@@ -237,6 +237,7 @@ class SnapshotScheduler:
                 self.outbox.error(w.identity, w.request_id, InternalError(f"snapshot failed: {error}"))
         elif path is not None:
             job.last_snapshot_step, job.last_snapshot_path = snap.step, path
+            job.last_snapshot_seq = snap.record.schedule_seq
             job.counters.snapshots.observe(seconds)
             job.counters.snapshot_bytes += snap.bytes_written
             log.info(
@@ -310,6 +311,7 @@ class SnapshotScheduler:
             try:
                 path = store.write(snap, job.snapshot_sources())
                 job.last_snapshot_step, job.last_snapshot_path = step, None if path is None else str(path)
+                job.last_snapshot_seq = snap.record.schedule_seq
                 log.info("job %r: snapshot of step %d written at shutdown to %s", job.name, step, path)
             except OSError as exc:
                 log.error("job %r: the shutdown snapshot failed: %s", job.name, exc)

@@ -365,3 +365,85 @@ def test_a_schedule_change_answered_survives_a_server_killed_right_after(tmp_pat
         assert srv.stop() == 0
         assert_clean_log(srv)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_a_change_the_log_could_not_keep_is_kept_by_the_next_snapshot(tmp_path: Path) -> None:
+    """Found by review: a change whose log write failed was answered ``internal`` (\"the next
+    snapshot will keep it\"), and the next snapshot did, but a restore then applied the older
+    logged change over it. A restore applies only the changes numbered after those its snapshot
+    holds (NOTE [Schedule changes kept between snapshots] rule 3)."""
+    from wstream.protocol import InternalError
+
+    store = tmp_path / "store"
+    srv = start_server(tmp_path, "--memory-limit", "2GiB", "--store", str(store), name="srv0")
+    try:
+        with Client(srv.address, timeout=30) as c:
+            job = c.create_job("logfail", models.mixed(), optimizer=AdamW(lr=LR), token="t")
+            job.set_schedule(lr=1e-3)  # logged
+            blocker = store / "job-logfail" / "schedule-log.json.tmp"
+            blocker.mkdir()  # the log's next write fails
+            with pytest.raises(InternalError, match="changed on the live server"):
+                job.set_schedule(lr=5e-4)
+            blocker.rmdir()
+            job.save()  # holds 5e-4
+        assert srv.stop() == 0
+        srv = start_server(tmp_path, "--memory-limit", "2GiB", "--store", str(store), name="srv1", address=srv.address)
+        with Client(srv.address, timeout=30) as c:
+            assert c.attach_job("logfail", token="t").options.optimizer.lr == 5e-4
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize(
+    "garbage", ['[{"seq": 1, "step": 1e999, "optimizer": {}}]', "[" * 200_000, '{"not": "a list"}'], ids=["inf", "deep", "dict"]
+)
+def test_a_damaged_schedule_log_does_not_keep_the_server_from_starting(tmp_path: Path, garbage: str) -> None:
+    """Found by review: a step of 1e999 (OverflowError) or a deeply nested log (RecursionError)
+    ended the server's start. The job resumes with its snapshot's schedule, and the log is named."""
+    store = tmp_path / "store"
+    srv = start_server(tmp_path, "--store", str(store), name="srv0")
+    with Client(srv.address, timeout=30) as c:
+        c.create_job("damaged", models.mixed(), optimizer=AdamW(lr=LR), token="t").set_schedule(lr=1e-3)
+    assert srv.stop() == 0
+    (store / "job-damaged" / "schedule-log.json").write_text(garbage)
+    srv = start_server(tmp_path, "--store", str(store), name="srv1", address=srv.address)
+    try:
+        with Client(srv.address, timeout=30) as c:
+            assert c.attach_job("damaged", token="t").options.optimizer.lr == 1e-3  # the shutdown snapshot's
+        assert "schedule log could not be read" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_the_schedule_log_keeps_every_change_after_the_newest_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: the log kept the newest 1,024 changes whatever the snapshots held, so a
+    change made after the only snapshot was dropped once 1,024 more followed, and a restore then
+    replayed its step under the creation's lr. Changes after the newest snapshot are kept (older
+    ones go first, past the limit), and a snapshot is asked for once they alone pass it."""
+    import zmq
+
+    import wstream.server.job as job_module
+    from wstream.protocol import messages as m
+    from wstream.protocol.layout import build_stage_spec
+    from wstream.server.job import Job
+    from wstream.server.memory import MemoryAccount
+
+    monkeypatch.setattr(job_module, "SCHEDULE_LOG_KEPT", 4)
+    created = m.CreateJob(name="log", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=m.AdamW(lr=1e-3)))
+    job = Job.create(created, MemoryAccount(2**30))
+    try:
+        spec = build_stage_spec("0", [("w", (4,))])
+        job.add_stage(m.AddStage(session=b"s" * 16, index=0, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
+        job.seal()
+        for k in range(3):  # (the newest snapshot holds these three)
+            job.set_schedule(1e-3 * (k + 2), None)
+        job.last_snapshot_seq = job.schedule_seq
+        for k in range(6):
+            job.set_schedule(1e-2 * (k + 1), None)
+        assert [n for n, _, _ in job.schedule_log] == list(range(4, 10))  # the six after the snapshot, none before
+        assert job.schedule_log_long
+        job.last_snapshot_seq = job.schedule_seq  # a snapshot came
+        job.set_schedule(0.5, None)
+        assert len(job.schedule_log) == 4 and not job.schedule_log_long
+    finally:
+        job.close()

@@ -771,7 +771,7 @@ class _StubJob:
     def record(self):  # type: ignore[no-untyped-def]
         import types
 
-        return types.SimpleNamespace(name=self.name)
+        return types.SimpleNamespace(name=self.name, schedule_seq=0)
 
     def snapshot_sources(self) -> list:
         return []
