@@ -420,21 +420,12 @@ def test_the_schedule_log_keeps_every_change_after_the_newest_snapshot(monkeypat
     change made after the only snapshot was dropped once 1,024 more followed, and a restore then
     replayed its step under the creation's lr. Changes after the newest snapshot are kept (older
     ones go first, past the limit), and a snapshot is asked for once they alone pass it."""
-    import zmq
-
     import wstream.server.job as job_module
-    from wstream.protocol import messages as m
-    from wstream.protocol.layout import build_stage_spec
-    from wstream.server.job import Job
-    from wstream.server.memory import MemoryAccount
+    from test_held_gradients import joined_job
 
     monkeypatch.setattr(job_module, "SCHEDULE_LOG_KEPT", 4)
-    created = m.CreateJob(name="log", token="t", nonce=b"n" * 32, client_nonce=b"c" * 16, options=m.JobOptions(optimizer=m.AdamW(lr=1e-3)))
-    job = Job.create(created, MemoryAccount(2**30))
+    job = joined_job(1, (), 2, name="log")  # sealed, no worker
     try:
-        spec = build_stage_spec("0", [("w", (4,))])
-        job.add_stage(m.AddStage(session=b"s" * 16, index=0, spec=spec), [zmq.Frame(torch.zeros(spec.numel).numpy().tobytes())])
-        job.seal()
         for k in range(3):  # (the newest snapshot holds these three)
             job.set_schedule(1e-3 * (k + 2), None)
         job.last_snapshot_seq = job.schedule_seq
