@@ -455,14 +455,14 @@ class Handlers:
         store = self.snapshots.store
         if store is not None and job.ready:
             try:
-                store.write_schedule_log(job.name, job.schedule_log_json())
+                store.write_schedule_log(job.name, job.schedule.to_json())
             except OSError as exc:
                 log.error("job %r: the schedule change could not be written to the store: %s", job.name, exc)
                 raise InternalError(
                     f"the schedule of job {job.name!r} is changed on the live server, but the store could not keep it "
                     f"({exc}): the next snapshot will"
                 ) from exc
-            if job.schedule_log_long:  # (rule 5) a snapshot lets the log shed what it holds
+            if job.schedule.long:  # (rule 5) a snapshot lets the log shed what it holds
                 self.snapshots.maybe_snapshot(job, "schedule log")
         return Outgoing(identity, m.Ok(id=msg.id))
 

@@ -32,7 +32,8 @@ from .job_key import JobKey, token_verifier
 from .memory import MemoryAccount
 from .outgoing import Outgoing
 from .published import PublishedStages
-from .snapshot import SCHEDULE_LOG_KEPT, Capture, JobRecord, Snapshot, SnapshotError
+from .schedule_log import ScheduleLog
+from .snapshot import Capture, JobRecord, Snapshot
 from .pool_tasks import PoolTask, UpdateTask
 from .stage_state import Deferred, ReplyCopies, StageState, align
 from .step_commit import CommitRecord, EndSession, StepCommit, Submit
@@ -82,10 +83,7 @@ class Job:
         self.sealed = False
         self.timeline = Timeline()  # for ``timeline``
         self.reply_copies = ReplyCopies()  # weight copies that replies not yet sent hold (bounded)
-        self.schedule_log: list[tuple[int, int, Any]] = []  # set_schedule's (number, step, optimizer spec from then on)
-        self.schedule_seq = 0  # the number of the newest change
-        self.last_snapshot_seq = 0  # the number of the last change the newest snapshot holds
-        self.pending_schedule: list[tuple[int, Any]] = []  # logged changes of steps a restored job has yet to open
+        self.schedule = ScheduleLog()  # set_schedule's changes since the snapshots (server/schedule_log.py)
         self.last_activity = time.monotonic()  # of creation: an unsealed job idle too long is dropped
 
     @classmethod
@@ -116,7 +114,7 @@ class Job:
             job.close()
             raise
         job.last_snapshot_step = step
-        job.schedule_seq = job.last_snapshot_seq = record.schedule_seq
+        job.schedule.seq = job.schedule.snapshot_seq = record.schedule_seq
         job.step_commit.open_step = step
         # a delayed job's step reads the version before it, when the snapshot kept it (NOTE
         # [Consistent snapshots] rule 5 in snapshot.py); else it is gone, and step ``step`` reads ``step``
@@ -133,7 +131,7 @@ class Job:
         return [(st.lock, st.capture) for st in self.stages]
 
     def record(self) -> JobRecord:
-        return JobRecord(self.name, self.key.vk, self.options, [s.spec for s in self.stages], self.incarnation, self.schedule_seq)
+        return JobRecord(self.name, self.key.vk, self.options, [s.spec for s in self.stages], self.incarnation, self.schedule.seq)
 
     # ---- creation --------------------------------------------------------------------------------
     def add_stage(self, msg: m.AddStage, frames: list[Any]) -> None:
@@ -371,58 +369,27 @@ class Job:
 
     def set_schedule(self, lr: float | None, schedule: Any) -> None:
         """A new base lr and/or schedule, used from the next commit on (``set_schedule``), noted in
-        :attr:`schedule_log` (NOTE [Schedule changes kept between snapshots] in snapshot.py)."""
+        :attr:`schedule` (NOTE [Schedule changes kept between snapshots] in snapshot.py)."""
         opt = self.options.optimizer
         new = msgspec.structs.replace(
             opt, lr=opt.lr if lr is None else lr, schedule=opt.schedule if schedule is None else schedule
         )
         self.options = msgspec.structs.replace(self.options, optimizer=new)
         self.record_changed = True
-        # NOTE [Schedule changes kept between snapshots] in snapshot.py: rules 1, 4 and 5
-        self.schedule_seq += 1
-        kept = [e for e in self.schedule_log if e[1] <= self.open_step]
-        kept.append((self.schedule_seq, self.open_step, new))
-        while len(kept) > SCHEDULE_LOG_KEPT and kept[0][0] <= self.last_snapshot_seq:
-            kept.pop(0)
-        self.schedule_log = kept
-        self.pending_schedule = []
+        self.schedule.add(self.open_step, new)
         log.info("job %r: lr %g, schedule %r from step %d on", self.name, new.lr, new.schedule, self.open_step)
 
-    @property
-    def schedule_log_long(self) -> bool:
-        """More changes since the newest snapshot than the log keeps (rule 5): a snapshot is due."""
-        return sum(1 for e in self.schedule_log if e[0] > self.last_snapshot_seq) > SCHEDULE_LOG_KEPT
-
-    def schedule_log_json(self) -> list[dict[str, Any]]:
-        return [{"seq": n, "step": c, "optimizer": msgspec.to_builtins(spec)} for n, c, spec in self.schedule_log]
-
     def resume_schedule(self, entries: list[dict[str, Any]]) -> None:
-        """Take the logged schedule changes of a restored job at its open step s, after those its
-        snapshot holds (NOTE [Schedule changes kept between snapshots] in snapshot.py, rule 3):
-        those of step s now, the later ones as their steps open (:meth:`step_opened`)."""
-        kind = type(self.options.optimizer)
-        log_: list[tuple[int, int, Any]] = []
-        for e in entries:
-            try:
-                n, c = e["seq"], e["step"]
-                if type(n) is not int or type(c) is not int or n < 1 or not 0 <= c <= m.MAX_STEP:
-                    raise ValueError(f"seq {n!r} and step {c!r} must be whole numbers in range")
-                log_.append((n, c, msgspec.convert(e["optimizer"], kind)))
-            except (KeyError, TypeError, ValueError, msgspec.ValidationError) as exc:
-                raise SnapshotError(f"the schedule log of job {self.name!r} is damaged: {exc}") from exc
-        log_.sort(key=lambda e: e[0])
-        self.schedule_log = log_
-        self.schedule_seq = max([self.schedule_seq, *(n for n, _, _ in log_)])
-        s = self.open_step
-        after = [(c, spec) for n, c, spec in log_ if n > self.last_snapshot_seq]
-        for _, spec in [e for e in after if e[0] <= s]:
+        """Take the logged schedule changes of a restored job at its open step (NOTE [Schedule
+        changes kept between snapshots] in snapshot.py, rule 3): those of that step now, the later
+        ones as their steps open (:meth:`step_opened`)."""
+        spec = self.schedule.resume(entries, self.open_step, type(self.options.optimizer), self.name)
+        if spec is not None:
             self.options = msgspec.structs.replace(self.options, optimizer=spec)
-        self.pending_schedule = [e for e in after if e[0] > s]
 
     def step_opened(self, step: int) -> None:
         """The job gathers ``step`` now: a logged schedule change of that step takes effect."""
-        while self.pending_schedule and self.pending_schedule[0][0] <= step:
-            _, spec = self.pending_schedule.pop(0)
+        for spec in self.schedule.opened(step):
             self.options = msgspec.structs.replace(self.options, optimizer=spec)
             log.info("job %r: lr %g, schedule %r from step %d on (a change replayed)", self.name, spec.lr, spec.schedule, step)
 

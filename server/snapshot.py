@@ -51,7 +51,7 @@ Layout under the server's ``--store`` directory::
 # 4. A change of a step past the open one (logged before a restore to an older snapshot, not
 #    replayed yet) is dropped when a new change comes: the new one overtakes it.
 # 5. The log keeps every change after the newest snapshot, and older ones up to
-#    SCHEDULE_LOG_KEPT in all (for a restore that falls back to an older snapshot); past that
+#    ``schedule_log.SCHEDULE_LOG_KEPT`` in all (for a restore that falls back to an older snapshot); past that
 #    many since the newest snapshot, a snapshot is asked for, after which they can go.
 """
 
@@ -191,8 +191,6 @@ class Waiter:
 
 
 SCHEDULE_LOG = "schedule-log.json"
-SCHEDULE_LOG_KEPT = 1024
-"""Schedule changes a job's log keeps (NOTE [Schedule changes kept between snapshots])."""
 
 Capture = Callable[[bool], dict[str, torch.Tensor]]
 """A stage's capture: copies of what a snapshot keeps of it (with the published copy of the version

@@ -237,7 +237,7 @@ class SnapshotScheduler:
                 self.outbox.error(w.identity, w.request_id, InternalError(f"snapshot failed: {error}"))
         elif path is not None:
             job.last_snapshot_step, job.last_snapshot_path = snap.step, path
-            job.last_snapshot_seq = snap.record.schedule_seq
+            job.schedule.snapshot_seq = snap.record.schedule_seq
             job.counters.snapshots.observe(seconds)
             job.counters.snapshot_bytes += snap.bytes_written
             log.info(
@@ -311,7 +311,7 @@ class SnapshotScheduler:
             try:
                 path = store.write(snap, job.snapshot_sources())
                 job.last_snapshot_step, job.last_snapshot_path = step, None if path is None else str(path)
-                job.last_snapshot_seq = snap.record.schedule_seq
+                job.schedule.snapshot_seq = snap.record.schedule_seq
                 log.info("job %r: snapshot of step %d written at shutdown to %s", job.name, step, path)
             except OSError as exc:
                 log.error("job %r: the shutdown snapshot failed: %s", job.name, exc)

@@ -420,21 +420,22 @@ def test_the_schedule_log_keeps_every_change_after_the_newest_snapshot(monkeypat
     change made after the only snapshot was dropped once 1,024 more followed, and a restore then
     replayed its step under the creation's lr. Changes after the newest snapshot are kept (older
     ones go first, past the limit), and a snapshot is asked for once they alone pass it."""
-    import wstream.server.job as job_module
+    import wstream.server.schedule_log as schedule_log
     from test_held_gradients import joined_job
 
-    monkeypatch.setattr(job_module, "SCHEDULE_LOG_KEPT", 4)
+    monkeypatch.setattr(schedule_log, "SCHEDULE_LOG_KEPT", 4)
     job = joined_job(1, (), 2, name="log")  # sealed, no worker
+    log = job.schedule
     try:
         for k in range(3):  # (the newest snapshot holds these three)
             job.set_schedule(1e-3 * (k + 2), None)
-        job.last_snapshot_seq = job.schedule_seq
+        log.snapshot_seq = log.seq
         for k in range(6):
             job.set_schedule(1e-2 * (k + 1), None)
-        assert [n for n, _, _ in job.schedule_log] == list(range(4, 10))  # the six after the snapshot, none before
-        assert job.schedule_log_long
-        job.last_snapshot_seq = job.schedule_seq  # a snapshot came
+        assert [n for n, _, _ in log.entries] == list(range(4, 10))  # the six after the snapshot, none before
+        assert log.long
+        log.snapshot_seq = log.seq  # a snapshot came
         job.set_schedule(0.5, None)
-        assert len(job.schedule_log) == 4 and not job.schedule_log_long
+        assert len(log.entries) == 4 and not log.long
     finally:
         job.close()

@@ -761,6 +761,7 @@ class _StubJob:
         self.name, self.snapshot, self.at = name, None, 0
         self.last_snapshot_step = self.last_snapshot_path = self.snapshot_failed_step = None
         self.record_changed = False
+        self.schedule = types.SimpleNamespace(snapshot_seq=0)
         self.counters = types.SimpleNamespace(
             snapshots=types.SimpleNamespace(observe=lambda s: None), snapshot_bytes=0, snapshot_failures=0
         )
